@@ -1,0 +1,29 @@
+# Two entry points for a newcomer: `make demo` and `make test`. Both create .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/jaxstep demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check jaxstep tests scripts conftest.py
+	$(BIN)/ruff format --check jaxstep tests scripts conftest.py
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python scripts/bench.py --json bench.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,27 @@
+"""jaxstep: data-parallel training in JAX that says which device failed, and why."""
+
+from jaxstep.errors import Failure
+from jaxstep.errors import TrainingWorkerError
+from jaxstep.health import HealthTable
+from jaxstep.health import Status
+from jaxstep.loop import History
+from jaxstep.loop import fit
+from jaxstep.state import TrainState
+from jaxstep.step import StepOutput
+from jaxstep.step import TrainStep
+from jaxstep.step import make_train_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Failure",
+    "HealthTable",
+    "History",
+    "Status",
+    "StepOutput",
+    "TrainState",
+    "TrainStep",
+    "TrainingWorkerError",
+    "fit",
+    "make_train_step",
+]

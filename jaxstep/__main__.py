@@ -1,0 +1,5 @@
+import sys
+
+from jaxstep.cli import main
+
+sys.exit(main())

@@ -1,0 +1,130 @@
+"""How the one per-device body is compiled and fed: ``jax.shard_map`` (the main
+backend) or ``jax.pmap`` (for code written in that style: state and outputs carry a
+leading device axis). Both place chunk i of the global batch on ``devices[i]``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS = "devices"
+
+Body = Callable[[Any, Any], tuple[Any, Any]]
+
+
+class Backend(Protocol):
+    """What the step needs from a backend; see the two below."""
+
+    name: str
+    stacked: bool  # state leaves carry a leading device axis
+    devices: list[jax.Device]
+
+    def __init__(self, devices: Sequence[jax.Device]) -> None: ...
+    def vary(self, tree: Any) -> Any: ...
+    def compile(self, body: Body, donate: bool) -> Callable[[Any, Any], tuple[Any, Any]]: ...
+    def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
+    def place_state(self, state: Any) -> Any: ...
+    def place_batch(self, batch: Any) -> Any: ...
+    def host_table(self, health: jax.Array) -> np.ndarray: ...
+    def unstack(self, tree: Any) -> Any: ...
+
+
+class ShardMapBackend:
+    """State replicated (``P()``), batch split on its leading axis (``P(AXIS)``)."""
+
+    name = "shard_map"
+    stacked = False
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self.devices = list(devices)
+        self.mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.split = NamedSharding(self.mesh, P(AXIS))
+
+    def vary(self, tree: Any) -> Any:
+        # Replicated inputs must be marked device-varying before differentiating:
+        # otherwise shard_map sums their gradients across devices (a psum) and a
+        # check taken "before the pmean" would see every device's values.
+        return jax.lax.pcast(tree, AXIS, to="varying")
+
+    def compile(self, body: Body, donate: bool) -> Callable[[Any, Any], tuple[Any, Any]]:
+        from jaxstep.step import StepOutput
+
+        def stacked_aux(state: Any, batch: Any) -> tuple[Any, Any]:
+            new_state, out = body(state, batch)
+            # One entry per device along a new leading axis, as pmap would return it.
+            return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux))
+
+        mapped = jax.shard_map(
+            stacked_aux,
+            mesh=self.mesh,
+            in_specs=(P(), P(AXIS)),
+            out_specs=(P(), StepOutput._make((P(), P(), P(AXIS)))),  # metrics, health, aux
+        )
+        return jax.jit(mapped, donate_argnums=(0,) if donate else ())
+
+    def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn(state) -> state`` run on every device's copy."""
+        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=P()))
+
+    def place_state(self, state: Any) -> Any:
+        return jax.device_put(state, self.replicated)
+
+    def place_batch(self, batch: Any) -> Any:
+        return jax.device_put(batch, self.split)
+
+    def host_table(self, health: jax.Array) -> np.ndarray:
+        return np.asarray(health.addressable_data(0))
+
+    def unstack(self, tree: Any) -> Any:
+        return tree
+
+
+class PmapBackend:
+    """The same body under ``jax.pmap``: every state leaf has a leading device axis."""
+
+    name = "pmap"
+    stacked = True
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self.devices = list(devices)
+        # in_axes=None broadcasts every leaf (typed PRNG keys too) to all devices.
+        self._replicate = jax.pmap(
+            lambda _, x: x, axis_name=AXIS, in_axes=(0, None), devices=self.devices
+        )
+
+    def vary(self, tree: Any) -> Any:
+        return tree  # pmap inputs are per-device already
+
+    def compile(self, body: Body, donate: bool) -> Callable[[Any, Any], tuple[Any, Any]]:
+        return jax.pmap(
+            body, axis_name=AXIS, devices=self.devices, donate_argnums=(0,) if donate else ()
+        )
+
+    def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn(state) -> state`` run on every device's copy."""
+        return jax.pmap(fn, axis_name=AXIS, devices=self.devices)
+
+    def place_state(self, state: Any) -> Any:
+        return self._replicate(np.arange(len(self.devices)), state)
+
+    def place_batch(self, batch: Any) -> Any:
+        n = len(self.devices)
+        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+    def host_table(self, health: jax.Array) -> np.ndarray:
+        return np.asarray(health.addressable_data(0))[0]
+
+    def unstack(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: x[0], tree)
+
+
+BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

@@ -1,0 +1,199 @@
+"""TrainingWorkerError: which device failed, at which step, in which tensor, why,
+and what to try next; with the last good state attached."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxstep.health import HealthTable
+from jaxstep.health import Status
+
+_CAUSES: tuple[tuple[Status, str], ...] = (
+    (Status.INPUT_NONFINITE, "non-finite input"),
+    (Status.LOSS_NONFINITE, "non-finite loss"),
+    (Status.GRAD_NONFINITE, "non-finite gradient"),
+    (Status.PARAM_NONFINITE, "non-finite parameter after the update"),
+    (Status.CHECK_FAILED, "failed check"),
+    (Status.DIVERGED, "replica diverged from the majority"),
+    (Status.HUNG, "device did not finish the step"),
+    (Status.LOSS_SPIKE, "loss spike"),
+)
+
+_HINTS: dict[Status, str] = {
+    Status.INPUT_NONFINITE: (
+        "the batch itself holds NaN or Inf: check the data pipeline for rows {rows} of "
+        "the global batch"
+    ),
+    Status.LOSS_NONFINITE: (
+        "the input was finite but the loss was not: look for log, sqrt or division of "
+        "out-of-range values in loss_fn on rows {rows} of the global batch"
+    ),
+    Status.GRAD_NONFINITE: (
+        "the loss was finite but a gradient was not: look for sqrt/log at 0 or overflow "
+        "in the layer that owns {leaf}; clipping (optax.clip_by_global_norm) does not "
+        "help against NaN"
+    ),
+    Status.PARAM_NONFINITE: (
+        "the update overflowed the parameters: lower the learning rate or clip gradients"
+    ),
+    Status.CHECK_FAILED: "your check in aux['checks'] returned False on this device",
+    Status.DIVERGED: (
+        "this device's copy of the weights differs from the others: suspect the chip "
+        "(silent data corruption); restart without it from the last checkpoint"
+    ),
+    Status.HUNG: "this device did not finish its part of the step: suspect the chip or link",
+    Status.LOSS_SPIKE: "the loss jumped far above its recent range on this device's rows {rows}",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """One failing device of one step."""
+
+    device_id: int
+    process_index: int
+    step: int
+    status: Status
+    reason: str
+    leaf: str | None
+    rows: tuple[int, int] | None = None  # [start, stop) of the global batch on it
+
+
+class TrainingWorkerError(RuntimeError):
+    """A training step failed on one or more devices.
+
+    The message starts with ``training worker on device {device_id} failed: `` and the
+    fields repeat it for code: ``device_id`` (``jax.Device.id``), ``process_index``,
+    ``step``, ``status``, ``reason``, ``leaf``, every failing device of the step in
+    ``failures`` (in the step's device order) and the last good ``state``.
+    """
+
+    def __init__(
+        self,
+        failures: Sequence[Failure],
+        state: Any = None,
+        *,
+        note: str | None = None,
+        history: Any = None,
+        diagnosis: Any = None,
+    ):
+        if not failures:
+            raise ValueError("TrainingWorkerError needs at least one Failure")
+        self.failures = tuple(failures)
+        first = self.failures[0]
+        self.device_id = first.device_id
+        self.process_index = first.process_index
+        self.step = first.step
+        self.status = first.status
+        self.reason = first.reason
+        self.leaf = first.leaf
+        self.state = state
+        self.note = note
+        self.history = history
+        self.diagnosis = diagnosis
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        first = self.failures[0]
+        lines = [
+            f"training worker on device {first.device_id} failed: {first.reason} "
+            f"at step {first.step} (process {first.process_index})"
+        ]
+        if self.note:
+            lines.append(self.note)
+        for other in self.failures[1:]:
+            lines.append(
+                f"  also failed at this step: device {other.device_id} "
+                f"(process {other.process_index}): {other.reason}"
+            )
+        if self.diagnosis is not None:
+            lines.append(f"diagnosis: {self.diagnosis}")
+        primary = next((s for s, _ in _CAUSES if s in first.status), None)
+        if primary is not None:
+            rows = f"{first.rows[0]}..{first.rows[1] - 1}" if first.rows else "?"
+            lines.append("what to try: " + _HINTS[primary].format(rows=rows, leaf=first.leaf))
+        lines.append(
+            f"the last good state (step {first.step}) is in error.state; resume with "
+            "jaxstep.fit(step, error.state, ...) once the cause is fixed"
+        )
+        return "\n".join(lines)
+
+    def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
+        """A copy of this error with ``diagnosis`` set (and shown in the message)."""
+        return TrainingWorkerError(
+            self.failures, self.state, note=self.note, history=self.history, diagnosis=diagnosis
+        )
+
+    def __reduce__(self):
+        state = self.state
+        if state is not None:
+            import jax
+
+            state = jax.tree.map(np.asarray, state)
+        return (
+            _rebuild,
+            (self.failures, state, self.note, self.history, self.diagnosis),
+        )
+
+
+def _rebuild(failures, state, note, history, diagnosis):
+    return TrainingWorkerError(failures, state, note=note, history=history, diagnosis=diagnosis)
+
+
+def describe(status: Status, leaves: dict[Status, str], check: str | None) -> str:
+    """Plain words for a status: ``non-finite gradient in ['dense2']['kernel']``."""
+    parts = []
+    for flag, words in _CAUSES:
+        if flag not in status:
+            continue
+        if flag in leaves:
+            words = f"{words} in {leaves[flag]}"
+        elif flag is Status.CHECK_FAILED and check is not None:
+            words = f"failed check {check!r}"
+        parts.append(words)
+    return parts[0] + (f" (with {', '.join(parts[1:])})" if len(parts) > 1 else "")
+
+
+def failures_from_table(
+    table: HealthTable,
+    devices: Sequence[Any],
+    names: Mapping[str, Sequence[str]],
+    rows_per_device: int | None,
+) -> list[Failure]:
+    """Turns a decoded health table into Failures, in the step's device order."""
+    out = []
+    for i, dev in enumerate(devices):
+        status = Status(int(table.status[i]))
+        if not status:
+            continue
+        leaves = {
+            flag: names[kind][int(column[i])]
+            for flag, column, kind in (
+                (Status.INPUT_NONFINITE, table.input_leaf, "input"),
+                (Status.GRAD_NONFINITE, table.grad_leaf, "params"),
+                (Status.PARAM_NONFINITE, table.param_leaf, "params"),
+                (Status.DIVERGED, table.param_leaf, "state"),
+            )
+            if flag in status and column[i] >= 0
+        }
+        # The leaf of the first cause: the input leaf if the data was bad, and so on.
+        leaf = next(iter(leaves.values()), None)
+        check = names["checks"][int(table.check[i])] if table.check[i] >= 0 else None
+        rows = (i * rows_per_device, (i + 1) * rows_per_device) if rows_per_device else None
+        out.append(
+            Failure(
+                device_id=int(dev.id),
+                process_index=int(dev.process_index),
+                step=table.step,
+                status=status,
+                reason=describe(status, leaves, check),
+                leaf=leaf,
+                rows=rows,
+            )
+        )
+    return out

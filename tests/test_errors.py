@@ -1,0 +1,64 @@
+"""TrainingWorkerError: message, fields, pickling."""
+
+import pickle
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from jaxstep import Failure
+from jaxstep import Status
+from jaxstep import TrainingWorkerError
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+from tests.models import rows_of
+
+
+def test_message_and_fields():
+    failures = [
+        Failure(
+            3,
+            0,
+            812,
+            Status.GRAD_NONFINITE,
+            "non-finite gradient in ['dense2']['kernel']",
+            "['dense2']['kernel']",
+            (12, 16),
+        ),
+        Failure(5, 0, 812, Status.LOSS_NONFINITE, "non-finite loss", None, (20, 24)),
+    ]
+    err = TrainingWorkerError(failures)
+    assert str(err).startswith(
+        "training worker on device 3 failed: non-finite gradient in ['dense2']['kernel'] "
+        "at step 812"
+    )
+    assert "also failed at this step: device 5" in str(err)
+    assert "what to try:" in str(err)
+    assert isinstance(err, RuntimeError)
+    assert (err.device_id, err.step, err.status, err.leaf) == (
+        3,
+        812,
+        Status.GRAD_NONFINITE,
+        "['dense2']['kernel']",
+    )
+    with pytest.raises(ValueError):
+        TrainingWorkerError([])
+
+
+def test_error_from_a_run_pickles_with_its_fields(backend):
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend)
+    batches = make_batches(3)
+    batches[1]["x"][rows_of(2)] = np.nan
+    with pytest.raises(TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), batches)
+    err = info.value
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == str(err)
+    for field in ("device_id", "process_index", "step", "status", "reason", "leaf", "failures"):
+        assert getattr(back, field) == getattr(err, field)
+    assert back.device_id == jax.devices()[2].id
+    jax.tree.map(np.testing.assert_array_equal, back.state.params, jax.device_get(err.state.params))
+    assert "rows 8..11 of the global batch" in str(err)

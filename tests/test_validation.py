@@ -1,0 +1,136 @@
+"""Bad input gets a clear error naming the value and the fix, before anything runs,
+and the training state stays usable."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from tests.models import host_params
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+
+
+def _step(backend, loss=loss_fn, **kw):
+    return jaxstep.make_train_step(loss, optax.sgd(0.1), backend=backend, **kw)
+
+
+def _still_usable(step, state, batch):
+    before = host_params(step, state)
+    state, out = step(state, batch)
+    assert not step.table(out).failed
+    assert jax.tree.leaves(host_params(step, state))[0].shape == jax.tree.leaves(before)[0].shape
+
+
+def test_batch_not_divisible_names_both_numbers(backend):
+    step = _step(backend)
+    state = step.init(init_params())
+    batch = {k: v[:30] for k, v in make_batches(1)[0].items()}
+    with pytest.raises(ValueError, match=r"batch leading axis 30 does not divide by the 8 dev"):
+        step(state, batch)
+    _still_usable(step, state, make_batches(1)[0])
+
+
+def test_batch_structure_change_is_rejected(backend):
+    step = _step(backend)
+    state = step.init(init_params())
+    batches = make_batches(2)
+    state, _ = step(state, batches[0])
+    changed = dict(batches[1], extra=batches[1]["y"])
+    with pytest.raises(ValueError, match="batch structure changed"):
+        step(state, changed)
+    _still_usable(step, state, batches[1])
+
+
+def test_batch_leaves_must_agree_and_be_arrays(backend):
+    step = _step(backend)
+    state = step.init(init_params())
+    batch = make_batches(1)[0]
+    with pytest.raises(ValueError, match="disagree on the leading"):
+        step(state, dict(batch, y=batch["y"][:16]))
+    with pytest.raises(ValueError, match=r"batch leaf \['pos'\] is a scalar"):
+        step(state, dict(batch, pos=np.float32(1.0)))
+    with pytest.raises(TypeError, match=r"batch leaf \['pos'\] is a str"):
+        step(state, dict(batch, pos="nope"))
+    _still_usable(step, state, batch)
+
+
+def test_loss_that_is_not_a_float_scalar(backend):
+    step = _step(backend, loss=lambda p, b: jnp.sum(p["dense1"]["kernel"]) * b["x"])
+    state = step.init(init_params())
+    with pytest.raises(TypeError, match="must return a float scalar loss, got shape"):
+        step(state, make_batches(1)[0])
+    _still_usable(_step(backend), _step(backend).init(init_params()), make_batches(1)[0])
+    tuple_step = _step(backend, loss=lambda p, b: (loss_fn(p, b), {}))
+    with pytest.raises(TypeError, match="has_aux=True"):
+        tuple_step(tuple_step.init(init_params()), make_batches(1)[0])
+
+
+def test_integer_loss_is_rejected(backend):
+    step = _step(backend, loss=lambda p, b: jnp.sum(b["x"] > 0))
+    with pytest.raises(TypeError, match="dtype int32"):
+        step(step.init(init_params()), make_batches(1)[0])
+
+
+def test_checks_must_be_boolean_scalars(backend):
+    def loss(p, b):
+        return loss_fn(p, b), {"checks": {"bad": jnp.abs(b["y"]) < 1}}
+
+    step = _step(backend, loss=loss, has_aux=True)
+    state = step.init(init_params())
+    with pytest.raises(TypeError, match=r"aux\['checks'\]\['bad'\] must be a boolean scalar"):
+        step(state, make_batches(1)[0])
+    _still_usable(_step(backend), _step(backend).init(init_params()), make_batches(1)[0])
+
+
+def test_params_with_non_array_leaves(backend):
+    step = _step(backend)
+    with pytest.raises(TypeError, match=r"parameter \['act'\] is a str"):
+        step.init(dict(init_params(), act="relu"))
+    with pytest.raises(TypeError, match=r"parameter \['n'\] has dtype int32"):
+        step.init(dict(init_params(), n=np.int32(3)))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"backend": "pjit"}, "unknown backend 'pjit'; expected 'shard_map' or 'pmap'"),
+        ({"on_failure": "ignore"}, "unknown on_failure policy 'ignore'"),
+        ({"devices": []}, "devices is empty"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips must be a positive int"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), **kwargs)
+
+
+def test_bad_devices_and_optimizer():
+    with pytest.raises(TypeError, match=r"jax\.Device"):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), devices=[0, 1])
+    with pytest.raises(ValueError, match="twice"):
+        d = jax.devices()[0]
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), devices=[d, d])
+    with pytest.raises(TypeError, match=r"optax\.GradientTransformation"):
+        jaxstep.make_train_step(loss_fn, "adam")
+
+
+def test_fit_keeps_state_on_a_bad_batch(backend):
+    step = _step(backend)
+    batches = make_batches(3)
+    batches[2] = {k: v[:12] for k, v in batches[2].items()}
+    with pytest.raises(ValueError, match="does not divide") as info:
+        jaxstep.fit(step, step.init(init_params()), batches)
+    state = info.value.state
+    assert int(np.asarray(step.host_state(state).step)) == 2
+    _still_usable(step, state, make_batches(1)[0])
+
+
+def test_state_from_elsewhere_is_rejected(backend):
+    step = _step(backend)
+    step.init(init_params())
+    with pytest.raises(TypeError, match=r"jaxstep\.TrainState"):
+        step({"params": init_params()}, make_batches(1)[0])
