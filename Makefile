@@ -15,8 +15,8 @@ demo: $(STAMP)
 	$(BIN)/jaxstep demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check jaxstep tests scripts conftest.py
-	$(BIN)/ruff format --check jaxstep tests scripts conftest.py
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 test: lint
