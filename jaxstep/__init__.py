@@ -1,11 +1,16 @@
 """jaxstep: data-parallel training in JAX that says which device failed, and why."""
 
+from jaxstep import testing
+from jaxstep.diagnose import Diagnosis
+from jaxstep.diagnose import diagnose
 from jaxstep.errors import Failure
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
 from jaxstep.loop import History
 from jaxstep.loop import fit
+from jaxstep.loop import replica_state
+from jaxstep.monitors import LossSpike
 from jaxstep.state import TrainState
 from jaxstep.step import StepOutput
 from jaxstep.step import TrainStep
@@ -14,14 +19,19 @@ from jaxstep.step import make_train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "Diagnosis",
     "Failure",
     "HealthTable",
     "History",
+    "LossSpike",
     "Status",
     "StepOutput",
     "TrainState",
     "TrainStep",
     "TrainingWorkerError",
+    "diagnose",
     "fit",
     "make_train_step",
+    "replica_state",
+    "testing",
 ]

@@ -1,10 +1,15 @@
 """How the one per-device body is compiled and fed: ``jax.shard_map`` (the main
 backend) or ``jax.pmap`` (for code written in that style: state and outputs carry a
-leading device axis). Both place chunk i of the global batch on ``devices[i]``."""
+leading device axis). Both place chunk i of the global batch on ``devices[i]``.
+
+The body is ``body(state, batch, extras) -> (state, StepOutput, extras)``; ``extras``
+is a dict of small arrays the step threads through (empty unless faults are
+injected), each either replicated or split over the devices."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import Protocol
@@ -17,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 AXIS = "devices"
 
-Body = Callable[[Any, Any], tuple[Any, Any]]
+Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
+Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 
 
 class Backend(Protocol):
@@ -29,10 +35,11 @@ class Backend(Protocol):
 
     def __init__(self, devices: Sequence[jax.Device]) -> None: ...
     def vary(self, tree: Any) -> Any: ...
-    def compile(self, body: Body, donate: bool) -> Callable[[Any, Any], tuple[Any, Any]]: ...
+    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
     def place_state(self, state: Any) -> Any: ...
     def place_batch(self, batch: Any) -> Any: ...
+    def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
     def host_table(self, health: jax.Array) -> np.ndarray: ...
     def unstack(self, tree: Any) -> Any: ...
 
@@ -55,19 +62,21 @@ class ShardMapBackend:
         # check taken "before the pmean" would see every device's values.
         return jax.lax.pcast(tree, AXIS, to="varying")
 
-    def compile(self, body: Body, donate: bool) -> Callable[[Any, Any], tuple[Any, Any]]:
+    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         from jaxstep.step import StepOutput
 
-        def stacked_aux(state: Any, batch: Any) -> tuple[Any, Any]:
-            new_state, out = body(state, batch)
+        def stacked_aux(state: Any, batch: Any, extras: Any) -> tuple[Any, Any, Any]:
+            new_state, out, extras = body(state, batch, extras)
             # One entry per device along a new leading axis, as pmap would return it.
-            return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux))
+            return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), extras
 
+        extra_specs = {k: P(AXIS) if s else P() for k, s in split.items()}
         mapped = jax.shard_map(
             stacked_aux,
             mesh=self.mesh,
-            in_specs=(P(), P(AXIS)),
-            out_specs=(P(), StepOutput._make((P(), P(), P(AXIS)))),  # metrics, health, aux
+            in_specs=(P(), P(AXIS), extra_specs),
+            # metrics and health replicated, aux per device
+            out_specs=(P(), StepOutput._make((P(), P(), P(AXIS))), extra_specs),
         )
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
@@ -80,6 +89,12 @@ class ShardMapBackend:
 
     def place_batch(self, batch: Any) -> Any:
         return jax.device_put(batch, self.split)
+
+    def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
+        return {
+            k: jax.device_put(v, self.split if split[k] else self.replicated)
+            for k, v in extras.items()
+        }
 
     def host_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))
@@ -100,11 +115,12 @@ class PmapBackend:
         self._replicate = jax.pmap(
             lambda _, x: x, axis_name=AXIS, in_axes=(0, None), devices=self.devices
         )
+        self._split = jax.pmap(lambda x: x, axis_name=AXIS, devices=self.devices)
 
     def vary(self, tree: Any) -> Any:
         return tree  # pmap inputs are per-device already
 
-    def compile(self, body: Body, donate: bool) -> Callable[[Any, Any], tuple[Any, Any]]:
+    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         return jax.pmap(
             body, axis_name=AXIS, devices=self.devices, donate_argnums=(0,) if donate else ()
         )
@@ -119,6 +135,12 @@ class PmapBackend:
     def place_batch(self, batch: Any) -> Any:
         n = len(self.devices)
         return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+
+    def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
+        return {
+            k: self._split(np.asarray(v)) if split[k] else self.place_state(v)
+            for k, v in extras.items()
+        }
 
     def host_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))[0]

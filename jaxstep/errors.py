@@ -117,10 +117,11 @@ class TrainingWorkerError(RuntimeError):
         if primary is not None:
             rows = f"{first.rows[0]}..{first.rows[1] - 1}" if first.rows else "?"
             lines.append("what to try: " + _HINTS[primary].format(rows=rows, leaf=first.leaf))
-        lines.append(
-            f"the last good state (step {first.step}) is in error.state; resume with "
-            "jaxstep.fit(step, error.state, ...) once the cause is fixed"
-        )
+        if self.state is not None:
+            lines.append(
+                f"the last good state (step {first.step}) is in error.state; resume with "
+                "jaxstep.fit(step, error.state, ...) once the cause is fixed"
+            )
         return "\n".join(lines)
 
     def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
@@ -177,7 +178,7 @@ def failures_from_table(
                 (Status.INPUT_NONFINITE, table.input_leaf, "input"),
                 (Status.GRAD_NONFINITE, table.grad_leaf, "params"),
                 (Status.PARAM_NONFINITE, table.param_leaf, "params"),
-                (Status.DIVERGED, table.param_leaf, "state"),
+                (Status.DIVERGED, table.diverged_leaf, "state"),
             )
             if flag in status and column[i] >= 0
         }

@@ -39,6 +39,7 @@ COLUMNS: tuple[str, ...] = (
     "grad_leaf",  # index of the first non-finite gradient leaf, or -1
     "param_leaf",  # index of the first non-finite parameter leaf, or -1
     "check",  # index of the first failing user check, or -1
+    "diverged_leaf",  # index of the first state leaf that differs from the majority, or -1
     "loss",  # local loss (float32 bits)
     "grad_norm",  # local gradient norm, before averaging (float32 bits)
     "step",  # state.step the step started from
@@ -107,6 +108,7 @@ class HealthTable(NamedTuple):
     grad_leaf: np.ndarray
     param_leaf: np.ndarray
     check: np.ndarray
+    diverged_leaf: np.ndarray
     loss: np.ndarray
     grad_norm: np.ndarray
     step: int

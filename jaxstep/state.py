@@ -25,6 +25,7 @@ class TrainState:
         in a row): every later step leaves the state unchanged.
       consecutive_skips: skipped steps in a row (``skip`` policy).
       total_skips: skipped steps in all.
+      monitor: memory of the cross-step checks (the loss-spike window), a dict.
     """
 
     step: jax.Array
@@ -34,3 +35,4 @@ class TrainState:
     halted: jax.Array
     consecutive_skips: jax.Array
     total_skips: jax.Array
+    monitor: dict[str, Any]

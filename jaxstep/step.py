@@ -9,6 +9,7 @@ reaches the same verdict, and a failed step leaves the state unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -18,19 +19,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 
 from jaxstep import health
+from jaxstep import monitors
+from jaxstep import validate
 from jaxstep.backends import AXIS
 from jaxstep.backends import BACKENDS
 from jaxstep.backends import Backend
 from jaxstep.errors import Failure
 from jaxstep.errors import failures_from_table
+from jaxstep.faults import Context
+from jaxstep.faults import Fault
+from jaxstep.faults import Injector
 from jaxstep.health import COL
+from jaxstep.health import COLUMNS
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
+from jaxstep.monitors import DEFAULT_DIVERGENCE_EVERY
+from jaxstep.monitors import LossSpike
 from jaxstep.state import TrainState
 
 POLICIES = ("raise", "skip")
+# Failures that skipping a step cannot cure: they halt under either policy.
+ALWAYS_HALT = Status.DIVERGED | Status.HUNG
 
 
 class StepOutput(NamedTuple):
@@ -51,8 +63,8 @@ class StepOutput(NamedTuple):
     aux: Any
 
 
-def _keystrs(tree: Any) -> list[str]:
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+def _keystrs(tree: Any, prefix: str = "") -> list[str]:
+    return [prefix + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 class TrainStep:
@@ -68,6 +80,9 @@ class TrainStep:
         has_aux: bool,
         on_failure: str,
         max_consecutive_skips: int | None,
+        divergence_every: int | None,
+        loss_spike: LossSpike | None,
+        faults: Sequence[Fault],
         donate: bool,
     ):
         self.loss_fn = loss_fn
@@ -75,13 +90,28 @@ class TrainStep:
         self.has_aux = has_aux
         self.on_failure = on_failure
         self.max_consecutive_skips = max_consecutive_skips
+        self.divergence_every = divergence_every
+        self.loss_spike = loss_spike
         self.devices: list[jax.Device] = list(devices)
-        self._backend: Backend = BACKENDS[backend](self.devices)
         self.backend = backend
-        self._compiled = self._backend.compile(self._body, donate)
+        self._backend: Backend = BACKENDS[backend](self.devices)
+        self._faults = Injector(faults, self.devices)
+        self._donate = donate
+        # Small arrays threaded through every call: fault bookkeeping only.
+        self._split = {"fired": False, "chunk": True} if self._faults else {}
+        self._extras = self._make_extras(np.arange(len(self.devices)))
+        self._compiled = {
+            hb: self._backend.compile(
+                functools.partial(self._body, heartbeat=hb), donate, self._split
+            )
+            for hb in (False, True)
+        }
         self._clear_halt = self._backend.compile_state_fn(
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
+        self._aot: dict[Any, Any] = {}
+        #: device position -> last step whose local part it finished (heartbeat mode).
+        self.heartbeats: dict[int, int] = {}
         # Leaf names, filled at init, on the first batch and while tracing.
         self.names: dict[str, list[str]] = {"params": [], "input": [], "checks": [], "state": []}
         self._params_def: Any = None
@@ -99,25 +129,14 @@ class TrainStep:
         Raises:
           TypeError: a parameter leaf is not a float array.
         """
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            name = jax.tree_util.keystr(path)
-            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, float)):
-                raise TypeError(
-                    f"parameter {name} is a {type(leaf).__name__}, not an array; params "
-                    "must be a pytree of float arrays: keep configuration and modules out "
-                    "of it (close over them in loss_fn)"
-                )
-            if not jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.inexact):
-                raise TypeError(
-                    f"parameter {name} has dtype {jnp.asarray(leaf).dtype}; only float "
-                    "parameters can be trained: cast it (jnp.asarray(x, jnp.float32)) or "
-                    "keep integer constants out of params"
-                )
+        validate.params(params)
         # Own copies: the step donates its state, and must not delete the caller's arrays.
         params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         self._params_def = jax.tree.structure(params)
         self.names["params"] = _keystrs(params)
         opt_state = self.optimizer.init(params)
+        self.names["state"] = _keystrs(params, "params") + _keystrs(opt_state, "opt_state")
+        n = len(self.devices)
         # Distinct arrays for every leaf: a donated buffer may appear only once.
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -127,8 +146,8 @@ class TrainStep:
             halted=jnp.zeros((), bool),
             consecutive_skips=jnp.zeros((), jnp.int32),
             total_skips=jnp.zeros((), jnp.int32),
+            monitor={"spike": self.loss_spike.init(n)} if self.loss_spike else {},
         )
-        self.names["state"] = _keystrs(state)
         return self._backend.place_state(state)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepOutput]:
@@ -142,9 +161,51 @@ class TrainStep:
           ValueError, TypeError: the batch or state is malformed; nothing ran and the
             state is still usable.
         """
+        return self.dispatch(state, batch)
+
+    def dispatch(
+        self, state: TrainState, batch: Any, *, heartbeat: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        """Like calling the step; ``heartbeat=True`` also records, in
+        ``self.heartbeats``, each device finishing its local part (a host callback
+        per device and step: what ``fit(step_timeout=...)`` uses to name a hung device).
+        On CPU a step with host callbacks runs synchronously."""
         self._check_state(state)
         self._check_batch(batch)
-        return self._compiled(state, self._backend.place_batch(batch))
+        placed = self._backend.place_batch(batch)
+        fn = self.compile(state, batch, heartbeat=True) if heartbeat else self._compiled[False]
+        state, out, self._extras = fn(state, placed, self._extras)
+        return state, out
+
+    def compile(self, state: TrainState, batch: Any, *, heartbeat: bool = False) -> Any:
+        """Compiles the step ahead of time for this state and batch shape (cached), to
+        keep compile time out of a timeout or to read ``memory_analysis()``."""
+        key = (heartbeat, *((x.shape, str(x.dtype)) for x in jax.tree.leaves((state, batch))))
+        if key not in self._aot:
+            placed = self._backend.place_batch(batch)
+            lowered = self._compiled[heartbeat].lower(state, placed, self._extras)  # type: ignore[attr-defined]
+            self._aot[key] = lowered.compile()
+        return self._aot[key]
+
+    def replay(
+        self, state: TrainState, batch: Any, *, rotation: int = 0
+    ) -> tuple[TrainState, StepOutput]:
+        """Runs the step again from ``state`` (not donated) with chunk ``(i + rotation)
+        % n`` of ``batch`` on ``devices[i]``. Used by :func:`jaxstep.diagnose`."""
+        n = len(self.devices)
+        self._check_state(state)
+        self._check_batch(batch)
+        order = (np.arange(n) + rotation) % n
+        size = validate.batch(batch, n) // n
+        rows = (order[:, None] * size + np.arange(size)[None, :]).reshape(-1)
+        moved = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
+        copy = jax.tree.map(jnp.copy, state)
+        extras = dict(self._extras)
+        if self._faults:
+            extras["chunk"] = self._make_extras(order)["chunk"]
+        placed = self._backend.place_batch(moved)
+        new_state, out, _ = self._compiled[False](copy, placed, extras)
+        return new_state, out
 
     def table(self, out: StepOutput) -> HealthTable:
         """Reads a step's health table on the host (waits for that step)."""
@@ -162,6 +223,21 @@ class TrainStep:
         """One device's copy of the state, as on a single device (drops pmap's axis)."""
         return self._backend.unstack(state)
 
+    def lower(self, state: TrainState, batch: Any) -> Any:
+        """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
+        memory analysis)."""
+        placed = self._backend.place_batch(batch)
+        return self._compiled[False].lower(state, placed, self._extras)  # type: ignore[attr-defined]
+
+    def _make_extras(self, chunks: np.ndarray) -> dict[str, Any]:
+        if not self._faults:
+            return {}
+        values = {
+            "fired": np.zeros(len(self._faults.faults), bool),
+            "chunk": np.asarray(chunks, np.int32),
+        }
+        return self._backend.place_extras(values, self._split)
+
     def _check_state(self, state: Any) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -175,140 +251,139 @@ class TrainStep:
             )
 
     def _check_batch(self, batch: Any) -> None:
-        n = len(self.devices)
-        leaves = jax.tree_util.tree_leaves_with_path(batch)
-        if not leaves:
-            raise ValueError("the batch has no arrays; pass a pytree of arrays")
-        sizes = {}
-        for path, leaf in leaves:
-            name = jax.tree_util.keystr(path) or "batch"
-            shape = getattr(leaf, "shape", None)
-            if shape is None:
-                raise TypeError(
-                    f"batch leaf {name} is a {type(leaf).__name__}, not an array; "
-                    "convert it with np.asarray"
-                )
-            if len(shape) == 0:
-                raise ValueError(
-                    f"batch leaf {name} is a scalar; every batch leaf needs a leading "
-                    "example axis that is split across the devices"
-                )
-            sizes[name] = shape[0]
-        if len(set(sizes.values())) > 1:
-            raise ValueError(
-                f"batch leaves disagree on the leading (example) axis: {sizes}; every "
-                "leaf needs the same number of examples"
-            )
-        size = next(iter(sizes.values()))
-        if size % n:
-            lo, hi = size // n * n, (size // n + 1) * n
-            raise ValueError(
-                f"batch leading axis {size} does not divide by the {n} devices; use a "
-                f"multiple of {n} (e.g. {lo or n} or {hi}) or drop the last partial batch"
-            )
+        validate.batch(batch, len(self.devices))
         treedef = jax.tree.structure(batch)
         if self._batch_def is None:
             self._batch_def = treedef
-            self.names["input"] = [jax.tree_util.keystr(p) for p, _ in leaves]
+            self.names["input"] = _keystrs(batch)
         elif treedef != self._batch_def:
             raise ValueError(
                 f"batch structure changed: the first batch was {self._batch_def}, this "
                 f"one is {treedef}; every batch must have the same pytree structure"
             )
 
+    def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
+        self.heartbeats[int(index)] = int(step)
+        return np.asarray(status, np.int32)
+
     # ------------------------------------------------------------- device side
-    def _loss(self, *args: Any) -> tuple[jax.Array, Any]:
-        out = self.loss_fn(*args)
-        if self.has_aux:
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise TypeError(
-                    f"has_aux=True but loss_fn returned {type(out).__name__}; return "
-                    "(loss, aux) or build the step with has_aux=False"
-                )
-            loss, aux = out
-        else:
-            if isinstance(out, (tuple, list)):
-                raise TypeError(
-                    f"loss_fn returned a {type(out).__name__} of {len(out)}; return a "
-                    "scalar loss, or (loss, aux) with has_aux=True"
-                )
-            loss, aux = out, None
-        shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
-        if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(
-                f"loss_fn must return a float scalar loss, got shape {shape} and dtype "
-                f"{dtype}; reduce it over the examples (e.g. jnp.mean(per_example)) and "
-                "keep it floating point"
-            )
+    def _loss(self, *args: Any, ctx: Context | None) -> tuple[jax.Array, Any]:
+        loss, aux = validate.loss_output(self.loss_fn(*args), self.has_aux)
+        if ctx is not None:
+            loss = self._faults.loss(loss, ctx)
         return loss, aux
 
-    def _split_checks(self, aux: Any) -> tuple[jax.Array, jax.Array, Any]:
-        """(any user check failed, index of the first failing one or -1, aux without checks)."""
-        if not (isinstance(aux, dict) and "checks" in aux):
-            return jnp.array(False), jnp.array(-1, jnp.int32), aux
-        checks = aux["checks"]
-        rest = {k: v for k, v in aux.items() if k != "checks"} or None
-        if not isinstance(checks, dict):
-            raise TypeError(
-                f"aux['checks'] must be a dict of named boolean scalars, got "
-                f"{type(checks).__name__}"
-            )
-        names = sorted(checks)
-        for name in names:
-            v = checks[name]
-            if getattr(v, "shape", None) != () or getattr(v, "dtype", None) != jnp.bool_:
-                raise TypeError(
-                    f"aux['checks'][{name!r}] must be a boolean scalar, got shape "
-                    f"{getattr(v, 'shape', None)} and dtype {getattr(v, 'dtype', None)}; "
-                    "reduce it (e.g. jnp.all(x < 10.0))"
-                )
-        self.names["checks"] = names
-        failed = jnp.logical_not(jnp.stack([checks[k] for k in names]))
-        first = jnp.where(jnp.any(failed), jnp.argmax(failed), -1).astype(jnp.int32)
-        return jnp.any(failed), first, rest
-
-    def _body(self, state: TrainState, batch: Any) -> tuple[TrainState, StepOutput]:
+    def _body(
+        self, state: TrainState, batch: Any, extras: dict[str, Any], *, heartbeat: bool
+    ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
         n = len(self.devices)
         index = jax.lax.axis_index(AXIS)
-        in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))
+        ctx, token = None, jnp.zeros((), jnp.int32)
+        if self._faults:
+            ctx = Context(
+                step=state.step,
+                device_id=jnp.asarray([d.id for d in self.devices], jnp.int32)[index],
+                chunk=extras["chunk"].reshape(-1)[0],
+                rows=jnp.arange(jax.tree.leaves(batch)[0].shape[0]),
+                fired=extras["fired"],
+            )
+            token = self._faults.stall(ctx, token)
+            batch = self._faults.input(batch, ctx)
 
+        # 1. input, 2. loss and gradients, 3. local health: all before any collective.
+        in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))
         args: tuple[Any, ...] = (self._backend.vary(state.params), batch)
         if state.rng is not None:
             args += (jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index),)
-        (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(*args)
-        check_bad, check_idx, aux = self._split_checks(aux)
-
+        loss_fn = functools.partial(self._loss, ctx=ctx)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
+        checks, aux = validate.checks(aux)
+        self.names["checks"] = list(checks)
+        if ctx is not None:
+            grads = self._faults.tree("grad", grads, ctx)
         grad_leaves = jax.tree.leaves(grads)
         grad_bad, grad_leaf = health.first_nonfinite(grad_leaves)
+        check_failed = jnp.logical_not(jnp.stack(list(checks.values()))) if checks else None
         status = (
             jnp.where(in_bad, int(Status.INPUT_NONFINITE), 0)
             | jnp.where(jnp.isfinite(loss), 0, int(Status.LOSS_NONFINITE))
             | jnp.where(grad_bad, int(Status.GRAD_NONFINITE), 0)
-            | jnp.where(check_bad, int(Status.CHECK_FAILED), 0)
+            | jnp.minimum(token, 0)  # keeps an injected stall ahead of the collective
         )
+        if check_failed is not None:
+            status |= jnp.where(jnp.any(check_failed), int(Status.CHECK_FAILED), 0)
+        row = {
+            "status": status,
+            "input_leaf": in_leaf,
+            "grad_leaf": grad_leaf,
+            "check": -1 if check_failed is None else _first(check_failed),
+            "loss": loss,
+            "grad_norm": jnp.sqrt(health.sum_of_squares(grad_leaves)),
+        }
+        prints = self._fingerprints(state)
+        if heartbeat:
+            # Tell the host this device finished its local part. The gradients take a
+            # (zero) term from the callback's result, so it runs before the collective.
+            shape = jax.ShapeDtypeStruct((), jnp.int32)
+            beat = io_callback(self._beat, shape, index, state.step, status)
+            zero = jnp.minimum(beat, 0)  # the callback returns status >= 0
+            grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
+            row["status"] = status | zero
 
-        # The first collective: everything above was measured on this device alone.
+        # 4. the first collective: everything above was measured on this device alone.
         grads = jax.lax.pmean(grads, AXIS)
+        # 5. the update, and the finiteness of its result on this device.
         updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
-        _, param_leaf = health.first_nonfinite(jax.tree.leaves(new_params))
+        checked = new_params if ctx is None else self._faults.tree("param", new_params, ctx)
+        row["param_leaf"] = health.first_nonfinite(jax.tree.leaves(checked))[1]
 
-        row = health.pack_row(
-            {
-                "status": status,
-                "input_leaf": in_leaf,
-                "grad_leaf": grad_leaf,
-                "param_leaf": param_leaf,
-                "check": check_idx,
-                "loss": loss,
-                "grad_norm": jnp.sqrt(health.sum_of_squares(grad_leaves)),
-            }
+        # 7. the health table: a psum of one-hot rows is replicated (device-invariant).
+        # One gather carries the row, the fingerprints and the fault flags.
+        parts = [health.pack_row(row)]
+        if prints is not None:
+            parts.append(jax.lax.bitcast_convert_type(prints, jnp.int32))
+        if ctx is not None:
+            parts.append(self._faults.fire_flags(ctx).astype(jnp.int32))
+        packed = jnp.concatenate(parts)
+        gathered = jax.lax.psum(
+            jnp.where((jnp.arange(n) == index)[:, None], packed[None, :], 0), AXIS
         )
-        # Gather as a psum of one-hot rows: the result is replicated (device-invariant).
-        table = jax.lax.psum(jnp.where((jnp.arange(n) == index)[:, None], row[None, :], 0), AXIS)
+        table = gathered[:, : len(COLUMNS)]
+        after = gathered[:, len(COLUMNS) :]
+        if prints is not None and self.divergence_every is not None:
+            diverged, first = monitors.minority(
+                jax.lax.bitcast_convert_type(after[:, : prints.shape[0]], jnp.uint32)
+            )
+            check_now = state.step % self.divergence_every == 0
+            table = table.at[:, COL["status"]].set(
+                table[:, COL["status"]] | jnp.where(diverged & check_now, int(Status.DIVERGED), 0)
+            )
+            table = table.at[:, COL["diverged_leaf"]].set(jnp.where(check_now, first, -1))
+        else:
+            table = table.at[:, COL["diverged_leaf"]].set(-1)
+
+        # 8. the verdict, the same on every device.
         new_state, table = self._verdict(state, table, new_params, new_opt_state)
+        if ctx is not None:
+            fired = jnp.any(after[:, after.shape[1] - len(self._faults.faults) :] > 0, axis=0)
+            extras = dict(extras, fired=extras["fired"] | fired)
         metrics = {"loss": jnp.mean(health.column(table, "loss"))}
-        return new_state, StepOutput(metrics=metrics, health=table, aux=aux)
+        return new_state, StepOutput(metrics=metrics, health=table, aux=aux), extras
+
+    def _fingerprints(self, state: TrainState) -> jax.Array | None:
+        """This device's fingerprint of its copy of params and optimizer state, on
+        every ``divergence_every``-th step (zeros otherwise)."""
+        if self.divergence_every is None or len(self.devices) < 2:
+            return None
+        leaves = jax.tree.leaves((state.params, state.opt_state))
+        # Fingerprint the device's own buffers: mark them varying so nothing is shared.
+        leaves = self._backend.vary(leaves)
+        return jax.lax.cond(
+            state.step % self.divergence_every == 0,
+            lambda: monitors.fingerprint(leaves),
+            lambda: self._backend.vary(jnp.zeros((len(leaves),), jnp.uint32)),
+        )
 
     def _verdict(
         self, state: TrainState, table: jax.Array, new_params: Any, new_opt_state: Any
@@ -318,20 +393,29 @@ class TrainStep:
         # the same on every device: blame parameters only when nothing failed before.
         params_bad = (table[:, COL["param_leaf"]] >= 0) & jnp.all(status == 0)
         status = status | jnp.where(params_bad, int(Status.PARAM_NONFINITE), 0)
+        spike_memory = None
+        if self.loss_spike is not None:
+            losses = health.column(table, "loss")
+            spiked = self.loss_spike.check(state.monitor["spike"], losses) & (status == 0)
+            status = status | jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
         failed = jnp.any(status != 0)
 
+        must_halt = jnp.any((status & int(ALWAYS_HALT)) != 0)
         if self.on_failure == "skip":
             limit = self.max_consecutive_skips
-            if limit is None:
-                halt_now = jnp.array(False)
-            else:
-                halt_now = failed & (state.consecutive_skips + 1 >= limit)
+            halt_now = must_halt
+            if limit is not None:
+                halt_now |= failed & (state.consecutive_skips + 1 >= limit)
             skipped = failed & ~halt_now & ~state.halted
         else:
             halt_now = failed
             skipped = jnp.array(False)
         ok = ~failed & ~state.halted
         halted = state.halted | halt_now
+        if self.loss_spike is not None:
+            spike_memory = self.loss_spike.update(
+                state.monitor["spike"], health.column(table, "loss"), ok
+            )
 
         def pick(new: Any, old: Any) -> Any:
             # Fuses into the update itself: no copy of params or optimizer state.
@@ -346,6 +430,7 @@ class TrainStep:
             halted=halted,
             consecutive_skips=consecutive.astype(jnp.int32),
             total_skips=state.total_skips + skipped,
+            monitor={"spike": spike_memory} if spike_memory is not None else state.monitor,
         )
         table = table.at[:, COL["status"]].set(status)
         for name, value in (
@@ -358,6 +443,10 @@ class TrainStep:
         return new_state, table
 
 
+def _first(flags: jax.Array) -> jax.Array:
+    return jnp.where(jnp.any(flags), jnp.argmax(flags), -1).astype(jnp.int32)
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -367,6 +456,9 @@ def make_train_step(
     has_aux: bool = False,
     on_failure: str = "raise",
     max_consecutive_skips: int | None = 10,
+    divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY,
+    loss_spike: LossSpike | None = None,
+    faults: Sequence[Fault] = (),
     donate: bool = True,
 ) -> TrainStep:
     """Builds a checked data-parallel training step.
@@ -385,8 +477,15 @@ def make_train_step(
       on_failure: ``"raise"``: a failed step freezes the state (``halted``) and
         :func:`fit` raises; ``"skip"``: the update is discarded on every device and
         training goes on, until ``max_consecutive_skips`` failures in a row halt it.
+        A diverged replica halts under either policy.
       max_consecutive_skips: with ``"skip"``, the run halts after this many failed
         steps in a row (None: never).
+      divergence_every: every this many steps each device fingerprints its copy of
+        the parameters and optimizer state; a device that disagrees with the majority
+        fails with ``DIVERGED`` (None: never).
+      loss_spike: a :class:`jaxstep.LossSpike` to fail devices whose loss jumps
+        (``LOSS_SPIKE``); None: off.
+      faults: :class:`jaxstep.testing.Fault` s compiled into the step (tests, demos).
       donate: donate the state's buffers to the step (saves memory; the state passed
         in must not be used again).
 
@@ -417,36 +516,23 @@ def make_train_step(
         raise ValueError(f"unknown backend {backend!r}; expected 'shard_map' or 'pmap'")
     if on_failure not in POLICIES:
         raise ValueError(f"unknown on_failure policy {on_failure!r}; expected 'raise' or 'skip'")
-    if max_consecutive_skips is not None and (
-        not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1
-    ):
-        raise ValueError(
-            f"max_consecutive_skips must be a positive int or None, got {max_consecutive_skips!r}"
-        )
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("devices is empty; pass at least one jax.Device, or None for all")
-    for d in devices:
-        if not isinstance(d, jax.Device):
-            raise TypeError(
-                f"devices must hold jax.Device objects, got {d!r}; e.g. jax.devices()[:4]"
-            )
-    platforms = sorted({d.platform for d in devices})
-    if len(platforms) > 1:
-        raise ValueError(
-            f"devices mix platforms {platforms}; one step runs on one platform: pass e.g. "
-            f"jax.devices({platforms[0]!r})"
-        )
-    ids = [d.id for d in devices]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"devices lists a device twice: ids {ids}")
+    validate.positive_or_none("max_consecutive_skips", max_consecutive_skips)
+    validate.positive_or_none("divergence_every", divergence_every)
+    if loss_spike is not None and not isinstance(loss_spike, LossSpike):
+        raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {loss_spike!r}")
+    for f in faults:
+        if not isinstance(f, Fault):
+            raise TypeError(f"faults must hold jaxstep.testing.Fault objects, got {f!r}")
     return TrainStep(
         loss_fn,
         optimizer,
         backend=backend,
-        devices=devices,
+        devices=validate.devices(devices),
         has_aux=has_aux,
         on_failure=on_failure,
         max_consecutive_skips=max_consecutive_skips,
+        divergence_every=divergence_every,
+        loss_spike=loss_spike,
+        faults=faults,
         donate=donate,
     )

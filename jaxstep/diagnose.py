@@ -1,0 +1,166 @@
+"""Replay diagnosis: was it the data, the device, or a one-off?
+
+Megatron-LM re-runs a step after a job restart to tell these apart; jaxstep's state
+is a value, so it replays in place: once with the same placement and once with the
+chunks rotated onto other devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstep import health
+from jaxstep import validate
+from jaxstep.errors import TrainingWorkerError
+from jaxstep.faults import Context
+from jaxstep.step import TrainStep
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """The verdict of a replay, with its evidence.
+
+    Attributes:
+      verdict: ``"data"`` (fails again and the failure follows the chunk),
+        ``"device"`` (fails again and stays on the device), ``"transient"`` (does not
+        fail again) or ``"inconclusive"``.
+      evidence: what each replay showed, in words.
+      examples: for ``"data"``: indices in the global batch of the examples that fail
+        on their own (empty if none does alone).
+      replays: ``(rotation, failing device ids)`` of each replay.
+    """
+
+    verdict: str
+    evidence: tuple[str, ...]
+    examples: tuple[int, ...] = ()
+    replays: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{self.verdict}: " + "; ".join(self.evidence)
+        if self.examples:
+            text += f"; offending examples (global batch index): {list(self.examples)}"
+        return text
+
+
+def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnosis:
+    """Replays the failed step of ``error`` on ``batch`` from ``error.state``.
+
+    Args:
+      step: the step that failed.
+      error: its error; ``error.state`` is the last good state (left untouched).
+      batch: the global batch of the failed step.
+
+    Returns:
+      A :class:`Diagnosis`.
+    """
+    if error.state is None:
+        raise ValueError(
+            f"error has no state to replay from (status {error.status!r}); a hung step "
+            "cannot be replayed in this process"
+        )
+    n = len(step.devices)
+    position = {d.id: i for i, d in enumerate(step.devices)}
+    failed = tuple(sorted(position[f.device_id] for f in error.failures))
+    ids = [d.id for d in step.devices]
+
+    def run(rotation: int) -> tuple[int, ...]:
+        _, out = step.replay(error.state, batch, rotation=rotation)
+        return tuple(int(i) for i in np.flatnonzero(step.table(out).status))
+
+    same = run(0)
+    replays = [(0, tuple(ids[i] for i in same))]
+    if not same:
+        evidence: tuple[str, ...] = (
+            f"step {error.step} failed on device(s) {[ids[i] for i in failed]}, and a replay "
+            "from the last good state with the same data and placement passed",
+        )
+        return Diagnosis("transient", evidence, replays=tuple(replays))
+    if n == 1:
+        return Diagnosis(
+            "inconclusive",
+            ("fails again on replay; with one device the chunk cannot be moved",),
+            replays=tuple(replays),
+        )
+    if len(same) == n:
+        return Diagnosis(
+            "inconclusive",
+            (
+                "every device fails again on replay: the cause is in the model or the update, "
+                "not in one device or one chunk",
+            ),
+            replays=tuple(replays),
+        )
+    moved = run(1)  # device i now holds chunk (i + 1) % n
+    replays.append((1, tuple(ids[i] for i in moved)))
+    chunks_then = set(same)
+    chunks_now = {(i + 1) % n for i in moved}
+    where_now = [ids[i] for i in moved]
+    if moved and chunks_now == chunks_then and set(moved) != set(same):
+        size = validate.batch(batch, n) // n
+        rows = ", ".join(f"{c * size}..{(c + 1) * size - 1}" for c in sorted(chunks_then))
+        evidence = (
+            f"fails again on replay on device(s) {[ids[i] for i in same]}",
+            f"with the chunks rotated it fails on device(s) {where_now}, which now hold the "
+            f"same rows ({rows}): the failure follows the data",
+        )
+        examples = _bad_examples(step, error, batch, sorted(chunks_then), size)
+        return Diagnosis("data", evidence, examples, tuple(replays))
+    if set(moved) == set(same):
+        evidence = (
+            f"fails again on replay on device(s) {[ids[i] for i in same]}",
+            "with other rows on those devices it fails there again: the failure stays on the "
+            "device (suspect the chip; run without it)",
+        )
+        return Diagnosis("device", evidence, replays=tuple(replays))
+    evidence = (
+        f"fails again on replay on device(s) {[ids[i] for i in same]}",
+        f"with the chunks rotated it fails on {where_now}: neither the data nor the "
+        "device alone explains it",
+    )
+    return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+
+
+def _bad_examples(
+    step: TrainStep, error: TrainingWorkerError, batch: Any, chunks: list[int], size: int
+) -> tuple[int, ...]:
+    """Global indices of the examples of ``chunks`` that fail on their own."""
+    host = step.host_state(error.state)
+    params = jax.tree.map(np.asarray, host.params)
+    faults = step._faults
+    step_no = jnp.asarray(error.step, jnp.int32)
+
+    def one(example: Any, chunk: jax.Array, row: jax.Array) -> jax.Array:
+        example = jax.tree.map(lambda x: x[None], example)
+        ctx = Context(step_no, jnp.int32(-1), chunk, row[None], jnp.zeros(len(faults.faults), bool))
+        if faults:
+            example = faults.input(example, ctx)
+        bad_input, _ = health.first_nonfinite(jax.tree.leaves(example))
+        args: tuple[Any, ...] = (params, example)
+        if host.rng is not None:
+            args += (jax.random.fold_in(jax.random.fold_in(host.rng, step_no), chunk),)
+
+        def loss(*a: Any) -> tuple[jax.Array, Any]:
+            return step._loss(*a, ctx=ctx if faults else None)
+
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(*args)
+        if faults:
+            grads = faults.tree("grad", grads, ctx)
+        checks, _ = validate.checks(aux)
+        bad = bad_input | ~jnp.isfinite(value) | health.first_nonfinite(jax.tree.leaves(grads))[0]
+        for ok in checks.values():
+            bad |= ~ok
+        return bad
+
+    found: list[int] = []
+    evaluate = jax.jit(jax.vmap(one, in_axes=(0, None, 0)))
+    for c in chunks:
+        rows = slice(c * size, (c + 1) * size)
+        part = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], batch)
+        flags = np.asarray(evaluate(part, jnp.int32(c), jnp.arange(size)))
+        found.extend(int(c * size + r) for r in np.flatnonzero(flags))
+    return tuple(found)

@@ -1,0 +1,184 @@
+"""Faults compiled into a step, for tests, notebooks and the demo.
+
+A :class:`Fault` puts NaN or Inf into one device's input, loss, one gradient leaf or
+one parameter leaf at one step, or stalls that device. It is compiled into the step
+(no host round trip; a step built without faults carries none of this code):
+
+- ``mode="device"``: the device fails whatever data it gets (a bad chip);
+- ``mode="transient"``: only the first execution of that step fails (a one-off);
+- ``mode="data"``: the fault travels with the batch chunk the device had, and with
+  example ``example`` of it (a bad record); a replay that moves the chunk to another
+  device moves the fault too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+KINDS = ("input", "loss", "grad", "param", "stall")
+MODES = ("device", "transient", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault.
+
+    Attributes:
+      kind: ``"input"``, ``"loss"``, ``"grad"``, ``"param"`` or ``"stall"``.
+      device_id: the ``jax.Device.id`` that fails (for ``mode="data"``: the device
+        whose chunk carries the fault in the normal placement).
+      step: the ``state.step`` at which it fires.
+      mode: ``"device"``, ``"transient"`` or ``"data"`` (see the module docstring).
+      value: what is written: ``float("nan")`` (default) or ``float("inf")``.
+      leaf: for ``grad``/``param``: the ``jax.tree_util.keystr`` of the leaf (default
+        the first); for ``input``: the batch leaf (default the first float one).
+      example: the row of the device's chunk that carries an ``input`` fault, and the
+        example a ``data`` fault belongs to.
+      seconds: how long a ``stall`` blocks the device.
+    """
+
+    kind: str
+    device_id: int
+    step: int
+    mode: str = "device"
+    value: float = math.nan
+    leaf: str | None = None
+    example: int = 0
+    seconds: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {KINDS}")
+        if self.mode not in MODES:
+            raise ValueError(f"unknown fault mode {self.mode!r}; expected one of {MODES}")
+        if math.isfinite(self.value):
+            raise ValueError(f"a fault writes NaN or Inf, got value={self.value!r}")
+        if self.step < 0 or self.example < 0:
+            raise ValueError(f"step and example must be >= 0, got {self.step}, {self.example}")
+
+
+class Context(NamedTuple):
+    """Where a piece of the step runs: traced values inside the step."""
+
+    step: jax.Array  # state.step
+    device_id: jax.Array  # jax.Device.id of this device
+    chunk: jax.Array  # which chunk of the global batch this device holds
+    rows: jax.Array  # the rows of that chunk present here (all of them, or one)
+    fired: jax.Array  # (len(faults),) bool: transient faults that fired already
+
+
+class Injector:
+    """The faults of one step, resolved against its devices."""
+
+    def __init__(self, faults: Sequence[Fault], devices: Sequence[jax.Device]):
+        self.faults = tuple(faults)
+        ids = [d.id for d in devices]
+        for f in self.faults:
+            if f.device_id not in ids:
+                raise ValueError(
+                    f"fault on device {f.device_id}, which is not among the step's devices {ids}"
+                )
+        self._position = {d: i for i, d in enumerate(ids)}
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _active(self, k: int, ctx: Context) -> jax.Array:
+        f = self.faults[k]
+        on = ctx.step == f.step
+        if f.mode == "data":
+            on &= (ctx.chunk == self._position[f.device_id]) & jnp.any(ctx.rows == f.example)
+        else:
+            on &= ctx.device_id == f.device_id
+        if f.mode == "transient":
+            on &= ~ctx.fired[k]
+        return on
+
+    def _each(self, kind: str) -> list[tuple[int, Fault]]:
+        return [(k, f) for k, f in enumerate(self.faults) if f.kind == kind]
+
+    def fire_flags(self, ctx: Context) -> jax.Array:
+        """(len(faults),) bool: which faults fire on this device in this step."""
+        if not self.faults:
+            return jnp.zeros((0,), bool)
+        return jnp.stack([self._active(k, ctx) for k in range(len(self.faults))])
+
+    def stall(self, ctx: Context, token: jax.Array) -> jax.Array:
+        """Blocks this device for ``seconds`` where a stall fault fires."""
+        for k, f in self._each("stall"):
+            token = io_callback(
+                _sleep_if,
+                jax.ShapeDtypeStruct((), jnp.int32),
+                self._active(k, ctx),
+                f.seconds,
+                token,
+            )
+        return token
+
+    def input(self, batch: Any, ctx: Context) -> Any:
+        for k, f in self._each("input"):
+            paths = jax.tree_util.tree_leaves_with_path(batch)
+            names = [jax.tree_util.keystr(p) for p, _ in paths]
+            floats = [n for n, (_, x) in zip(names, paths, strict=True) if _is_float(x)]
+            target = f.leaf or (floats[0] if floats else None)
+            if target not in floats:
+                raise ValueError(
+                    f"input fault on leaf {f.leaf!r}: the batch's float leaves are {floats}"
+                )
+            row_hit = ctx.rows == f.example
+            on = self._active(k, ctx)
+
+            def poison(
+                path: Any, x: jax.Array, on: Any = on & row_hit, target: str = target, f: Fault = f
+            ) -> Any:
+                if jax.tree_util.keystr(path) != target:
+                    return x
+                mask = on.reshape((-1,) + (1,) * (x.ndim - 1))
+                return jnp.where(mask, jnp.asarray(f.value, x.dtype), x)
+
+            batch = jax.tree_util.tree_map_with_path(poison, batch)
+        return batch
+
+    def loss(self, loss: jax.Array, ctx: Context) -> jax.Array:
+        for k, f in self._each("loss"):
+            loss = loss * jnp.where(self._active(k, ctx), f.value, 1.0).astype(loss.dtype)
+        return loss
+
+    def tree(self, kind: str, tree: Any, ctx: Context) -> Any:
+        """Writes the fault value into one leaf of ``tree`` (gradients or parameters)."""
+        for k, f in self._each(kind):
+            names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+            target = f.leaf or names[0]
+            if target not in names:
+                raise ValueError(f"{kind} fault on leaf {f.leaf!r}: the leaves are {names}")
+            on = self._active(k, ctx)
+
+            def poison(
+                path: Any, x: jax.Array, on: Any = on, target: str = target, f: Fault = f
+            ) -> Any:
+                if jax.tree_util.keystr(path) != target:
+                    return x
+                return jnp.where(on, jnp.asarray(f.value, x.dtype), x)
+
+            tree = jax.tree_util.tree_map_with_path(poison, tree)
+        return tree
+
+
+def _is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _sleep_if(on: np.ndarray, seconds: np.ndarray, token: np.ndarray) -> np.ndarray:
+    if bool(on):
+        time.sleep(float(seconds))
+    return np.asarray(token, np.int32)

@@ -1,0 +1,100 @@
+"""Checks that look across steps or across replicas: parameter fingerprints (silent
+replica divergence) and loss spikes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_DIVERGENCE_EVERY = 100
+
+
+def fingerprint(leaves: Sequence[jax.Array]) -> jax.Array:
+    """(len(leaves),) uint32: the wrapping sum of each leaf's bit patterns.
+
+    Exact and independent of summation order, so replicas with equal bits agree and a
+    one-ulp change in one element changes the sum.
+    """
+    out = []
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.bool_):
+            bits = x.astype(jnp.uint32)
+        elif x.dtype.itemsize == 8:
+            pair = jax.lax.bitcast_convert_type(x, jnp.uint32)  # (..., 2)
+            bits = pair[..., 0] ^ (pair[..., 1] * jnp.uint32(0x9E3779B1))
+        elif x.dtype.itemsize == 4:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        elif x.dtype.itemsize == 2:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+        else:
+            bits = jax.lax.bitcast_convert_type(x, jnp.uint8).astype(jnp.uint32)
+        out.append(jnp.sum(bits, dtype=jnp.uint32))
+    return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
+
+
+def minority(prints: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For (devices, leaves) fingerprints: which devices disagree with the majority on
+    some leaf, and the first such leaf (or -1), per device."""
+    n = prints.shape[0]
+    agree = jnp.sum(prints[:, None, :] == prints[None, :, :], axis=1)  # (devices, leaves)
+    off = agree * 2 <= n  # not in a strict majority
+    bad = jnp.any(off, axis=1)
+    first = jnp.where(bad, jnp.argmax(off, axis=1), -1).astype(jnp.int32)
+    return bad, first
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpike:
+    """Flags a device whose loss jumps far above its own recent range.
+
+    After ``warmup`` accepted steps, device i fails with ``Status.LOSS_SPIKE`` when
+    ``loss_i > mean_i + sigmas * max(std_i, min_rel * |mean_i|)`` over its last
+    ``window`` losses. Only finite, accepted, non-spike losses enter the window, so a
+    NaN or a spike never poisons it. (MaxText: the global loss, mean + 6 sigma over
+    128 steps; here per device, and robust to flat or NaN-ridden stretches.)
+    """
+
+    window: int = 128
+    sigmas: float = 6.0
+    warmup: int = 32
+    min_rel: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.window < 2 or not 2 <= self.warmup <= self.window:
+            raise ValueError(
+                f"LossSpike needs window >= 2 and 2 <= warmup <= window, got "
+                f"window={self.window}, warmup={self.warmup}"
+            )
+        if self.sigmas <= 0 or self.min_rel < 0:
+            raise ValueError(f"sigmas must be > 0 and min_rel >= 0, got {self}")
+
+    def init(self, n_devices: int) -> dict[str, jax.Array]:
+        return {
+            "losses": jnp.zeros((self.window, n_devices), jnp.float32),
+            "count": jnp.zeros((), jnp.int32),
+        }
+
+    def check(self, memory: dict[str, Any], losses: jax.Array) -> jax.Array:
+        """(devices,) bool: which of these per-device losses are spikes."""
+        filled = jnp.minimum(memory["count"], self.window)
+        valid = (jnp.arange(self.window) < filled)[:, None]
+        k = jnp.maximum(filled, 1).astype(jnp.float32)
+        mean = jnp.sum(jnp.where(valid, memory["losses"], 0.0), axis=0) / k
+        var = jnp.sum(jnp.where(valid, (memory["losses"] - mean) ** 2, 0.0), axis=0) / k
+        scale = jnp.maximum(jnp.sqrt(var), self.min_rel * jnp.abs(mean))
+        ready = memory["count"] >= self.warmup
+        return ready & jnp.isfinite(losses) & (losses > mean + self.sigmas * scale)
+
+    def update(self, memory: dict[str, Any], losses: jax.Array, accept: jax.Array) -> Any:
+        """Adds this step's losses to the window when ``accept`` (one flag for all)."""
+        accept = accept & jnp.all(jnp.isfinite(losses))
+        slot = memory["count"] % self.window
+        rolled = memory["losses"].at[slot].set(losses)
+        return {
+            "losses": jnp.where(accept, rolled, memory["losses"]),
+            "count": memory["count"] + accept.astype(jnp.int32),
+        }

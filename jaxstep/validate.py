@@ -1,0 +1,136 @@
+"""Checks of what users pass in: each raises a ValueError/TypeError that names the
+offending value and the fix, before anything runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def devices(devs: Sequence[Any] | None) -> list[jax.Device]:
+    out = list(jax.devices() if devs is None else devs)
+    if not out:
+        raise ValueError("devices is empty; pass at least one jax.Device, or None for all")
+    for d in out:
+        if not isinstance(d, jax.Device):
+            raise TypeError(
+                f"devices must hold jax.Device objects, got {d!r}; e.g. jax.devices()[:4]"
+            )
+    platforms = sorted({d.platform for d in out})
+    if len(platforms) > 1:
+        raise ValueError(
+            f"devices mix platforms {platforms}; one step runs on one platform: pass e.g. "
+            f"jax.devices({platforms[0]!r})"
+        )
+    ids = [d.id for d in out]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"devices lists a device twice: ids {ids}")
+    return out
+
+
+def positive_or_none(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def params(tree: Any) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        name = jax.tree_util.keystr(path)
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, float)):
+            raise TypeError(
+                f"parameter {name} is a {type(leaf).__name__}, not an array; params must "
+                "be a pytree of float arrays: keep configuration and modules out of it "
+                "(close over them in loss_fn)"
+            )
+        dtype = jnp.asarray(leaf).dtype
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"parameter {name} has dtype {dtype}; only float parameters can be "
+                "trained: cast it (jnp.asarray(x, jnp.float32)) or keep integer constants "
+                "out of params"
+            )
+
+
+def batch(tree: Any, n: int) -> int:
+    """Checks a global batch; returns its leading (example) size."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        raise ValueError("the batch has no arrays; pass a pytree of arrays")
+    sizes = {}
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path) or "batch"
+        shape = getattr(leaf, "shape", None)
+        if shape is None:
+            raise TypeError(
+                f"batch leaf {name} is a {type(leaf).__name__}, not an array; convert it "
+                "with np.asarray"
+            )
+        if len(shape) == 0:
+            raise ValueError(
+                f"batch leaf {name} is a scalar; every batch leaf needs a leading example "
+                "axis that is split across the devices"
+            )
+        sizes[name] = shape[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"batch leaves disagree on the leading (example) axis: {sizes}; every leaf "
+            "needs the same number of examples"
+        )
+    size = next(iter(sizes.values()))
+    if size % n:
+        lo, hi = size // n * n, (size // n + 1) * n
+        raise ValueError(
+            f"batch leading axis {size} does not divide by the {n} devices; use a multiple "
+            f"of {n} (e.g. {lo or n} or {hi}) or drop the last partial batch"
+        )
+    return int(size)
+
+
+def loss_output(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+    """Splits what loss_fn returned into (loss, aux), checking both (at trace time)."""
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                f"has_aux=True but loss_fn returned {type(out).__name__}; return "
+                "(loss, aux) or build the step with has_aux=False"
+            )
+        loss, aux = out
+    else:
+        if isinstance(out, (tuple, list)):
+            raise TypeError(
+                f"loss_fn returned a {type(out).__name__} of {len(out)}; return a scalar "
+                "loss, or (loss, aux) with has_aux=True"
+            )
+        loss, aux = out, None
+    shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"loss_fn must return a float scalar loss, got shape {shape} and dtype {dtype}; "
+            "reduce it over the examples (e.g. jnp.mean(per_example)) and keep it floating "
+            "point"
+        )
+    return loss, aux
+
+
+def checks(aux: Any) -> tuple[dict[str, jax.Array], Any]:
+    """Splits ``aux["checks"]`` (named boolean scalars) from the rest of aux."""
+    if not (isinstance(aux, dict) and "checks" in aux):
+        return {}, aux
+    found = aux["checks"]
+    rest = {k: v for k, v in aux.items() if k != "checks"} or None
+    if not isinstance(found, dict):
+        raise TypeError(
+            f"aux['checks'] must be a dict of named boolean scalars, got {type(found).__name__}"
+        )
+    for name, v in found.items():
+        if getattr(v, "shape", None) != () or getattr(v, "dtype", None) != jnp.bool_:
+            raise TypeError(
+                f"aux['checks'][{name!r}] must be a boolean scalar, got shape "
+                f"{getattr(v, 'shape', None)} and dtype {getattr(v, 'dtype', None)}; reduce "
+                "it (e.g. jnp.all(x < 10.0))"
+            )
+    return {k: found[k] for k in sorted(found)}, rest
