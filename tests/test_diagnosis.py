@@ -1,0 +1,114 @@
+"""Injected faults are pinned exactly, and the replay tells data from device from
+one-off."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from jaxstep import Status
+from jaxstep.testing import Fault
+from tests.models import PER_DEVICE, init_params, loss_fn, make_batches, rows_of
+
+
+def _fail(backend, faults, batches=None, *, diagnose=True, **kw):
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, faults=faults, **kw)
+    batches = make_batches(5) if batches is None else batches
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), batches, diagnose=diagnose)
+    return step, info.value, batches
+
+
+def test_data_fault_follows_the_chunk_and_names_the_example(backend):
+    dev = jax.devices()[3]
+    fault = Fault("grad", dev.id, step=2, mode="data", leaf="['dense1']['bias']", example=1)
+    _, err, _ = _fail(backend, [fault])
+    assert (err.device_id, err.step, err.status) == (dev.id, 2, Status.GRAD_NONFINITE)
+    assert err.leaf == "['dense1']['bias']"
+    assert [f.device_id for f in err.failures] == [dev.id]
+    assert err.diagnosis.verdict == "data"
+    assert err.diagnosis.examples == (3 * PER_DEVICE + 1,)
+    # rotated: device i holds chunk i+1, so chunk 3 ran on device 2
+    assert err.diagnosis.replays == ((0, (dev.id,)), (1, (jax.devices()[2].id,)))
+    assert "diagnosis: data:" in str(err)
+
+
+def test_device_fault_stays_on_the_device(backend):
+    dev = jax.devices()[6]
+    _, err, _ = _fail(backend, [Fault("loss", dev.id, step=1, mode="device")])
+    assert (err.device_id, err.step) == (dev.id, 1)
+    assert err.status == Status.LOSS_NONFINITE | Status.GRAD_NONFINITE
+    assert len(err.failures) == 1
+    assert err.diagnosis.verdict == "device"
+    assert err.diagnosis.replays == ((0, (dev.id,)), (1, (dev.id,)))
+    assert err.diagnosis.examples == ()
+
+
+def test_transient_fault_does_not_come_back(backend):
+    dev = jax.devices()[0]
+    _, err, _ = _fail(
+        backend, [Fault("input", dev.id, step=3, mode="transient", value=np.inf, leaf="['x']")]
+    )
+    assert (err.device_id, err.step) == (dev.id, 3)
+    assert Status.INPUT_NONFINITE in err.status
+    assert err.leaf == "['x']"
+    assert err.diagnosis.verdict == "transient"
+    assert err.diagnosis.replays == ((0, ()),)
+
+
+def test_real_nan_in_the_data_is_diagnosed_as_data(backend):
+    batches = make_batches(4)
+    bad_row = rows_of(5).start + 2
+    batches[2]["y"][bad_row, 0] = np.nan
+    _, err, _ = _fail(backend, [], batches)
+    assert err.device_id == jax.devices()[5].id and err.step == 2
+    assert err.leaf == "['y']"
+    assert err.diagnosis.verdict == "data"
+    assert err.diagnosis.examples == (bad_row,)
+
+
+def test_diagnose_on_its_own_leaves_the_state_alone(backend):
+    dev = jax.devices()[4]
+    step, err, batches = _fail(
+        backend, [Fault("grad", dev.id, step=1, mode="data", example=3)], diagnose=False
+    )
+    assert err.diagnosis is None
+    before = jax.tree.map(np.asarray, step.host_state(err.state).params)
+    result = jaxstep.diagnose(step, err, batches[1])
+    assert result.verdict == "data" and result.examples == (4 * PER_DEVICE + 3,)
+    after = jax.tree.map(np.asarray, step.host_state(err.state).params)
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    assert err.leaf == "['dense1']['bias']"  # the first leaf (pytree order) by default
+
+
+def test_param_fault_is_pinned_on_its_device(backend):
+    dev = jax.devices()[2]
+    _, err, _ = _fail(backend, [Fault("param", dev.id, step=1, leaf="['dense2']['bias']")])
+    assert (err.device_id, err.step, err.status) == (dev.id, 1, Status.PARAM_NONFINITE)
+    assert err.leaf == "['dense2']['bias']"
+    assert [f.device_id for f in err.failures] == [dev.id]
+    assert err.diagnosis.verdict == "device"
+
+
+def test_fault_validation():
+    with pytest.raises(ValueError, match="unknown fault kind 'disk'"):
+        Fault("disk", 0, 1)
+    with pytest.raises(ValueError, match="unknown fault mode"):
+        Fault("grad", 0, 1, mode="sometimes")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        Fault("grad", 0, 1, value=1.0)
+    with pytest.raises(ValueError, match="not among the step's devices"):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), faults=[Fault("grad", 999, 1)])
+    step = jaxstep.make_train_step(
+        loss_fn, optax.sgd(0.1), faults=[Fault("grad", 0, 1, leaf="['nope']")]
+    )
+    with pytest.raises(ValueError, match=r"grad fault on leaf \"\['nope'\]\""):
+        step(step.init(init_params()), make_batches(1)[0])
+
+
+def test_faults_injected_nowhere_cost_nothing_in_the_program():
+    plain = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
+    state = plain.init(init_params())
+    text = plain.lower(state, make_batches(1)[0]).as_text()
+    assert "callback" not in text
