@@ -9,7 +9,11 @@ import pytest
 import jaxstep
 from jaxstep import Status
 from jaxstep.testing import Fault
-from tests.models import PER_DEVICE, init_params, loss_fn, make_batches, rows_of
+from tests.models import PER_DEVICE
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+from tests.models import rows_of
 
 
 def _fail(backend, faults, batches=None, *, diagnose=True, **kw):

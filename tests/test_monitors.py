@@ -7,8 +7,12 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.testing import corrupt_replica, replicas
-from tests.models import init_params, loss_fn, make_batches, rows_of
+from jaxstep.testing import corrupt_replica
+from jaxstep.testing import replicas
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+from tests.models import rows_of
 
 
 def _step(backend, **kw):
