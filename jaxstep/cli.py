@@ -78,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
                 )
 
     try:
-        state = jaxstep.fit(step, state, batches(), callbacks=[Progress()])
+        state = jaxstep.fit(step, state, batches(), callbacks=[Progress()], diagnose=True)
     except jaxstep.TrainingWorkerError as err:
         print("\njaxstep.TrainingWorkerError:", err, sep="\n")
         good = int(np.asarray(step.host_state(err.state).step))
