@@ -36,6 +36,20 @@ def fingerprint(leaves: Sequence[jax.Array]) -> jax.Array:
     return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
 
 
+def split16(prints: jax.Array) -> jax.Array:
+    """uint32 fingerprints as float32 halves (exact), to ride in a float all-reduce."""
+    return jnp.concatenate(
+        [(prints >> 16).astype(jnp.float32), (prints & 0xFFFF).astype(jnp.float32)]
+    )
+
+
+def join16(halves: jax.Array) -> jax.Array:
+    """Inverse of :func:`split16` along the last axis."""
+    k = halves.shape[-1] // 2
+    hi, lo = halves[..., :k].astype(jnp.uint32), halves[..., k:].astype(jnp.uint32)
+    return (hi << 16) | lo
+
+
 def minority(prints: jax.Array) -> tuple[jax.Array, jax.Array]:
     """For (devices, leaves) fingerprints: which devices disagree with the majority on
     some leaf, and the first such leaf (or -1), per device."""

@@ -82,6 +82,7 @@ class TrainStep:
         max_consecutive_skips: int | None,
         divergence_every: int | None,
         loss_spike: LossSpike | None,
+        verify_update: bool,
         faults: Sequence[Fault],
         donate: bool,
     ):
@@ -92,6 +93,7 @@ class TrainStep:
         self.max_consecutive_skips = max_consecutive_skips
         self.divergence_every = divergence_every
         self.loss_spike = loss_spike
+        self.verify_update = verify_update
         self.devices: list[jax.Device] = list(devices)
         self.backend = backend
         self._backend: Backend = BACKENDS[backend](self.devices)
@@ -301,26 +303,30 @@ class TrainStep:
         self.names["checks"] = list(checks)
         if ctx is not None:
             grads = self._faults.tree("grad", grads, ctx)
-        grad_leaves = jax.tree.leaves(grads)
-        grad_bad, grad_leaf = health.first_nonfinite(grad_leaves)
-        check_failed = jnp.logical_not(jnp.stack(list(checks.values()))) if checks else None
+        squares = health.leaf_sum_of_squares(jax.tree.leaves(grads))
+        grad_bad = ~jnp.isfinite(squares)
         status = (
             jnp.where(in_bad, int(Status.INPUT_NONFINITE), 0)
             | jnp.where(jnp.isfinite(loss), 0, int(Status.LOSS_NONFINITE))
-            | jnp.where(grad_bad, int(Status.GRAD_NONFINITE), 0)
+            | jnp.where(jnp.any(grad_bad), int(Status.GRAD_NONFINITE), 0)
             | jnp.minimum(token, 0)  # keeps an injected stall ahead of the collective
         )
+        check_failed = ~jnp.stack(list(checks.values())) if checks else None
         if check_failed is not None:
             status |= jnp.where(jnp.any(check_failed), int(Status.CHECK_FAILED), 0)
         row = {
-            "status": status,
             "input_leaf": in_leaf,
-            "grad_leaf": grad_leaf,
-            "check": -1 if check_failed is None else _first(check_failed),
+            "grad_leaf": health.first_true(grad_bad),
+            "param_leaf": -1,
+            "check": -1 if check_failed is None else health.first_true(check_failed),
             "loss": loss,
-            "grad_norm": jnp.sqrt(health.sum_of_squares(grad_leaves)),
+            "grad_norm": jnp.sqrt(jnp.sum(squares)),
         }
-        prints = self._fingerprints(state)
+        prints = None
+        if self._replica_checks:
+            prints, param_leaf = self._replica_check(state)
+            row["param_leaf"] = param_leaf
+            status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
         if heartbeat:
             # Tell the host this device finished its local part. The gradients take a
             # (zero) term from the callback's result, so it runs before the collective.
@@ -328,78 +334,118 @@ class TrainStep:
             beat = io_callback(self._beat, shape, index, state.step, status)
             zero = jnp.minimum(beat, 0)  # the callback returns status >= 0
             grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
-            row["status"] = status | zero
+            status |= zero
+        row["status"] = status
 
-        # 4. the first collective: everything above was measured on this device alone.
-        grads = jax.lax.pmean(grads, AXIS)
-        # 5. the update, and the finiteness of its result on this device.
-        updates, new_opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        checked = new_params if ctx is None else self._faults.tree("param", new_params, ctx)
-        row["param_leaf"] = health.first_nonfinite(jax.tree.leaves(checked))[1]
-
-        # 7. the health table: a psum of one-hot rows is replicated (device-invariant).
-        # One gather carries the row, the fingerprints and the fault flags.
+        # 4. the first collective: the health rows (one-hot, so the sum is a gather),
+        # the fingerprints and the fault flags ride in the gradients' all-reduce.
         parts = [health.pack_row(row)]
         if prints is not None:
-            parts.append(jax.lax.bitcast_convert_type(prints, jnp.int32))
+            parts.append(monitors.split16(prints))
         if ctx is not None:
-            parts.append(self._faults.fire_flags(ctx).astype(jnp.int32))
-        packed = jnp.concatenate(parts)
-        gathered = jax.lax.psum(
-            jnp.where((jnp.arange(n) == index)[:, None], packed[None, :], 0), AXIS
-        )
-        table = gathered[:, : len(COLUMNS)]
-        after = gathered[:, len(COLUMNS) :]
-        if prints is not None and self.divergence_every is not None:
-            diverged, first = monitors.minority(
-                jax.lax.bitcast_convert_type(after[:, : prints.shape[0]], jnp.uint32)
-            )
-            check_now = state.step % self.divergence_every == 0
-            table = table.at[:, COL["status"]].set(
-                table[:, COL["status"]] | jnp.where(diverged & check_now, int(Status.DIVERGED), 0)
-            )
-            table = table.at[:, COL["diverged_leaf"]].set(jnp.where(check_now, first, -1))
-        else:
-            table = table.at[:, COL["diverged_leaf"]].set(-1)
-
-        # 8. the verdict, the same on every device.
-        new_state, table = self._verdict(state, table, new_params, new_opt_state)
+            parts.append(self._faults.fire_flags(ctx).astype(jnp.float32))
+        mine = (jnp.arange(n) == index)[:, None]
+        grads, gathered = jax.lax.psum((grads, jnp.where(mine, jnp.concatenate(parts), 0)), AXIS)
+        grads = jax.tree.map(lambda g: g / n, grads)
+        table = health.to_table(gathered[:, : len(COLUMNS)])
+        rest = gathered[:, len(COLUMNS) :]
+        if prints is not None:
+            table = self._divergence(state, table, monitors.join16(rest[:, : 2 * prints.shape[0]]))
         if ctx is not None:
-            fired = jnp.any(after[:, after.shape[1] - len(self._faults.faults) :] > 0, axis=0)
+            fired = jnp.any(rest[:, rest.shape[1] - len(self._faults.faults) :] > 0, axis=0)
             extras = dict(extras, fired=extras["fired"] | fired)
+
+        # 5.-8. the verdict, the same on every device, and the update it allows.
+        new_state, table = self._update(state, table, grads, ctx, mine)
         metrics = {"loss": jnp.mean(health.column(table, "loss"))}
         return new_state, StepOutput(metrics=metrics, health=table, aux=aux), extras
 
-    def _fingerprints(self, state: TrainState) -> jax.Array | None:
-        """This device's fingerprint of its copy of params and optimizer state, on
-        every ``divergence_every``-th step (zeros otherwise)."""
-        if self.divergence_every is None or len(self.devices) < 2:
-            return None
+    @property
+    def _replica_checks(self) -> bool:
+        return self.divergence_every is not None
+
+    def _replica_check(self, state: TrainState) -> tuple[jax.Array, jax.Array]:
+        """Every ``divergence_every``-th step: this device's fingerprint of its own copy
+        of params and optimizer state, and the first non-finite parameter leaf (-1).
+        Other steps: zeros and -1, at the cost of a branch."""
+        every = self.divergence_every or 1
         leaves = jax.tree.leaves((state.params, state.opt_state))
-        # Fingerprint the device's own buffers: mark them varying so nothing is shared.
+        # The device's own buffers: marked varying, so nothing is treated as shared.
         leaves = self._backend.vary(leaves)
-        return jax.lax.cond(
-            state.step % self.divergence_every == 0,
-            lambda: monitors.fingerprint(leaves),
-            lambda: self._backend.vary(jnp.zeros((len(leaves),), jnp.uint32)),
-        )
+        n_params = len(jax.tree.leaves(state.params))
+
+        def check() -> tuple[jax.Array, jax.Array]:
+            return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+
+        def skip() -> tuple[jax.Array, jax.Array]:
+            return self._backend.vary(
+                (jnp.zeros((len(leaves),), jnp.uint32), jnp.array(-1, jnp.int32))
+            )
+
+        return jax.lax.cond(state.step % every == 0, check, skip)
+
+    def _divergence(self, state: TrainState, table: jax.Array, prints: jax.Array) -> jax.Array:
+        diverged, first = monitors.minority(prints)
+        now = state.step % (self.divergence_every or 1) == 0
+        status = table[:, COL["status"]] | jnp.where(diverged & now, int(Status.DIVERGED), 0)
+        table = table.at[:, COL["status"]].set(status)
+        return table.at[:, COL["diverged_leaf"]].set(jnp.where(now, first, -1))
+
+    def _update(
+        self,
+        state: TrainState,
+        table: jax.Array,
+        grads: Any,
+        ctx: Context | None,
+        mine: jax.Array,
+    ) -> tuple[TrainState, jax.Array]:
+        """Decides, then updates. By default everything the verdict needs is known
+        before the update, so a ``lax.cond`` skips it on failure: no second pass over
+        the state and no extra memory. ``verify_update=True`` also checks the new
+        parameters before committing them (one more pass, and a second collective)."""
+
+        def apply(operands: tuple[Any, Any]) -> tuple[Any, Any]:
+            params, opt_state = operands
+            updates, opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        if self.verify_update:
+            new_params, new_opt_state = apply((state.params, state.opt_state))
+            checked = new_params if ctx is None else self._faults.tree("param", new_params, ctx)
+            leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
+            leaves = jax.lax.psum(jnp.where(mine[:, 0], leaf, 0), AXIS)  # one per device
+            status = table[:, COL["status"]]
+            # After a bad gradient every replica's update is bad too: that is the
+            # gradient's fault, so parameters are blamed only when nothing else failed.
+            bad = (leaves >= 0) & jnp.all(status == 0)
+            table = table.at[:, COL["param_leaf"]].set(jnp.where(bad, leaves, -1))
+            table = table.at[:, COL["status"]].set(
+                status | jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
+            )
+        table, ok, fields = self._verdict(state, table)
+        if self.verify_update:
+            params, opt_state = jax.tree.map(
+                lambda a, b: jnp.where(ok, a, b),
+                (new_params, new_opt_state),
+                (state.params, state.opt_state),
+            )
+        else:
+            params, opt_state = jax.lax.cond(
+                ok, apply, lambda operands: operands, (state.params, state.opt_state)
+            )
+        return dataclasses.replace(state, params=params, opt_state=opt_state, **fields), table
 
     def _verdict(
-        self, state: TrainState, table: jax.Array, new_params: Any, new_opt_state: Any
-    ) -> tuple[TrainState, jax.Array]:
+        self, state: TrainState, table: jax.Array
+    ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+        """(table with the verdict columns, ok to update, the new state's other fields)."""
         status = table[:, COL["status"]]
-        # A non-finite update after a bad gradient is that gradient's fault, and it is
-        # the same on every device: blame parameters only when nothing failed before.
-        params_bad = (table[:, COL["param_leaf"]] >= 0) & jnp.all(status == 0)
-        status = status | jnp.where(params_bad, int(Status.PARAM_NONFINITE), 0)
-        spike_memory = None
+        monitor = state.monitor
         if self.loss_spike is not None:
             losses = health.column(table, "loss")
             spiked = self.loss_spike.check(state.monitor["spike"], losses) & (status == 0)
             status = status | jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
         failed = jnp.any(status != 0)
-
         must_halt = jnp.any((status & int(ALWAYS_HALT)) != 0)
         if self.on_failure == "skip":
             limit = self.max_consecutive_skips
@@ -413,25 +459,9 @@ class TrainStep:
         ok = ~failed & ~state.halted
         halted = state.halted | halt_now
         if self.loss_spike is not None:
-            spike_memory = self.loss_spike.update(
-                state.monitor["spike"], health.column(table, "loss"), ok
-            )
-
-        def pick(new: Any, old: Any) -> Any:
-            # Fuses into the update itself: no copy of params or optimizer state.
-            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-        consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped)
-        new_state = dataclasses.replace(
-            state,
-            step=state.step + (ok | skipped),
-            params=pick(new_params, state.params),
-            opt_state=pick(new_opt_state, state.opt_state),
-            halted=halted,
-            consecutive_skips=consecutive.astype(jnp.int32),
-            total_skips=state.total_skips + skipped,
-            monitor={"spike": spike_memory} if spike_memory is not None else state.monitor,
-        )
+            losses = health.column(table, "loss")
+            monitor = {"spike": self.loss_spike.update(state.monitor["spike"], losses, ok)}
+        consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
         table = table.at[:, COL["status"]].set(status)
         for name, value in (
             ("step", state.step),
@@ -440,11 +470,14 @@ class TrainStep:
             ("consecutive_skips", consecutive),
         ):
             table = table.at[:, COL[name]].set(jnp.asarray(value).astype(jnp.int32))
-        return new_state, table
-
-
-def _first(flags: jax.Array) -> jax.Array:
-    return jnp.where(jnp.any(flags), jnp.argmax(flags), -1).astype(jnp.int32)
+        fields = {
+            "step": state.step + (ok | skipped),
+            "halted": halted,
+            "consecutive_skips": consecutive,
+            "total_skips": state.total_skips + skipped,
+            "monitor": monitor,
+        }
+        return table, ok, fields
 
 
 def make_train_step(
@@ -458,6 +491,7 @@ def make_train_step(
     max_consecutive_skips: int | None = 10,
     divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY,
     loss_spike: LossSpike | None = None,
+    verify_update: bool = False,
     faults: Sequence[Fault] = (),
     donate: bool = True,
 ) -> TrainStep:
@@ -485,6 +519,11 @@ def make_train_step(
         fails with ``DIVERGED`` (None: never).
       loss_spike: a :class:`jaxstep.LossSpike` to fail devices whose loss jumps
         (``LOSS_SPIKE``); None: off.
+      verify_update: also check the parameters after the update, per device, and
+        commit them only if finite (``PARAM_NONFINITE``): exact, but one more pass over
+        the state, its memory and a second small collective. Off, non-finite
+        parameters are still caught at the start of every ``divergence_every``-th step,
+        and an update from finite gradients rarely overflows.
       faults: :class:`jaxstep.testing.Fault` s compiled into the step (tests, demos).
       donate: donate the state's buffers to the step (saves memory; the state passed
         in must not be used again).
@@ -523,6 +562,11 @@ def make_train_step(
     for f in faults:
         if not isinstance(f, Fault):
             raise TypeError(f"faults must hold jaxstep.testing.Fault objects, got {f!r}")
+        if f.kind == "param" and not verify_update:
+            raise ValueError(
+                f"{f!r} corrupts the checked new parameters, which only verify_update=True "
+                "checks: build the step with verify_update=True"
+            )
     return TrainStep(
         loss_fn,
         optimizer,
@@ -533,6 +577,7 @@ def make_train_step(
         max_consecutive_skips=max_consecutive_skips,
         divergence_every=divergence_every,
         loss_spike=loss_spike,
+        verify_update=verify_update,
         faults=faults,
         donate=donate,
     )

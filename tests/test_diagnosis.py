@@ -88,7 +88,8 @@ def test_diagnose_on_its_own_leaves_the_state_alone(backend):
 
 def test_param_fault_is_pinned_on_its_device(backend):
     dev = jax.devices()[2]
-    _, err, _ = _fail(backend, [Fault("param", dev.id, step=1, leaf="['dense2']['bias']")])
+    fault = Fault("param", dev.id, step=1, leaf="['dense2']['bias']")
+    _, err, _ = _fail(backend, [fault], verify_update=True)
     assert (err.device_id, err.step, err.status) == (dev.id, 1, Status.PARAM_NONFINITE)
     assert err.leaf == "['dense2']['bias']"
     assert [f.device_id for f in err.failures] == [dev.id]
@@ -102,6 +103,8 @@ def test_fault_validation():
         Fault("grad", 0, 1, mode="sometimes")
     with pytest.raises(ValueError, match="NaN or Inf"):
         Fault("grad", 0, 1, value=1.0)
+    with pytest.raises(ValueError, match="verify_update=True"):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), faults=[Fault("param", 0, 1)])
     with pytest.raises(ValueError, match="not among the step's devices"):
         jaxstep.make_train_step(loss_fn, optax.sgd(0.1), faults=[Fault("grad", 999, 1)])
     step = jaxstep.make_train_step(

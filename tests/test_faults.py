@@ -115,19 +115,35 @@ def test_failing_user_check_is_named(backend):
     assert len(err.failures) == 1
 
 
-def test_nonfinite_parameters_after_update_are_caught():
-    # A finite but huge gradient overflows the float32 parameters through SGD.
+def _overflowing_step(backend, **kw):
+    # A finite gradient and an absurd learning rate overflow the float32 parameters.
     def loss(params, batch):
-        return (params["w"] * batch["x"]).mean() * 1e30
+        return (params["w"] * batch["x"]).mean() * 1e10
 
-    step = jaxstep.make_train_step(loss, optax.sgd(1e20))
+    step = jaxstep.make_train_step(loss, optax.sgd(1e30), backend=backend, **kw)
     state = step.init({"w": np.ones(3, np.float32)})
-    batches = [{"x": np.ones((8, 3), np.float32)}] * 2
+    batches = [{"x": np.ones((8, 3), np.float32)}] * 3
     with pytest.raises(jaxstep.TrainingWorkerError) as info:
         jaxstep.fit(step, state, batches)
-    err = info.value
+    return step, info.value
+
+
+def test_verify_update_keeps_nonfinite_parameters_out(backend):
+    step, err = _overflowing_step(backend, verify_update=True)
     assert err.status == Status.PARAM_NONFINITE
     assert err.leaf == "['w']"
     assert err.step == 0
     # the update is the same on every replica, so every device reports it
+    assert [f.device_id for f in err.failures] == [d.id for d in jax.devices()]
+    np.testing.assert_array_equal(host_params(step, err.state)["w"], np.ones(3))
+
+
+def test_nonfinite_parameters_are_caught_at_the_next_check(backend):
+    # Without verify_update the overflowing update is committed; the parameter check
+    # at the start of the next checked step names the leaf on every device.
+    _, err = _overflowing_step(backend, divergence_every=1)
+    assert err.step == 1
+    assert Status.PARAM_NONFINITE in err.status
+    assert err.leaf == "['w']"
     assert len(err.failures) == 8
+    assert "error.state" in str(err)
