@@ -88,6 +88,9 @@ class ShardMapBackend:
         return jax.device_put(state, self.replicated)
 
     def place_batch(self, batch: Any) -> Any:
+        leaves = jax.tree.leaves(batch)
+        if all(isinstance(x, jax.Array) and x.sharding == self.split for x in leaves):
+            return batch  # already where it belongs
         return jax.device_put(batch, self.split)
 
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:

@@ -118,6 +118,7 @@ class TrainStep:
         self.names: dict[str, list[str]] = {"params": [], "input": [], "checks": [], "state": []}
         self._params_def: Any = None
         self._batch_def: Any = None
+        self._batch_key: Any = None
 
     # ---------------------------------------------------------------- host side
     def init(self, params: Any, *, rng: jax.Array | None = None) -> TrainState:
@@ -253,8 +254,12 @@ class TrainStep:
             )
 
     def _check_batch(self, batch: Any) -> None:
+        leaves, treedef = jax.tree.flatten(batch)
+        # Hot path: the same structure and shapes as the last good batch need no walk.
+        key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
+        if key == self._batch_key:
+            return
         validate.batch(batch, len(self.devices))
-        treedef = jax.tree.structure(batch)
         if self._batch_def is None:
             self._batch_def = treedef
             self.names["input"] = _keystrs(batch)
@@ -263,6 +268,7 @@ class TrainStep:
                 f"batch structure changed: the first batch was {self._batch_def}, this "
                 f"one is {treedef}; every batch must have the same pytree structure"
             )
+        self._batch_key = key
 
     def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
         self.heartbeats[int(index)] = int(step)
