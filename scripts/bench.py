@@ -252,6 +252,7 @@ def build_variants(setup: Setup) -> list[Variant]:
             setup.jaxstep("jaxstep divergence off", divergence_every=None),
             setup.jaxstep("jaxstep divergence_every=1", optional=True, divergence_every=1),
             setup.jaxstep("jaxstep loss_spike", optional=True, **spike),
+            setup.jaxstep("jaxstep verify_update", optional=True, verify_update=True),
         ]
     all_checks = {"optional": True, "has_aux": True, **every}
     variants += [
@@ -349,6 +350,7 @@ def bench_steps(variants: list[Variant], args: argparse.Namespace, hlo: str | No
             (DEFAULT, "jaxstep divergence off"),  # the default divergence_every
             ("jaxstep divergence_every=1", DEFAULT),
             ("jaxstep loss_spike", DEFAULT),
+            ("jaxstep verify_update", DEFAULT),
             *pairs,
         ]
     costs = {f"{a} / {b}": quartiles(times[a] / times[b]) for a, b in pairs}
