@@ -43,13 +43,19 @@ def _demo(args: argparse.Namespace) -> int:
     templates = rng.normal(size=(10, 784)).astype(np.float32)
     batch_size = args.per_device * args.devices
 
-    def batches():
-        for i in range(args.steps):
-            label = rng.integers(0, 10, batch_size)
-            image = templates[label] + 8 * rng.normal(size=(batch_size, 784)).astype(np.float32)
+    def batches(start: int = 0, drop: tuple[int, ...] = ()):
+        """The batches from step ``start``; examples in ``drop`` (of the faulty step)
+        are replaced by their neighbours, as a data pipeline fix would."""
+        for i in range(start, args.steps):
+            draw = np.random.default_rng(i)  # batch i is the same whenever it is made
+            label = draw.integers(0, 10, batch_size)
+            noise = 8 * draw.normal(size=(batch_size, 784)).astype(np.float32)
+            image = templates[label] + noise
             if i == args.fault_step:
                 chunk = args.fault_position * args.per_device
                 image[chunk + 1, 17] = np.nan  # one bad pixel on one device's chunk
+                for row in drop:
+                    image[row], label[row] = image[row - 1], label[row - 1]
             yield {"image": image, "label": label.astype(np.int32)}
 
     devices = jax.devices()
@@ -84,8 +90,12 @@ def _demo(args: argparse.Namespace) -> int:
         good = int(np.asarray(step.host_state(err.state).step))
         print(f"\nerr.device_id={err.device_id} err.step={err.step} err.status={err.status!r}")
         print(f"err.leaf={err.leaf!r}; err.state holds the last good state (step {good})")
-        return 0
-    print(f"finished {int(np.asarray(step.host_state(state).step))} steps with no failure")
+        if err.diagnosis is None or err.diagnosis.verdict != "data":
+            return 1
+        drop = err.diagnosis.examples
+        print(f"\nreplacing example(s) {list(drop)} of step {err.step} and resuming from err.state")
+        state = jaxstep.fit(step, err.state, batches(good, drop), callbacks=[Progress()])
+    print(f"finished {int(np.asarray(step.host_state(state).step))} steps")
     return 0
 
 
