@@ -191,13 +191,19 @@ def _failure(
 ) -> TrainingWorkerError:
     failures = step.failures(table, _rows_per_device(step, pending.batch))
     note = None
-    if any(f.status & Status.DIVERGED for f in failures):
-        bad = {f.device_id for f in failures}
-        good = next(i for i, d in enumerate(step.devices) if d.id not in bad)
-        state = replica_state(step, current, good)
+    bad = {f.device_id for f in failures}
+    good = [i for i, d in enumerate(step.devices) if d.id not in bad]
+    if any(f.status & Status.DIVERGED for f in failures) and good:
+        state = replica_state(step, current, good[0])
         note = (
-            f"error.state was rebuilt from the copy on device {step.devices[good].id}, "
+            f"error.state was rebuilt from the copy on device {step.devices[good[0]].id}, "
             "which agrees with the majority"
+        )
+    elif any(f.status & Status.DIVERGED for f in failures):
+        state = step.clear_halt(current)
+        note = (
+            "no majority of replicas agrees (two devices, or every copy differs): error.state "
+            "is the state as it stands; compare it with your last checkpoint"
         )
     else:
         state = step.clear_halt(current)

@@ -103,3 +103,18 @@ def test_loss_spike_validation():
         jaxstep.LossSpike(window=8, warmup=16)
     with pytest.raises(TypeError, match="LossSpike"):
         jaxstep.make_train_step(loss_fn, optax.sgd(0.1), loss_spike=6.0)
+
+
+def test_two_replicas_that_disagree_are_both_named(backend):
+    devices = jax.devices()[:2]
+    step = _step(backend, divergence_every=1, devices=devices)
+    batches = make_batches(4)
+    state = jaxstep.fit(step, step.init(init_params()), batches[:1])
+    state = corrupt_replica(step, state, devices[1].id, "params['dense1']['bias']")
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, state, batches[1:])
+    err = info.value
+    assert [f.device_id for f in err.failures] == [d.id for d in devices]
+    assert all(f.status == Status.DIVERGED and f.step == 1 for f in err.failures)
+    assert "no majority" in str(err)
+    assert err.state is not None
