@@ -18,6 +18,7 @@ from jaxstep import health
 from jaxstep import validate
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.faults import Context
+from jaxstep.health import Status
 from jaxstep.step import TrainStep
 
 
@@ -62,6 +63,15 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
         raise ValueError(
             f"error has no state to replay from (status {error.status!r}); a hung step "
             "cannot be replayed in this process"
+        )
+    if error.status & (Status.DIVERGED | Status.HUNG):
+        what = "its copy of the weights differs" if error.status & Status.DIVERGED else "it hung"
+        return Diagnosis(
+            "device",
+            (
+                f"device {error.device_id}: {what}; no replay needed (a replay would start from "
+                "a healthy copy and pass)",
+            ),
         )
     n = len(step.devices)
     position = {d.id: i for i, d in enumerate(step.devices)}
@@ -110,6 +120,13 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
         )
         examples = _bad_examples(step, error, batch, sorted(chunks_then), size)
         return Diagnosis("data", evidence, examples, tuple(replays))
+    if set(moved) == set(same) and step.host_state(error.state).rng is not None:
+        evidence = (
+            f"fails again on replay on device(s) {[ids[i] for i in same]}, and again there "
+            "with other rows; but random keys are folded with the device's position, so a "
+            "failure that depends on them stays on the device too",
+        )
+        return Diagnosis("inconclusive", evidence, replays=tuple(replays))
     if set(moved) == set(same):
         evidence = (
             f"fails again on replay on device(s) {[ids[i] for i in same]}",

@@ -81,6 +81,7 @@ class TrainingWorkerError(RuntimeError):
         note: str | None = None,
         history: Any = None,
         diagnosis: Any = None,
+        state_is_good: bool = True,
     ):
         if not failures:
             raise ValueError("TrainingWorkerError needs at least one Failure")
@@ -96,6 +97,9 @@ class TrainingWorkerError(RuntimeError):
         self.note = note
         self.history = history
         self.diagnosis = diagnosis
+        #: False when ``state`` is the state as it stands but not a good one (its
+        #: parameters were already non-finite when the periodic check found them).
+        self.state_is_good = state_is_good
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -117,33 +121,50 @@ class TrainingWorkerError(RuntimeError):
         if primary is not None:
             rows = f"{first.rows[0]}..{first.rows[1] - 1}" if first.rows else "?"
             lines.append("what to try: " + _HINTS[primary].format(rows=rows, leaf=first.leaf))
-        if self.state is not None:
+        if self.state is not None and self.state_is_good:
             lines.append(
                 f"the last good state (step {first.step}) is in error.state; resume with "
                 "jaxstep.fit(step, error.state, ...) once the cause is fixed"
+            )
+        elif self.state is not None:
+            lines.append(
+                "error.state is the state as it stands, NOT a good one: restore from your "
+                "last checkpoint"
             )
         return "\n".join(lines)
 
     def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
         """A copy of this error with ``diagnosis`` set (and shown in the message)."""
         return TrainingWorkerError(
-            self.failures, self.state, note=self.note, history=self.history, diagnosis=diagnosis
+            self.failures,
+            self.state,
+            note=self.note,
+            history=self.history,
+            diagnosis=diagnosis,
+            state_is_good=self.state_is_good,
         )
 
     def __reduce__(self):
-        state = self.state
-        if state is not None:
-            import jax
+        from jaxstep.state import map_host
 
-            state = jax.tree.map(np.asarray, state)
+        state = None if self.state is None else map_host(np.asarray, self.state)
         return (
             _rebuild,
-            (self.failures, state, self.note, self.history, self.diagnosis),
+            (self.failures, state, self.note, self.history, self.diagnosis, self.state_is_good),
         )
 
 
-def _rebuild(failures, state, note, history, diagnosis):
-    return TrainingWorkerError(failures, state, note=note, history=history, diagnosis=diagnosis)
+def _rebuild(failures, state, note, history, diagnosis, state_is_good=True):
+    from jaxstep.state import from_host
+
+    return TrainingWorkerError(
+        failures,
+        None if state is None else from_host(state),
+        note=note,
+        history=history,
+        diagnosis=diagnosis,
+        state_is_good=state_is_good,
+    )
 
 
 def describe(status: Status, leaves: dict[Status, str], check: str | None) -> str:

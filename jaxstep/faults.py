@@ -93,6 +93,15 @@ class Injector:
     def __bool__(self) -> bool:
         return bool(self.faults)
 
+    def check_rows(self, rows: int) -> None:
+        """Raises (at trace time) for a fault on an example the chunks do not have."""
+        for f in self.faults:
+            if (f.mode == "data" or f.kind == "input") and f.example >= rows:
+                raise ValueError(
+                    f"{f!r} is on example {f.example}, but each device's chunk has {rows} "
+                    f"rows: pick example in 0..{rows - 1}"
+                )
+
     def _active(self, k: int, ctx: Context) -> jax.Array:
         f = self.faults[k]
         on = ctx.step == f.step

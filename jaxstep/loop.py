@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import NamedTuple
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxstep.errors import Failure
@@ -23,6 +25,8 @@ from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
 from jaxstep.state import TrainState
+from jaxstep.state import from_host
+from jaxstep.state import map_host
 from jaxstep.step import StepOutput
 from jaxstep.step import TrainStep
 
@@ -161,9 +165,8 @@ def fit(
 
     pending: _Pending | None = None
     watcher = _Watcher(step, step_timeout) if step_timeout is not None else None
-    for count, batch in enumerate(batches):
-        if num_steps is not None and count >= num_steps:
-            break
+    # islice: never pull a batch that will not be trained on (an iterator is shared).
+    for batch in itertools.islice(batches, num_steps):
         try:
             if watcher is not None:
                 state, out = watcher.run(state, batch, next_step)
@@ -192,7 +195,8 @@ def _failure(
     failures = step.failures(table, _rows_per_device(step, pending.batch))
     note = None
     bad = {f.device_id for f in failures}
-    good = [i for i, d in enumerate(step.devices) if d.id not in bad]
+    here = jax.process_index()  # a healthy copy this process can read
+    good = [i for i, d in enumerate(step.devices) if d.id not in bad and d.process_index == here]
     if any(f.status & Status.DIVERGED for f in failures) and good:
         state = replica_state(step, current, good[0])
         note = (
@@ -212,7 +216,30 @@ def _failure(
                 f"{table.consecutive_skips + 1} failed steps in a row "
                 f"(max_consecutive_skips={step.max_consecutive_skips})"
             )
+        # Without verify_update an overflowing update is committed, and what fails
+        # later fails because of it: say so rather than call this state good.
+        if not step.verify_update and not _params_finite(step.host_state(state).params):
+            note = (
+                "the parameters in error.state are already non-finite: an earlier update "
+                "overflowed (from finite gradients), and this failure follows from it. "
+                "make_train_step(verify_update=True) stops such an update before it is "
+                "committed"
+            )
+            return TrainingWorkerError(
+                failures, state=state, note=note, history=history, state_is_good=False
+            )
     return TrainingWorkerError(failures, state=state, note=note, history=history)
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.array(True)]))
+
+
+def _params_finite(params: Any) -> bool:
+    """One device-side reduction and one scalar read: only on the failure path."""
+    return bool(_all_finite(params))
 
 
 def replica_state(step: TrainStep, state: TrainState, position: int) -> TrainState:
@@ -225,7 +252,7 @@ def replica_state(step: TrainStep, state: TrainState, position: int) -> TrainSta
             return np.asarray(x)[position]
         return next(np.asarray(s.data) for s in x.addressable_shards if s.device == device)
 
-    host = jax.tree.map(take, state)
+    host = from_host(map_host(take, state))
     return step._backend.place_state(dataclasses.replace(host, halted=np.zeros((), bool)))
 
 

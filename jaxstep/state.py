@@ -4,9 +4,12 @@ step object."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -36,3 +39,40 @@ class TrainState:
     consecutive_skips: jax.Array
     total_skips: jax.Array
     monitor: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKey:
+    """A typed PRNG key on the host: its raw data and implementation name."""
+
+    data: np.ndarray
+    impl: str
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def map_host(fn: Any, tree: Any) -> Any:
+    """``fn`` over every leaf as numpy; typed PRNG keys (which numpy cannot hold) go
+    through their raw key data and come back as :class:`HostKey`."""
+
+    def one(x: Any) -> Any:
+        if _is_key(x):
+            return HostKey(fn(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+        return fn(x)
+
+    return jax.tree.map(one, tree)
+
+
+def from_host(tree: Any) -> Any:
+    """Undoes the :class:`HostKey` wrapping of :func:`map_host`."""
+    return jax.tree.map(
+        lambda x: (
+            jax.random.wrap_key_data(jnp.asarray(x.data), impl=x.impl)
+            if isinstance(x, HostKey)
+            else x
+        ),
+        tree,
+        is_leaf=lambda x: isinstance(x, HostKey),
+    )

@@ -117,6 +117,8 @@ class TrainStep:
         # Leaf names, filled at init, on the first batch and while tracing.
         self.names: dict[str, list[str]] = {"params": [], "input": [], "checks": [], "state": []}
         self._params_def: Any = None
+        self._state_sig: Any = None
+        self._last_state: Any = None
         self._batch_def: Any = None
         self._batch_key: Any = None
 
@@ -140,6 +142,7 @@ class TrainStep:
         opt_state = self.optimizer.init(params)
         self.names["state"] = _keystrs(params, "params") + _keystrs(opt_state, "opt_state")
         n = len(self.devices)
+        self._state_sig = None
         # Distinct arrays for every leaf: a donated buffer may appear only once.
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -151,7 +154,9 @@ class TrainStep:
             total_skips=jnp.zeros((), jnp.int32),
             monitor={"spike": self.loss_spike.init(n)} if self.loss_spike else {},
         )
-        return self._backend.place_state(state)
+        placed = self._backend.place_state(state)
+        self._check_state(placed)  # records the state's shape
+        return placed
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepOutput]:
         """Runs one step on ``batch``; chunk i of its leading axis runs on ``devices[i]``.
@@ -178,11 +183,14 @@ class TrainStep:
         placed = self._backend.place_batch(batch)
         fn = self.compile(state, batch, heartbeat=True) if heartbeat else self._compiled[False]
         state, out, self._extras = fn(state, placed, self._extras)
+        self._last_state = state
         return state, out
 
     def compile(self, state: TrainState, batch: Any, *, heartbeat: bool = False) -> Any:
         """Compiles the step ahead of time for this state and batch shape (cached), to
         keep compile time out of a timeout or to read ``memory_analysis()``."""
+        self._check_state(state)
+        self._check_batch(batch)
         key = (heartbeat, *((x.shape, str(x.dtype)) for x in jax.tree.leaves((state, batch))))
         if key not in self._aot:
             placed = self._backend.place_batch(batch)
@@ -242,15 +250,37 @@ class TrainStep:
         return self._backend.place_extras(values, self._split)
 
     def _check_state(self, state: Any) -> None:
+        if state is self._last_state:
+            return  # the state this step returned last: nothing to check
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"expected a jaxstep.TrainState, got {type(state).__name__}; build the "
                 "first one with step.init(params)"
             )
-        if self._params_def is not None and jax.tree.structure(state.params) != self._params_def:
+        leaves, treedef = jax.tree.flatten(state)
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        if self._state_sig is None:
+            # A state this step did not build (a resume from a checkpoint or another
+            # step): learn its leaf names and shape from it.
+            self._params_def = jax.tree.structure(state.params)
+            params = self.host_state(state).params
+            self.names["params"] = _keystrs(params)
+            opt_state = self.host_state(state).opt_state
+            self.names["state"] = _keystrs(params, "params") + _keystrs(opt_state, "opt_state")
+            self._state_sig = (treedef, shapes)
+        elif (treedef, shapes) != self._state_sig:
+            want_def, want_shapes = self._state_sig
+            if treedef != want_def:
+                what = f"its structure differs: expected {want_def}, got {treedef}"
+            else:
+                i = next(
+                    i for i, (a, b) in enumerate(zip(shapes, want_shapes, strict=True)) if a != b
+                )
+                what = f"leaf {i} has shape/dtype {shapes[i]}, expected {want_shapes[i]}"
             raise ValueError(
-                "state.params does not have the structure given to step.init: "
-                f"expected {self._params_def}, got {jax.tree.structure(state.params)}"
+                f"this state does not fit this step ({self.backend} backend, "
+                f"loss_spike={'on' if self.loss_spike else 'off'}): {what}; build the state "
+                "with this step's init, or the step with the options of the one that made it"
             )
 
     def _check_batch(self, batch: Any) -> None:
@@ -295,6 +325,7 @@ class TrainStep:
                 rows=jnp.arange(jax.tree.leaves(batch)[0].shape[0]),
                 fired=extras["fired"],
             )
+            self._faults.check_rows(jax.tree.leaves(batch)[0].shape[0])
             token = self._faults.stall(ctx, token)
             batch = self._faults.input(batch, ctx)
 
@@ -452,7 +483,10 @@ class TrainStep:
             spiked = self.loss_spike.check(state.monitor["spike"], losses) & (status == 0)
             status = status | jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
         failed = jnp.any(status != 0)
-        must_halt = jnp.any((status & int(ALWAYS_HALT)) != 0)
+        # Skipping cannot repair a diverged replica, nor parameters that are already
+        # non-finite (found by the periodic check; verify_update never commits them).
+        halting = ALWAYS_HALT if self.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
+        must_halt = jnp.any((status & int(halting)) != 0)
         if self.on_failure == "skip":
             limit = self.max_consecutive_skips
             halt_now = must_halt

@@ -81,6 +81,8 @@ def batch(tree: Any, n: int) -> int:
             "needs the same number of examples"
         )
     size = next(iter(sizes.values()))
+    if size == 0:
+        raise ValueError("the batch has 0 examples; drop empty batches before the step")
     if size % n:
         lo, hi = size // n * n, (size // n + 1) * n
         raise ValueError(

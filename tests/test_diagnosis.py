@@ -105,6 +105,11 @@ def test_fault_validation():
         Fault("grad", 0, 1, value=1.0)
     with pytest.raises(ValueError, match="verify_update=True"):
         jaxstep.make_train_step(loss_fn, optax.sgd(0.1), faults=[Fault("param", 0, 1)])
+    far = jaxstep.make_train_step(
+        loss_fn, optax.sgd(0.1), faults=[Fault("grad", 0, 1, mode="data", example=9)]
+    )
+    with pytest.raises(ValueError, match=r"example 9, but each device's chunk has 4 rows"):
+        far(far.init(init_params()), make_batches(1)[0])
     with pytest.raises(ValueError, match="not among the step's devices"):
         jaxstep.make_train_step(loss_fn, optax.sgd(0.1), faults=[Fault("grad", 999, 1)])
     step = jaxstep.make_train_step(
@@ -115,7 +120,15 @@ def test_fault_validation():
 
 
 def test_faults_injected_nowhere_cost_nothing_in_the_program():
+    batch = make_batches(1)[0]
     plain = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
     state = plain.init(init_params())
-    text = plain.lower(state, make_batches(1)[0]).as_text()
-    assert "callback" not in text
+    lowered = plain.lower(state, batch)
+    assert "callback" not in lowered.as_text()
+    # no extra inputs either: exactly the state and the batch
+    assert lowered.in_tree.num_leaves == len(jax.tree.leaves(state)) + len(batch)
+    faulty = jaxstep.make_train_step(
+        loss_fn, optax.adam(1e-2), faults=[Fault("grad", 0, step=10**6, mode="transient")]
+    )
+    state = faulty.init(init_params())
+    assert faulty.lower(state, batch).in_tree.num_leaves == len(jax.tree.leaves(state)) + 6
