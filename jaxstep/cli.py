@@ -112,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--log-every", type=int, default=25)
     args = parser.parse_args(argv)
     if args.command == "demo":
+        if args.per_device < 2:
+            parser.error("--per-device must be >= 2 (the planted NaN is on row 1 of a chunk)")
         if not 0 <= args.fault_position < args.devices:
             parser.error(f"--fault-position {args.fault_position} is not in 0..{args.devices - 1}")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

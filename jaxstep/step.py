@@ -552,8 +552,8 @@ def make_train_step(
         :func:`fit` raises; ``"skip"``: the update is discarded on every device and
         training goes on, until ``max_consecutive_skips`` failures in a row halt it.
         A diverged replica halts under either policy.
-      max_consecutive_skips: with ``"skip"``, the run halts after this many failed
-        steps in a row (None: never).
+      max_consecutive_skips: with ``"skip"``, the N-th failed step in a row halts the
+        run (after N-1 skips) and :func:`fit` raises (None: never).
       divergence_every: every this many steps each device fingerprints its copy of
         the parameters and optimizer state; a device that disagrees with the majority
         fails with ``DIVERGED`` (None: never).

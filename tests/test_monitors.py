@@ -96,6 +96,9 @@ def test_loss_spike_under_skip_with_a_nan_that_must_not_poison_the_window(backen
     assert int(np.asarray(step.host_state(state).total_skips)) == 2
     window = np.asarray(step.host_state(state).monitor["spike"]["losses"])
     assert np.all(np.isfinite(window))
+    spike_loss = history.as_arrays()["device_loss"][20, 4]
+    assert spike_loss > 1e3 and window.max() < 10  # the spike never entered the window
+    assert int(np.asarray(step.host_state(state).monitor["spike"]["count"])) == 28
 
 
 def test_loss_spike_validation():

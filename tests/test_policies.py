@@ -138,3 +138,36 @@ def test_rng_is_folded_per_device_and_step(backend):
         seen.append(np.asarray(out.aux["noise"]).reshape(-1)[-8:])
     assert len(set(np.round(seen[0], 6))) == 8  # every device its own draw
     assert not np.allclose(seen[0], seen[1])  # a new draw each step
+
+
+def test_fit_reads_each_table_one_step_late(monkeypatch):
+    """Dispatch t, then read t-1: the device queue never drains, at most 2 in flight."""
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
+    events = []
+    dispatch, table = step.dispatch, step.table
+
+    def logged_dispatch(state, batch, **kw):
+        state, out = dispatch(state, batch, **kw)
+        events.append(("dispatch", id(out)))
+        return state, out
+
+    def logged_table(out):
+        events.append(("table", id(out)))
+        return table(out)
+
+    monkeypatch.setattr(step, "dispatch", logged_dispatch)
+    monkeypatch.setattr(step, "table", logged_table)
+    jaxstep.fit(step, step.init(init_params()), make_batches(4))
+    kinds = [k for k, _ in events]
+    assert kinds == [
+        "dispatch",
+        "dispatch",
+        "table",
+        "dispatch",
+        "table",
+        "dispatch",
+        "table",
+        "table",
+    ]
+    outs = [o for k, o in events if k == "dispatch"]
+    assert [o for k, o in events if k == "table"] == outs  # each table read once, in order
