@@ -49,9 +49,6 @@ COLUMNS: tuple[str, ...] = (
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 FLOAT_COLUMNS = frozenset({"loss", "grad_norm"})
-PRE_COLLECTIVE = (
-    Status.INPUT_NONFINITE | Status.LOSS_NONFINITE | Status.GRAD_NONFINITE | Status.CHECK_FAILED
-)
 
 
 def _floats(leaves: Sequence[jax.Array]) -> list[tuple[int, jax.Array]]:

@@ -360,7 +360,7 @@ class TrainStep:
             "grad_norm": jnp.sqrt(jnp.sum(squares)),
         }
         prints = None
-        if self._replica_checks:
+        if self.divergence_every is not None:
             prints, param_leaf = self._replica_check(state)
             row["param_leaf"] = param_leaf
             status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
@@ -396,10 +396,6 @@ class TrainStep:
         new_state, table = self._update(state, table, grads, ctx, mine)
         metrics = {"loss": jnp.mean(health.column(table, "loss"))}
         return new_state, StepOutput(metrics=metrics, health=table, aux=aux), extras
-
-    @property
-    def _replica_checks(self) -> bool:
-        return self.divergence_every is not None
 
     def _replica_check(self, state: TrainState) -> tuple[jax.Array, jax.Array]:
         """Every ``divergence_every``-th step: this device's fingerprint of its own copy
