@@ -102,12 +102,17 @@ class TrainStep:
         # Small arrays threaded through every call: fault bookkeeping only.
         self._split = {"fired": False, "chunk": True} if self._faults else {}
         self._extras = self._make_extras(np.arange(len(self.devices)))
+        # Four programs, compiled on first use: with or without the heartbeat callback,
+        # and with or without the replica check, which runs only every
+        # divergence_every-th step so the other steps carry none of its cost.
         self._compiled = {
-            hb: self._backend.compile(
-                functools.partial(self._body, heartbeat=hb), donate, self._split
+            (hb, rc): self._backend.compile(
+                functools.partial(self._body, heartbeat=hb, replicas=rc), donate, self._split
             )
             for hb in (False, True)
+            for rc in (False, True)
         }
+        self._next_step = 0  # the step number of the state returned last
         self._clear_halt = self._backend.compile_state_fn(
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
@@ -180,23 +185,41 @@ class TrainStep:
         On CPU a step with host callbacks runs synchronously."""
         self._check_state(state)
         self._check_batch(batch)
+        number = self._step_number(state)
         placed = self._backend.place_batch(batch)
-        fn = self.compile(state, batch, heartbeat=True) if heartbeat else self._compiled[False]
+        replicas = self._replica_step(number)
+        if heartbeat:
+            fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
+        else:
+            fn = self._compiled[(False, replicas)]
         state, out, self._extras = fn(state, placed, self._extras)
-        self._last_state = state
+        self._last_state, self._next_step = state, number + 1
         return state, out
 
-    def compile(self, state: TrainState, batch: Any, *, heartbeat: bool = False) -> Any:
+    def compile(
+        self, state: TrainState, batch: Any, *, heartbeat: bool = False, replicas: bool = False
+    ) -> Any:
         """Compiles the step ahead of time for this state and batch shape (cached), to
-        keep compile time out of a timeout or to read ``memory_analysis()``."""
+        keep compile time out of a timeout or to read ``memory_analysis()``.
+        ``replicas=True``: the variant that runs every ``divergence_every``-th step."""
         self._check_state(state)
         self._check_batch(batch)
-        key = (heartbeat, *((x.shape, str(x.dtype)) for x in jax.tree.leaves((state, batch))))
+        leaves = jax.tree.leaves((state, batch))
+        key = (heartbeat, replicas, *((x.shape, str(x.dtype)) for x in leaves))
         if key not in self._aot:
             placed = self._backend.place_batch(batch)
-            lowered = self._compiled[heartbeat].lower(state, placed, self._extras)  # type: ignore[attr-defined]
-            self._aot[key] = lowered.compile()
+            fn = self._compiled[(heartbeat, replicas)]
+            self._aot[key] = fn.lower(state, placed, self._extras).compile()  # type: ignore[attr-defined]
         return self._aot[key]
+
+    def _step_number(self, state: TrainState) -> int:
+        """``state.step`` without a device read for the state this step returned last."""
+        if state is self._last_state:
+            return self._next_step
+        return int(np.asarray(self.host_state(state).step))
+
+    def _replica_step(self, number: int) -> bool:
+        return self.divergence_every is not None and number % self.divergence_every == 0
 
     def replay(
         self, state: TrainState, batch: Any, *, rotation: int = 0
@@ -215,7 +238,8 @@ class TrainStep:
         if self._faults:
             extras["chunk"] = self._make_extras(order)["chunk"]
         placed = self._backend.place_batch(moved)
-        new_state, out, _ = self._compiled[False](copy, placed, extras)
+        fn = self._compiled[(False, self._replica_step(self._step_number(state)))]
+        new_state, out, _ = fn(copy, placed, extras)
         return new_state, out
 
     def table(self, out: StepOutput) -> HealthTable:
@@ -238,7 +262,7 @@ class TrainStep:
         """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
         memory analysis)."""
         placed = self._backend.place_batch(batch)
-        return self._compiled[False].lower(state, placed, self._extras)  # type: ignore[attr-defined]
+        return self._compiled[(False, False)].lower(state, placed, self._extras)  # type: ignore[attr-defined]
 
     def _make_extras(self, chunks: np.ndarray) -> dict[str, Any]:
         if not self._faults:
@@ -312,7 +336,13 @@ class TrainStep:
         return loss, aux
 
     def _body(
-        self, state: TrainState, batch: Any, extras: dict[str, Any], *, heartbeat: bool
+        self,
+        state: TrainState,
+        batch: Any,
+        extras: dict[str, Any],
+        *,
+        heartbeat: bool,
+        replicas: bool,
     ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
         n = len(self.devices)
         index = jax.lax.axis_index(AXIS)
@@ -355,12 +385,13 @@ class TrainStep:
             "input_leaf": in_leaf,
             "grad_leaf": health.first_true(grad_bad),
             "param_leaf": -1,
+            "diverged_leaf": -1,
             "check": -1 if check_failed is None else health.first_true(check_failed),
             "loss": loss,
             "grad_norm": jnp.sqrt(jnp.sum(squares)),
         }
         prints = None
-        if self.divergence_every is not None:
+        if replicas:
             prints, param_leaf = self._replica_check(state)
             row["param_leaf"] = param_leaf
             status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
@@ -387,7 +418,7 @@ class TrainStep:
         table = health.to_table(gathered[:, : len(COLUMNS)])
         rest = gathered[:, len(COLUMNS) :]
         if prints is not None:
-            table = self._divergence(state, table, monitors.join16(rest[:, : 2 * prints.shape[0]]))
+            table = self._divergence(table, monitors.join16(rest[:, : 2 * prints.shape[0]]))
         if ctx is not None:
             fired = jnp.any(rest[:, rest.shape[1] - len(self._faults.faults) :] > 0, axis=0)
             extras = dict(extras, fired=extras["fired"] | fired)
@@ -398,31 +429,19 @@ class TrainStep:
         return new_state, StepOutput(metrics=metrics, health=table, aux=aux), extras
 
     def _replica_check(self, state: TrainState) -> tuple[jax.Array, jax.Array]:
-        """Every ``divergence_every``-th step: this device's fingerprint of its own copy
-        of params and optimizer state, and the first non-finite parameter leaf (-1).
-        Other steps: zeros and -1, at the cost of a branch."""
-        every = self.divergence_every or 1
+        """This device's fingerprint of its own copy of params and optimizer state, and
+        its first non-finite parameter leaf (or -1). In the every-k-steps program only."""
         leaves = jax.tree.leaves((state.params, state.opt_state))
         # The device's own buffers: marked varying, so nothing is treated as shared.
         leaves = self._backend.vary(leaves)
         n_params = len(jax.tree.leaves(state.params))
+        return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
 
-        def check() -> tuple[jax.Array, jax.Array]:
-            return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
-
-        def skip() -> tuple[jax.Array, jax.Array]:
-            return self._backend.vary(
-                (jnp.zeros((len(leaves),), jnp.uint32), jnp.array(-1, jnp.int32))
-            )
-
-        return jax.lax.cond(state.step % every == 0, check, skip)
-
-    def _divergence(self, state: TrainState, table: jax.Array, prints: jax.Array) -> jax.Array:
+    def _divergence(self, table: jax.Array, prints: jax.Array) -> jax.Array:
         diverged, first = monitors.minority(prints)
-        now = state.step % (self.divergence_every or 1) == 0
-        status = table[:, COL["status"]] | jnp.where(diverged & now, int(Status.DIVERGED), 0)
+        status = table[:, COL["status"]] | jnp.where(diverged, int(Status.DIVERGED), 0)
         table = table.at[:, COL["status"]].set(status)
-        return table.at[:, COL["diverged_leaf"]].set(jnp.where(now, first, -1))
+        return table.at[:, COL["diverged_leaf"]].set(first)
 
     def _update(
         self,
