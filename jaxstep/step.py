@@ -142,12 +142,9 @@ class TrainStep:
         validate.params(params)
         # Own copies: the step donates its state, and must not delete the caller's arrays.
         params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-        self._params_def = jax.tree.structure(params)
-        self.names["params"] = _keystrs(params)
         opt_state = self.optimizer.init(params)
-        self.names["state"] = _keystrs(params, "params") + _keystrs(opt_state, "opt_state")
         n = len(self.devices)
-        self._state_sig = None
+        self._state_sig = None  # _check_state below learns the new state's names and shape
         # Distinct arrays for every leaf: a donated buffer may appear only once.
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -230,7 +227,7 @@ class TrainStep:
         self._check_state(state)
         self._check_batch(batch)
         order = (np.arange(n) + rotation) % n
-        size = validate.batch(batch, n) // n
+        size = jax.tree.leaves(batch)[0].shape[0] // n  # checked just above
         rows = (order[:, None] * size + np.arange(size)[None, :]).reshape(-1)
         moved = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         copy = jax.tree.map(jnp.copy, state)
@@ -284,13 +281,14 @@ class TrainStep:
         leaves, treedef = jax.tree.flatten(state)
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
         if self._state_sig is None:
-            # A state this step did not build (a resume from a checkpoint or another
-            # step): learn its leaf names and shape from it.
+            # The first state: from init, or one this step did not build (a resume
+            # from a checkpoint or another step). Learn its leaf names and shape.
             self._params_def = jax.tree.structure(state.params)
-            params = self.host_state(state).params
-            self.names["params"] = _keystrs(params)
-            opt_state = self.host_state(state).opt_state
-            self.names["state"] = _keystrs(params, "params") + _keystrs(opt_state, "opt_state")
+            host = self.host_state(state)
+            self.names["params"] = _keystrs(host.params)
+            self.names["state"] = _keystrs(host.params, "params") + _keystrs(
+                host.opt_state, "opt_state"
+            )
             self._state_sig = (treedef, shapes)
         elif (treedef, shapes) != self._state_sig:
             want_def, want_shapes = self._state_sig
