@@ -7,12 +7,12 @@ from jaxstep.errors import Failure
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
-from jaxstep.loop import History
+from jaxstep.history import History
 from jaxstep.loop import fit
 from jaxstep.loop import replica_state
 from jaxstep.monitors import LossSpike
+from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
-from jaxstep.step import StepOutput
 from jaxstep.step import TrainStep
 from jaxstep.step import make_train_step
 

@@ -20,7 +20,10 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-AXIS = "devices"
+from jaxstep.state import StepOutput
+from jaxstep.state import map_host
+
+AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
 
 Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
@@ -33,7 +36,7 @@ class Backend(Protocol):
     stacked: bool  # state leaves carry a leading device axis
     devices: list[jax.Device]
 
-    def __init__(self, devices: Sequence[jax.Device]) -> None: ...
+    def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS) -> None: ...
     def vary(self, tree: Any) -> Any: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
@@ -42,41 +45,43 @@ class Backend(Protocol):
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
     def host_table(self, health: jax.Array) -> np.ndarray: ...
     def unstack(self, tree: Any) -> Any: ...
+    def local_copy(self, tree: Any, position: int) -> Any: ...
 
 
 class ShardMapBackend:
-    """State replicated (``P()``), batch split on its leading axis (``P(AXIS)``)."""
+    """State replicated (``P()``), batch split on its leading axis (``P(axis_name)``)."""
 
     name = "shard_map"
     stacked = False
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS):
         self.devices = list(devices)
-        self.mesh = Mesh(np.array(self.devices, dtype=object), (AXIS,))
+        self.axis = axis_name
+        self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
         self.replicated = NamedSharding(self.mesh, P())
-        self.split = NamedSharding(self.mesh, P(AXIS))
+        self.split = NamedSharding(self.mesh, P(axis_name))
 
     def vary(self, tree: Any) -> Any:
         # Replicated inputs must be marked device-varying before differentiating:
         # otherwise shard_map sums their gradients across devices (a psum) and a
         # check taken "before the pmean" would see every device's values.
-        return jax.lax.pcast(tree, AXIS, to="varying")
+        return jax.lax.pcast(tree, self.axis, to="varying")
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
-        from jaxstep.step import StepOutput
+        axis = self.axis
 
         def stacked_aux(state: Any, batch: Any, extras: Any) -> tuple[Any, Any, Any]:
             new_state, out, extras = body(state, batch, extras)
             # One entry per device along a new leading axis, as pmap would return it.
             return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), extras
 
-        extra_specs = {k: P(AXIS) if s else P() for k, s in split.items()}
+        extra_specs = {k: P(axis) if s else P() for k, s in split.items()}
         mapped = jax.shard_map(
             stacked_aux,
             mesh=self.mesh,
-            in_specs=(P(), P(AXIS), extra_specs),
-            # metrics and health replicated, aux per device
-            out_specs=(P(), StepOutput._make((P(), P(), P(AXIS))), extra_specs),
+            in_specs=(P(), P(axis), extra_specs),
+            # metrics and health replicated, aux per device (info holds no arrays)
+            out_specs=(P(), StepOutput._make((P(), P(), P(axis), P())), extra_specs),
         )
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
@@ -105,6 +110,15 @@ class ShardMapBackend:
     def unstack(self, tree: Any) -> Any:
         return tree
 
+    def local_copy(self, tree: Any, position: int) -> Any:
+        """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as
+        :class:`jaxstep.state.HostKey`)."""
+        device = self.devices[position]
+        return map_host(
+            lambda x: next(np.asarray(s.data) for s in x.addressable_shards if s.device == device),
+            tree,
+        )
+
 
 class PmapBackend:
     """The same body under ``jax.pmap``: every state leaf has a leading device axis."""
@@ -112,25 +126,26 @@ class PmapBackend:
     name = "pmap"
     stacked = True
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS):
         self.devices = list(devices)
+        self.axis = axis_name
         # in_axes=None broadcasts every leaf (typed PRNG keys too) to all devices.
         self._replicate = jax.pmap(
-            lambda _, x: x, axis_name=AXIS, in_axes=(0, None), devices=self.devices
+            lambda _, x: x, axis_name=axis_name, in_axes=(0, None), devices=self.devices
         )
-        self._split = jax.pmap(lambda x: x, axis_name=AXIS, devices=self.devices)
+        self._split = jax.pmap(lambda x: x, axis_name=axis_name, devices=self.devices)
 
     def vary(self, tree: Any) -> Any:
         return tree  # pmap inputs are per-device already
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         return jax.pmap(
-            body, axis_name=AXIS, devices=self.devices, donate_argnums=(0,) if donate else ()
+            body, axis_name=self.axis, devices=self.devices, donate_argnums=(0,) if donate else ()
         )
 
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn(state) -> state`` run on every device's copy."""
-        return jax.pmap(fn, axis_name=AXIS, devices=self.devices)
+        return jax.pmap(fn, axis_name=self.axis, devices=self.devices)
 
     def place_state(self, state: Any) -> Any:
         return self._replicate(np.arange(len(self.devices)), state)
@@ -150,6 +165,9 @@ class PmapBackend:
 
     def unstack(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: x[0], tree)
+
+    def local_copy(self, tree: Any, position: int) -> Any:
+        return map_host(lambda x: np.asarray(x)[position], tree)
 
 
 BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

@@ -10,14 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxstep import health
 from jaxstep import validate
 from jaxstep.errors import TrainingWorkerError
-from jaxstep.faults import Context
 from jaxstep.health import Status
 from jaxstep.step import TrainStep
 
@@ -118,7 +114,7 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
             f"with the chunks rotated it fails on device(s) {where_now}, which now hold the "
             f"same rows ({rows}): the failure follows the data",
         )
-        examples = _bad_examples(step, error, batch, sorted(chunks_then), size)
+        examples = tuple(step.failing_examples(error.state, batch, sorted(chunks_then), error.step))
         return Diagnosis("data", evidence, examples, tuple(replays))
     if set(moved) == set(same) and step.host_state(error.state).rng is not None:
         evidence = (
@@ -140,44 +136,3 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
         "device alone explains it",
     )
     return Diagnosis("inconclusive", evidence, replays=tuple(replays))
-
-
-def _bad_examples(
-    step: TrainStep, error: TrainingWorkerError, batch: Any, chunks: list[int], size: int
-) -> tuple[int, ...]:
-    """Global indices of the examples of ``chunks`` that fail on their own."""
-    host = step.host_state(error.state)
-    params = jax.tree.map(np.asarray, host.params)
-    faults = step._faults
-    step_no = jnp.asarray(error.step, jnp.int32)
-
-    def one(example: Any, chunk: jax.Array, row: jax.Array) -> jax.Array:
-        example = jax.tree.map(lambda x: x[None], example)
-        ctx = Context(step_no, jnp.int32(-1), chunk, row[None], jnp.zeros(len(faults.faults), bool))
-        if faults:
-            example = faults.input(example, ctx)
-        bad_input, _ = health.first_nonfinite(jax.tree.leaves(example))
-        args: tuple[Any, ...] = (params, example)
-        if host.rng is not None:
-            args += (jax.random.fold_in(jax.random.fold_in(host.rng, step_no), chunk),)
-
-        def loss(*a: Any) -> tuple[jax.Array, Any]:
-            return step._loss(*a, ctx=ctx if faults else None)
-
-        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(*args)
-        if faults:
-            grads = faults.tree("grad", grads, ctx)
-        checks, _ = validate.checks(aux)
-        bad = bad_input | ~jnp.isfinite(value) | health.first_nonfinite(jax.tree.leaves(grads))[0]
-        for ok in checks.values():
-            bad |= ~ok
-        return bad
-
-    found: list[int] = []
-    evaluate = jax.jit(jax.vmap(one, in_axes=(0, None, 0)))
-    for c in chunks:
-        rows = slice(c * size, (c + 1) * size)
-        part = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], batch)
-        flags = np.asarray(evaluate(part, jnp.int32(c), jnp.arange(size)))
-        found.extend(int(c * size + r) for r in np.flatnonzero(flags))
-    return tuple(found)

@@ -3,79 +3,25 @@ step t-1. The device queue never drains and at most two steps are in flight."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
-import logging
-import sys
-import time
-import traceback
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstep.errors import Failure
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
+from jaxstep.history import History
+from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
-from jaxstep.state import from_host
-from jaxstep.state import map_host
-from jaxstep.step import StepOutput
 from jaxstep.step import TrainStep
-
-log = logging.getLogger("jaxstep")
-
-
-class Callback(Protocol):
-    """Hooks into :func:`fit`; define the methods you need (all optional)."""
-
-    def on_step_end(self, table: HealthTable) -> None: ...
-
-    def on_failure(self, error: TrainingWorkerError) -> None: ...
-
-
-@dataclasses.dataclass
-class History:
-    """Per-step record of a run, one entry per finished step, for reading or plotting."""
-
-    device_ids: list[int] = dataclasses.field(default_factory=list)
-    step: list[int] = dataclasses.field(default_factory=list)
-    loss: list[float] = dataclasses.field(default_factory=list)
-    device_loss: list[np.ndarray] = dataclasses.field(default_factory=list)
-    device_grad_norm: list[np.ndarray] = dataclasses.field(default_factory=list)
-    status: list[np.ndarray] = dataclasses.field(default_factory=list)
-    skipped: list[bool] = dataclasses.field(default_factory=list)
-
-    def append(self, table: HealthTable) -> None:
-        self.step.append(table.step)
-        self.loss.append(table.mean_loss)
-        self.device_loss.append(table.loss)
-        self.device_grad_norm.append(table.grad_norm)
-        self.status.append(table.status)
-        self.skipped.append(table.skipped)
-
-    def __len__(self) -> int:
-        return len(self.step)
-
-    def as_arrays(self) -> dict[str, np.ndarray]:
-        """Every field as an array: per-device ones are ``(steps, devices)``."""
-        n = len(self.device_ids)
-        return {
-            "device_ids": np.asarray(self.device_ids, np.int64),
-            "step": np.asarray(self.step, np.int64),
-            "loss": np.asarray(self.loss, np.float32),
-            "device_loss": np.asarray(self.device_loss, np.float32).reshape(-1, n),
-            "device_grad_norm": np.asarray(self.device_grad_norm, np.float32).reshape(-1, n),
-            "status": np.asarray(self.status, np.int32).reshape(-1, n),
-            "skipped": np.asarray(self.skipped, bool),
-        }
+from jaxstep.watchdog import Watcher
 
 
 def _rows_per_device(step: TrainStep, batch: Any) -> int:
@@ -164,7 +110,7 @@ def fit(
             raise error
 
     pending: _Pending | None = None
-    watcher = _Watcher(step, step_timeout) if step_timeout is not None else None
+    watcher = Watcher(step, step_timeout) if step_timeout is not None else None
     # islice: never pull a batch that will not be trained on (an iterator is shared).
     for batch in itertools.islice(batches, num_steps):
         try:
@@ -245,68 +191,5 @@ def _params_finite(params: Any) -> bool:
 def replica_state(step: TrainStep, state: TrainState, position: int) -> TrainState:
     """The state as held by ``step.devices[position]``, placed afresh on every device
     (unhalted): how a run recovers from one corrupted replica."""
-    device = step.devices[position]
-
-    def take(x: jax.Array) -> np.ndarray:
-        if step._backend.stacked:
-            return np.asarray(x)[position]
-        return next(np.asarray(s.data) for s in x.addressable_shards if s.device == device)
-
-    host = from_host(map_host(take, state))
-    return step._backend.place_state(dataclasses.replace(host, halted=np.zeros((), bool)))
-
-
-class _Watcher:
-    """Runs each step on a dispatch thread and waits for it with a deadline, so a
-    hung device is named instead of hanging the host (CPU runs steps with host
-    callbacks synchronously, so the wait must not be on the dispatching thread)."""
-
-    def __init__(self, step: TrainStep, timeout: float):
-        self.step = step
-        self.timeout = timeout
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
-
-    def run(self, state: TrainState, batch: Any, expected: int) -> tuple[TrainState, StepOutput]:
-        for replicas in (False, self.step.divergence_every is not None):
-            # Compile time is not step time: both programs, before the clock starts.
-            self.step.compile(state, batch, heartbeat=True, replicas=replicas)
-        future = self.pool.submit(self.step.dispatch, state, batch, heartbeat=True)
-        deadline = time.monotonic() + self.timeout
-        pause = 1e-4
-        while not (future.done() and future.result()[1].health.is_ready()):  # type: ignore[attr-defined]
-            if time.monotonic() > deadline:
-                self.pool.shutdown(wait=False)
-                raise _hung(self.step, expected, self.timeout)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
-        return future.result()
-
-
-def _hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
-    stacks = "\n".join(
-        f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
-        for ident, frame in sys._current_frames().items()
-    )
-    log.error("step %d did not finish within %.1f s; Python stacks:\n%s", expected, timeout, stacks)
-    beats = dict(step.heartbeats)
-    late = [i for i in range(len(step.devices)) if beats.get(i, -1) < expected]
-    where = "before reaching the first collective"
-    if not late:  # every device reached the collective: the hang is in or after it
-        late = list(range(len(step.devices)))
-        where = "after reaching the first collective (all devices did)"
-    failures = [
-        Failure(
-            device_id=step.devices[i].id,
-            process_index=step.devices[i].process_index,
-            step=expected,
-            status=Status.HUNG,
-            reason=f"did not finish its part of the step within {timeout:g} s, {where}",
-            leaf=None,
-        )
-        for i in late
-    ]
-    note = (
-        "the state lives on the hung device(s) and cannot be read: error.state is None; "
-        "restore from the last checkpoint (on CPU, XLA aborts a stuck collective ~40 s in)"
-    )
-    return TrainingWorkerError(failures, state=None, note=note)
+    host = step.local_copy(state, position)
+    return step.place_state(dataclasses.replace(host, halted=np.zeros((), bool)))

@@ -1,11 +1,12 @@
-"""The training state: a pytree of arrays and nothing else, so it checkpoints,
-pickles and transfers as plain data. Functions (loss, optimizer, mesh) live in the
-step object."""
+"""What a step reads and returns: the training state (a pytree of arrays and nothing
+else, so it checkpoints, pickles and transfers as plain data; functions, the loss,
+optimizer and mesh, live in the step object) and the step's output."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,40 @@ class TrainState:
     consecutive_skips: jax.Array
     total_skips: jax.Array
     monitor: dict[str, Any]
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """Static facts of a compiled step, returned with every output (no arrays: a
+    leafless pytree node, so it costs nothing per call): what the host learns from
+    tracing, without the trace writing to host state.
+
+    Attributes:
+      checks: the names of the user checks in ``aux["checks"]``, in table order.
+    """
+
+    checks: tuple[str, ...] = ()
+
+
+class StepOutput(NamedTuple):
+    """What a step returns besides the new state.
+
+    Attributes:
+      metrics: ``{"loss": mean of the devices' losses}`` (replicated).
+      health: the packed health table, ``(n_devices, len(jaxstep.health.COLUMNS))``
+        int32, the same on every device; decode it with ``step.table(out)``.
+      aux: the ``aux`` of ``loss_fn`` without ``"checks"``, one entry per device
+        (leading axis ``n_devices``), or None.
+      info: a :class:`StepInfo` (static: no arrays).
+
+    Under the ``pmap`` backend each array carries one more leading device axis.
+    """
+
+    metrics: dict[str, jax.Array]
+    health: jax.Array
+    aux: Any
+    info: StepInfo = StepInfo()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,8 @@
-"""The checked data-parallel step: one per-device body, compiled by a backend.
+"""The host driver of the checked step: validate, place, dispatch, compile, replay.
 
-Each device checks its input chunk, its loss, its gradients (before the first
-collective, so a fault is pinned on the device that made it) and the updated
-parameters; the rows are gathered into a replicated health table, every device
-reaches the same verdict, and a failed step leaves the state unchanged.
+``TrainStep`` holds the compiled per-device program (:mod:`jaxstep.program`) and the
+host caches around it; calling it validates the batch (once per shape), places it,
+and dispatches one compiled call without waiting for the devices.
 """
 
 from __future__ import annotations
@@ -13,54 +12,29 @@ import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import io_callback
 
-from jaxstep import health
-from jaxstep import monitors
+from jaxstep import program as prog
 from jaxstep import validate
 from jaxstep.backends import AXIS
 from jaxstep.backends import BACKENDS
 from jaxstep.backends import Backend
 from jaxstep.errors import Failure
 from jaxstep.errors import failures_from_table
-from jaxstep.faults import Context
 from jaxstep.faults import Fault
 from jaxstep.faults import Injector
-from jaxstep.health import COL
-from jaxstep.health import COLUMNS
 from jaxstep.health import HealthTable
-from jaxstep.health import Status
 from jaxstep.monitors import DEFAULT_DIVERGENCE_EVERY
 from jaxstep.monitors import LossSpike
+from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
+from jaxstep.state import from_host
 
 POLICIES = ("raise", "skip")
-# Failures that skipping a step cannot cure: they halt under either policy.
-ALWAYS_HALT = Status.DIVERGED | Status.HUNG
-
-
-class StepOutput(NamedTuple):
-    """What a step returns besides the new state.
-
-    Attributes:
-      metrics: ``{"loss": mean of the devices' losses}`` (replicated).
-      health: the packed health table, ``(n_devices, len(jaxstep.health.COLUMNS))``
-        int32, the same on every device; decode it with ``step.table(out)``.
-      aux: the ``aux`` of ``loss_fn`` without ``"checks"``, one entry per device
-        (leading axis ``n_devices``), or None.
-
-    Under the ``pmap`` backend each of these carries one more leading device axis.
-    """
-
-    metrics: dict[str, jax.Array]
-    health: jax.Array
-    aux: Any
 
 
 def _keystrs(tree: Any, prefix: str = "") -> list[str]:
@@ -85,6 +59,7 @@ class TrainStep:
         verify_update: bool,
         faults: Sequence[Fault],
         donate: bool,
+        axis_name: str = AXIS,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -94,10 +69,24 @@ class TrainStep:
         self.divergence_every = divergence_every
         self.loss_spike = loss_spike
         self.verify_update = verify_update
+        self.axis_name = axis_name
         self.devices: list[jax.Device] = list(devices)
         self.backend = backend
-        self._backend: Backend = BACKENDS[backend](self.devices)
+        self._backend: Backend = BACKENDS[backend](self.devices, axis_name)
         self._faults = Injector(faults, self.devices)
+        self.program = prog.Program(
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            has_aux=has_aux,
+            on_failure=on_failure,
+            max_consecutive_skips=max_consecutive_skips,
+            loss_spike=loss_spike,
+            verify_update=verify_update,
+            faults=self._faults,
+            device_ids=tuple(d.id for d in self.devices),
+            axis_name=axis_name,
+            vary=self._backend.vary,
+        )
         self._donate = donate
         # Small arrays threaded through every call: fault bookkeeping only.
         self._split = {"fired": False, "chunk": True} if self._faults else {}
@@ -107,7 +96,11 @@ class TrainStep:
         # divergence_every-th step so the other steps carry none of its cost.
         self._compiled = {
             (hb, rc): self._backend.compile(
-                functools.partial(self._body, heartbeat=hb, replicas=rc), donate, self._split
+                functools.partial(
+                    prog.body, self.program, beat=self._beat if hb else None, replicas=rc
+                ),
+                donate,
+                self._split,
             )
             for hb in (False, True)
             for rc in (False, True)
@@ -117,15 +110,23 @@ class TrainStep:
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
         self._aot: dict[Any, Any] = {}
+        self._examples: Any = None  # the per-example health pass, compiled on first use
         #: device position -> last step whose local part it finished (heartbeat mode).
         self.heartbeats: dict[int, int] = {}
-        # Leaf names, filled at init, on the first batch and while tracing.
+        # Leaf names: params and state at init, input on the first batch, checks from
+        # the first output's StepInfo.
         self.names: dict[str, list[str]] = {"params": [], "input": [], "checks": [], "state": []}
+        self._info: Any = None
         self._params_def: Any = None
         self._state_sig: Any = None
         self._last_state: Any = None
         self._batch_def: Any = None
         self._batch_key: Any = None
+
+    @property
+    def stacked(self) -> bool:
+        """Whether state leaves carry a leading device axis (the ``pmap`` backend)."""
+        return self._backend.stacked
 
     # ---------------------------------------------------------------- host side
     def init(self, params: Any, *, rng: jax.Array | None = None) -> TrainState:
@@ -191,7 +192,14 @@ class TrainStep:
             fn = self._compiled[(False, replicas)]
         state, out, self._extras = fn(state, placed, self._extras)
         self._last_state, self._next_step = state, number + 1
+        if out.info is not self._info:
+            self._learn(out.info)
         return state, out
+
+    def _learn(self, info: Any) -> None:
+        """What the program returned about itself (once per compiled program)."""
+        self._info = info
+        self.names["checks"] = list(info.checks)
 
     def compile(
         self, state: TrainState, batch: Any, *, heartbeat: bool = False, replicas: bool = False
@@ -237,7 +245,30 @@ class TrainStep:
         placed = self._backend.place_batch(moved)
         fn = self._compiled[(False, self._replica_step(self._step_number(state)))]
         new_state, out, _ = fn(copy, placed, extras)
+        self._learn(out.info)
         return new_state, out
+
+    def failing_examples(
+        self, state: TrainState, batch: Any, chunks: Sequence[int], step: int
+    ) -> list[int]:
+        """Global batch indices of the examples of ``chunks`` that fail on their own
+        (input, loss, gradient or a user check) from ``state`` at step ``step``: the
+        per-example health pass of the replay diagnosis. Runs on one device."""
+        if self._examples is None:
+            one = functools.partial(prog.example_failed, self.program)
+            self._examples = jax.jit(jax.vmap(one, in_axes=(None, None, None, 0, None, 0)))
+        self._check_batch(batch)
+        host = self.host_state(state)
+        params = jax.tree.map(np.asarray, host.params)
+        size = jax.tree.leaves(batch)[0].shape[0] // len(self.devices)
+        step_no = jnp.asarray(step, jnp.int32)
+        found: list[int] = []
+        for c in chunks:
+            rows = slice(c * size, (c + 1) * size)
+            part = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], batch)
+            flags = self._examples(params, host.rng, step_no, part, jnp.int32(c), jnp.arange(size))
+            found.extend(int(c * size + r) for r in np.flatnonzero(np.asarray(flags)))
+        return found
 
     def table(self, out: StepOutput) -> HealthTable:
         """Reads a step's health table on the host (waits for that step)."""
@@ -254,6 +285,20 @@ class TrainStep:
     def host_state(self, state: TrainState) -> TrainState:
         """One device's copy of the state, as on a single device (drops pmap's axis)."""
         return self._backend.unstack(state)
+
+    def place_state(self, state: TrainState) -> TrainState:
+        """Places a single-copy state (numpy, another step's ``host_state``, or a
+        :func:`local_copy`) on this step's devices: replicated, or stacked under
+        ``pmap``. How a state moves between steps, device counts and backends."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"expected a jaxstep.TrainState, got {type(state).__name__}")
+        return self._backend.place_state(from_host(state))
+
+    def local_copy(self, tree: Any, position: int) -> Any:
+        """The numpy copy of a replicated (or pmap-stacked) ``tree`` held by
+        ``devices[position]``; typed PRNG keys come as :class:`jaxstep.state.HostKey`
+        (:meth:`place_state` takes them back)."""
+        return self._backend.local_copy(tree, position)
 
     def lower(self, state: TrainState, batch: Any) -> Any:
         """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
@@ -326,212 +371,6 @@ class TrainStep:
         self.heartbeats[int(index)] = int(step)
         return np.asarray(status, np.int32)
 
-    # ------------------------------------------------------------- device side
-    def _loss(self, *args: Any, ctx: Context | None) -> tuple[jax.Array, Any]:
-        loss, aux = validate.loss_output(self.loss_fn(*args), self.has_aux)
-        if ctx is not None:
-            loss = self._faults.loss(loss, ctx)
-        return loss, aux
-
-    def _body(
-        self,
-        state: TrainState,
-        batch: Any,
-        extras: dict[str, Any],
-        *,
-        heartbeat: bool,
-        replicas: bool,
-    ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
-        n = len(self.devices)
-        index = jax.lax.axis_index(AXIS)
-        ctx, token = None, jnp.zeros((), jnp.int32)
-        if self._faults:
-            ctx = Context(
-                step=state.step,
-                device_id=jnp.asarray([d.id for d in self.devices], jnp.int32)[index],
-                chunk=extras["chunk"].reshape(-1)[0],
-                rows=jnp.arange(jax.tree.leaves(batch)[0].shape[0]),
-                fired=extras["fired"],
-            )
-            self._faults.check_rows(jax.tree.leaves(batch)[0].shape[0])
-            token = self._faults.stall(ctx, token)
-            batch = self._faults.input(batch, ctx)
-
-        # 1. input, 2. loss and gradients, 3. local health: all before any collective.
-        in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))
-        args: tuple[Any, ...] = (self._backend.vary(state.params), batch)
-        if state.rng is not None:
-            args += (jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index),)
-        loss_fn = functools.partial(self._loss, ctx=ctx)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
-        checks, aux = validate.checks(aux)
-        self.names["checks"] = list(checks)
-        if ctx is not None:
-            grads = self._faults.tree("grad", grads, ctx)
-        squares = health.leaf_sum_of_squares(jax.tree.leaves(grads))
-        grad_bad = ~jnp.isfinite(squares)
-        status = (
-            jnp.where(in_bad, int(Status.INPUT_NONFINITE), 0)
-            | jnp.where(jnp.isfinite(loss), 0, int(Status.LOSS_NONFINITE))
-            | jnp.where(jnp.any(grad_bad), int(Status.GRAD_NONFINITE), 0)
-            | jnp.minimum(token, 0)  # keeps an injected stall ahead of the collective
-        )
-        check_failed = ~jnp.stack(list(checks.values())) if checks else None
-        if check_failed is not None:
-            status |= jnp.where(jnp.any(check_failed), int(Status.CHECK_FAILED), 0)
-        row = {
-            "input_leaf": in_leaf,
-            "grad_leaf": health.first_true(grad_bad),
-            "param_leaf": -1,
-            "diverged_leaf": -1,
-            "check": -1 if check_failed is None else health.first_true(check_failed),
-            "loss": loss,
-            "grad_norm": jnp.sqrt(jnp.sum(squares)),
-        }
-        prints = None
-        if replicas:
-            prints, param_leaf = self._replica_check(state)
-            row["param_leaf"] = param_leaf
-            status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
-        if heartbeat:
-            # Tell the host this device finished its local part. The gradients take a
-            # (zero) term from the callback's result, so it runs before the collective.
-            shape = jax.ShapeDtypeStruct((), jnp.int32)
-            beat = io_callback(self._beat, shape, index, state.step, status)
-            zero = jnp.minimum(beat, 0)  # the callback returns status >= 0
-            grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
-            status |= zero
-        row["status"] = status
-
-        # 4. the first collective: the health rows (one-hot, so the sum is a gather),
-        # the fingerprints and the fault flags ride in the gradients' all-reduce.
-        parts = [health.pack_row(row)]
-        if prints is not None:
-            parts.append(monitors.split16(prints))
-        if ctx is not None:
-            parts.append(self._faults.fire_flags(ctx).astype(jnp.float32))
-        mine = (jnp.arange(n) == index)[:, None]
-        grads, gathered = jax.lax.psum((grads, jnp.where(mine, jnp.concatenate(parts), 0)), AXIS)
-        grads = jax.tree.map(lambda g: g / n, grads)
-        table = health.to_table(gathered[:, : len(COLUMNS)])
-        rest = gathered[:, len(COLUMNS) :]
-        if prints is not None:
-            table = self._divergence(table, monitors.join16(rest[:, : 2 * prints.shape[0]]))
-        if ctx is not None:
-            fired = jnp.any(rest[:, rest.shape[1] - len(self._faults.faults) :] > 0, axis=0)
-            extras = dict(extras, fired=extras["fired"] | fired)
-
-        # 5.-8. the verdict, the same on every device, and the update it allows.
-        new_state, table = self._update(state, table, grads, ctx, mine)
-        metrics = {"loss": jnp.mean(health.column(table, "loss"))}
-        return new_state, StepOutput(metrics=metrics, health=table, aux=aux), extras
-
-    def _replica_check(self, state: TrainState) -> tuple[jax.Array, jax.Array]:
-        """This device's fingerprint of its own copy of params and optimizer state, and
-        its first non-finite parameter leaf (or -1). In the every-k-steps program only."""
-        leaves = jax.tree.leaves((state.params, state.opt_state))
-        # The device's own buffers: marked varying, so nothing is treated as shared.
-        leaves = self._backend.vary(leaves)
-        n_params = len(jax.tree.leaves(state.params))
-        return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
-
-    def _divergence(self, table: jax.Array, prints: jax.Array) -> jax.Array:
-        diverged, first = monitors.minority(prints)
-        status = table[:, COL["status"]] | jnp.where(diverged, int(Status.DIVERGED), 0)
-        table = table.at[:, COL["status"]].set(status)
-        return table.at[:, COL["diverged_leaf"]].set(first)
-
-    def _update(
-        self,
-        state: TrainState,
-        table: jax.Array,
-        grads: Any,
-        ctx: Context | None,
-        mine: jax.Array,
-    ) -> tuple[TrainState, jax.Array]:
-        """Decides, then updates. By default everything the verdict needs is known
-        before the update, so a ``lax.cond`` skips it on failure: no second pass over
-        the state and no extra memory. ``verify_update=True`` also checks the new
-        parameters before committing them (one more pass, and a second collective)."""
-
-        def apply(operands: tuple[Any, Any]) -> tuple[Any, Any]:
-            params, opt_state = operands
-            updates, opt_state = self.optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        if self.verify_update:
-            new_params, new_opt_state = apply((state.params, state.opt_state))
-            checked = new_params if ctx is None else self._faults.tree("param", new_params, ctx)
-            leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
-            leaves = jax.lax.psum(jnp.where(mine[:, 0], leaf, 0), AXIS)  # one per device
-            status = table[:, COL["status"]]
-            # After a bad gradient every replica's update is bad too: that is the
-            # gradient's fault, so parameters are blamed only when nothing else failed.
-            bad = (leaves >= 0) & jnp.all(status == 0)
-            table = table.at[:, COL["param_leaf"]].set(jnp.where(bad, leaves, -1))
-            table = table.at[:, COL["status"]].set(
-                status | jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
-            )
-        table, ok, fields = self._verdict(state, table)
-        if self.verify_update:
-            params, opt_state = jax.tree.map(
-                lambda a, b: jnp.where(ok, a, b),
-                (new_params, new_opt_state),
-                (state.params, state.opt_state),
-            )
-        else:
-            params, opt_state = jax.lax.cond(
-                ok, apply, lambda operands: operands, (state.params, state.opt_state)
-            )
-        return dataclasses.replace(state, params=params, opt_state=opt_state, **fields), table
-
-    def _verdict(
-        self, state: TrainState, table: jax.Array
-    ) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
-        """(table with the verdict columns, ok to update, the new state's other fields)."""
-        status = table[:, COL["status"]]
-        monitor = state.monitor
-        if self.loss_spike is not None:
-            losses = health.column(table, "loss")
-            spiked = self.loss_spike.check(state.monitor["spike"], losses) & (status == 0)
-            status = status | jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
-        failed = jnp.any(status != 0)
-        # Skipping cannot repair a diverged replica, nor parameters that are already
-        # non-finite (found by the periodic check; verify_update never commits them).
-        halting = ALWAYS_HALT if self.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
-        must_halt = jnp.any((status & int(halting)) != 0)
-        if self.on_failure == "skip":
-            limit = self.max_consecutive_skips
-            halt_now = must_halt
-            if limit is not None:
-                halt_now |= failed & (state.consecutive_skips + 1 >= limit)
-            skipped = failed & ~halt_now & ~state.halted
-        else:
-            halt_now = failed
-            skipped = jnp.array(False)
-        ok = ~failed & ~state.halted
-        halted = state.halted | halt_now
-        if self.loss_spike is not None:
-            losses = health.column(table, "loss")
-            monitor = {"spike": self.loss_spike.update(state.monitor["spike"], losses, ok)}
-        consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
-        table = table.at[:, COL["status"]].set(status)
-        for name, value in (
-            ("step", state.step),
-            ("halted", halted),
-            ("skipped", skipped),
-            ("consecutive_skips", consecutive),
-        ):
-            table = table.at[:, COL[name]].set(jnp.asarray(value).astype(jnp.int32))
-        fields = {
-            "step": state.step + (ok | skipped),
-            "halted": halted,
-            "consecutive_skips": consecutive,
-            "total_skips": state.total_skips + skipped,
-            "monitor": monitor,
-        }
-        return table, ok, fields
-
 
 def make_train_step(
     loss_fn: Callable[..., Any],
@@ -547,6 +386,7 @@ def make_train_step(
     verify_update: bool = False,
     faults: Sequence[Fault] = (),
     donate: bool = True,
+    axis_name: str = AXIS,
 ) -> TrainStep:
     """Builds a checked data-parallel training step.
 
@@ -580,6 +420,9 @@ def make_train_step(
       faults: :class:`jaxstep.testing.Fault` s compiled into the step (tests, demos).
       donate: donate the state's buffers to the step (saves memory; the state passed
         in must not be used again).
+      axis_name: the name of the device axis, bound on both backends, so that
+        ``loss_fn`` (or the model: ``BatchNorm(axis_name=...)``) may use
+        ``lax.psum``/``lax.pmean`` over the devices.
 
     Returns:
       A :class:`TrainStep`: ``state = step.init(params)``, ``state, out = step(state, batch)``.
@@ -608,6 +451,8 @@ def make_train_step(
         raise ValueError(f"unknown backend {backend!r}; expected 'shard_map' or 'pmap'")
     if on_failure not in POLICIES:
         raise ValueError(f"unknown on_failure policy {on_failure!r}; expected 'raise' or 'skip'")
+    if not (isinstance(axis_name, str) and axis_name):
+        raise TypeError(f"axis_name must be a non-empty str, got {axis_name!r}")
     validate.positive_or_none("max_consecutive_skips", max_consecutive_skips)
     validate.positive_or_none("divergence_every", divergence_every)
     if loss_spike is not None and not isinstance(loss_spike, LossSpike):
@@ -633,4 +478,5 @@ def make_train_step(
         verify_update=verify_update,
         faults=faults,
         donate=donate,
+        axis_name=axis_name,
     )

@@ -83,17 +83,4 @@ def corrupt_replica(
 
 def replicas(step: TrainStep, tree: Any) -> list[Any]:
     """Each device's own copy of a replicated (or pmap-stacked) pytree, as numpy."""
-    out = []
-    for i, device in enumerate(step.devices):
-        if step._backend.stacked:
-            out.append(jax.tree.map(lambda x, i=i: np.asarray(x)[i], tree))
-        else:
-            out.append(
-                jax.tree.map(
-                    lambda x, d=device: next(
-                        np.asarray(s.data) for s in x.addressable_shards if s.device == d
-                    ),
-                    tree,
-                )
-            )
-    return out
+    return [step.local_copy(tree, i) for i in range(len(step.devices))]
