@@ -1,6 +1,7 @@
 """jaxstep: data-parallel training in JAX that says which device failed, and why."""
 
 from jaxstep import testing
+from jaxstep.build import make_train_step
 from jaxstep.diagnose import Diagnosis
 from jaxstep.diagnose import diagnose
 from jaxstep.errors import Failure
@@ -14,7 +15,6 @@ from jaxstep.monitors import LossSpike
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
-from jaxstep.step import make_train_step
 
 __version__ = "0.1.0"
 

@@ -60,6 +60,7 @@ class ShardMapBackend:
         self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(axis_name))
+        self._equivalent: dict[tuple[Any, int], bool] = {}
 
     def vary(self, tree: Any) -> Any:
         # Replicated inputs must be marked device-varying before differentiating:
@@ -94,9 +95,18 @@ class ShardMapBackend:
 
     def place_batch(self, batch: Any) -> Any:
         leaves = jax.tree.leaves(batch)
-        if all(isinstance(x, jax.Array) and x.sharding == self.split for x in leaves):
-            return batch  # already where it belongs
+        if all(isinstance(x, jax.Array) and self._is_split(x) for x in leaves):
+            return batch  # already where it belongs: no device_put (~0.7 ms of host time)
         return jax.device_put(batch, self.split)
+
+    def _is_split(self, x: jax.Array) -> bool:
+        """Whether ``x`` is split like ``self.split`` (any mesh axis name), cached per
+        sharding: a batch placed by the user's own mesh needs no ``device_put``."""
+        key = (x.sharding, x.ndim)
+        same = self._equivalent.get(key)
+        if same is None:
+            same = self._equivalent[key] = x.sharding.is_equivalent_to(self.split, x.ndim)
+        return same
 
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
         return {

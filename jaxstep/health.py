@@ -103,16 +103,23 @@ def pack_row(values: dict[str, Any]) -> jax.Array:
     return jnp.stack([jnp.asarray(values.get(name, 0)).astype(jnp.float32) for name in COLUMNS])
 
 
-def to_table(rows: jax.Array) -> jax.Array:
-    """The gathered float32 rows as the int32 health table (float columns bit-cast)."""
-    cols = []
-    for name in COLUMNS:
-        col = rows[:, COL[name]]
-        if name in FLOAT_COLUMNS:
-            cols.append(jax.lax.bitcast_convert_type(col, jnp.int32))
-        else:
-            cols.append(col.astype(jnp.int32))
-    return jnp.stack(cols, axis=1)
+def to_table(rows: jax.Array, overrides: dict[str, Any]) -> jax.Array:
+    """The gathered float32 rows as the int32 health table (float columns bit-cast),
+    with ``overrides`` (column name -> (n,) or scalar int) written in: one fused
+    elementwise pass, where per-column slices and ``.at[].set`` updates would be a
+    kernel each (the whole table's assembly was ~20 kernels of a ~60-kernel step on a
+    tiny model)."""
+    col = jnp.arange(len(COLUMNS), dtype=jnp.int32)[None, :]
+    is_float = jnp.asarray([name in FLOAT_COLUMNS for name in COLUMNS])[None, :]
+    table = jnp.where(
+        is_float, jax.lax.bitcast_convert_type(rows, jnp.int32), rows.astype(jnp.int32)
+    )
+    for name, value in overrides.items():
+        value = jnp.asarray(value).astype(jnp.int32)
+        table = jnp.where(
+            col == COL[name], value.reshape(value.shape + (1,) * (2 - value.ndim)), table
+        )
+    return table
 
 
 def column(table: jax.Array, name: str) -> jax.Array:

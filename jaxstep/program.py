@@ -158,17 +158,23 @@ def body(
     mine = (jnp.arange(n) == index)[:, None]
     grads, gathered = jax.lax.psum((grads, jnp.where(mine, jnp.concatenate(parts), 0)), axis)
     grads = jax.tree.map(lambda g: g / n, grads)
-    table = health.to_table(gathered[:, : len(COLUMNS)])
+    rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     rest = gathered[:, len(COLUMNS) :]
+    status = rows[:, COL["status"]].astype(jnp.int32)
+    columns: dict[str, jax.Array] = {}  # the table's columns changed after the gather
     if prints is not None:
-        table = divergence(table, monitors.join16(rest[:, : 2 * prints.shape[0]]))
+        diverged, first = monitors.minority(monitors.join16(rest[:, : 2 * prints.shape[0]]))
+        status |= jnp.where(diverged, int(Status.DIVERGED), 0)
+        columns["diverged_leaf"] = first
     if ctx is not None:
         fired = jnp.any(rest[:, rest.shape[1] - len(program.faults.faults) :] > 0, axis=0)
         extras = dict(extras, fired=extras["fired"] | fired)
 
     # 5.-8. the verdict, the same on every device, and the update it allows.
-    new_state, table = update(program, state, table, grads, ctx, mine)
-    metrics = {"loss": jnp.mean(health.column(table, "loss"))}
+    losses = rows[:, COL["loss"]]
+    new_state, status, columns = update(program, state, losses, status, columns, grads, ctx, mine)
+    table = health.to_table(rows, {**columns, "status": status})
+    metrics = {"loss": jnp.mean(losses)}
     info = StepInfo(checks=tuple(checks))
     return new_state, StepOutput(metrics=metrics, health=table, aux=aux, info=info), extras
 
@@ -183,46 +189,39 @@ def replica_check(program: Program, state: TrainState) -> tuple[jax.Array, jax.A
     return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
 
 
-def divergence(table: jax.Array, prints: jax.Array) -> jax.Array:
-    """Marks the devices whose fingerprints disagree with the majority."""
-    diverged, first = monitors.minority(prints)
-    status = table[:, COL["status"]] | jnp.where(diverged, int(Status.DIVERGED), 0)
-    table = table.at[:, COL["status"]].set(status)
-    return table.at[:, COL["diverged_leaf"]].set(first)
-
-
 def update(
     program: Program,
     state: TrainState,
-    table: jax.Array,
+    losses: jax.Array,
+    status: jax.Array,
+    columns: dict[str, jax.Array],
     grads: Any,
     ctx: Context | None,
     mine: jax.Array,
-) -> tuple[TrainState, jax.Array]:
+) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
     """Decides, then updates. By default everything the verdict needs is known
     before the update, so a ``lax.cond`` skips it on failure: no second pass over
     the state and no extra memory. ``verify_update=True`` also checks the new
-    parameters before committing them (one more pass, and a second collective)."""
+    parameters before committing them (one more pass, and a second collective).
+    Returns the new state, every device's status and the table columns to write."""
 
     def apply(operands: tuple[Any, Any]) -> tuple[Any, Any]:
         params, opt_state = operands
         updates, opt_state = program.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    columns = dict(columns)
     if program.verify_update:
         new_params, new_opt_state = apply((state.params, state.opt_state))
         checked = new_params if ctx is None else program.faults.tree("param", new_params, ctx)
         leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
         leaves = jax.lax.psum(jnp.where(mine[:, 0], leaf, 0), program.axis_name)
-        status = table[:, COL["status"]]
         # After a bad gradient every replica's update is bad too: that is the
         # gradient's fault, so parameters are blamed only when nothing else failed.
         bad = (leaves >= 0) & jnp.all(status == 0)
-        table = table.at[:, COL["param_leaf"]].set(jnp.where(bad, leaves, -1))
-        table = table.at[:, COL["status"]].set(
-            status | jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
-        )
-    table, ok, fields = verdict(program, state, table)
+        columns["param_leaf"] = jnp.where(bad, leaves, -1)
+        status = status | jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
+    status, ok, fields, verdict_columns = verdict(program, state, losses, status)
     if program.verify_update:
         params, opt_state = jax.tree.map(
             lambda a, b: jnp.where(ok, a, b),
@@ -233,18 +232,18 @@ def update(
         params, opt_state = jax.lax.cond(
             ok, apply, lambda operands: operands, (state.params, state.opt_state)
         )
-    return dataclasses.replace(state, params=params, opt_state=opt_state, **fields), table
+    new_state = dataclasses.replace(state, params=params, opt_state=opt_state, **fields)
+    return new_state, status, {**columns, **verdict_columns}
 
 
 def verdict(
-    program: Program, state: TrainState, table: jax.Array
-) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
-    """(table with the verdict columns, ok to update, the new state's other fields)."""
-    status = table[:, COL["status"]]
+    program: Program, state: TrainState, losses: jax.Array, status: jax.Array
+) -> tuple[jax.Array, jax.Array, dict[str, Any], dict[str, jax.Array]]:
+    """(every device's status, ok to update, the new state's other fields, the
+    step-wide verdict columns of the table)."""
     monitor = state.monitor
     spike = program.loss_spike
     if spike is not None:
-        losses = health.column(table, "loss")
         spiked = spike.check(state.monitor["spike"], losses) & (status == 0)
         status = status | jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
     failed = jnp.any(status != 0)
@@ -264,17 +263,14 @@ def verdict(
     ok = ~failed & ~state.halted
     halted = state.halted | halt_now
     if spike is not None:
-        losses = health.column(table, "loss")
         monitor = {"spike": spike.update(state.monitor["spike"], losses, ok)}
     consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
-    table = table.at[:, COL["status"]].set(status)
-    for name, value in (
-        ("step", state.step),
-        ("halted", halted),
-        ("skipped", skipped),
-        ("consecutive_skips", consecutive),
-    ):
-        table = table.at[:, COL[name]].set(jnp.asarray(value).astype(jnp.int32))
+    columns = {
+        "step": state.step,
+        "halted": halted,
+        "skipped": skipped,
+        "consecutive_skips": consecutive,
+    }
     fields = {
         "step": state.step + (ok | skipped),
         "halted": halted,
@@ -282,7 +278,7 @@ def verdict(
         "total_skips": state.total_skips + skipped,
         "monitor": monitor,
     }
-    return table, ok, fields
+    return status, ok, fields, columns
 
 
 def example_failed(

@@ -214,9 +214,7 @@ class Setup:
             return s, out.metrics["loss"]
 
         def lower() -> Any:
-            if hasattr(step, "lower"):  # newer jaxstep: the step threads extra inputs
-                return step.lower(state, batch)
-            return step._compiled.lower(state, step._backend.place_batch(batch))
+            return step.lower(state, batch)
 
         group = "optional" if optional else "jaxstep"
         return Variant(name, run, state, self.batches, lower, group)
@@ -399,6 +397,41 @@ def bench_fit(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def bench_host(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    """Host time per step, in microseconds: *dispatch* is the call that enqueues a step
+    (for jaxstep: batch check, placement, the compiled call), *settle* the read of a
+    step that has already finished (jaxstep: ``step.table(out)``, what ``fit`` does one
+    step late; by hand: ``float(loss)``). The device time of the step itself is
+    excluded from *settle* by waiting for the step first; *dispatch* still includes
+    whatever the runtime does synchronously on the calling thread."""
+    hand = setup.hand("hand", jax.jit(setup.shard_map(), donate_argnums=(0, 1)))
+    step = jaxstep.make_train_step(setup.model.loss_fn, setup.adam)
+    state = step.init(setup.params)
+    n = max(args.fit_steps, 20)
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(max(args.rounds // 4, 3)):
+        for i in range(n):
+            batch = setup.batches[i % len(setup.batches)]
+            t0 = time.perf_counter()
+            hand.state, loss = hand.run(hand.state, batch)
+            t1 = time.perf_counter()
+            loss.block_until_ready()
+            t2 = time.perf_counter()
+            float(loss)
+            t3 = time.perf_counter()
+            state, out = step(state, batch)
+            t4 = time.perf_counter()
+            out.health.block_until_ready()
+            t5 = time.perf_counter()
+            step.table(out)
+            t6 = time.perf_counter()
+            times["hand dispatch"].append(t1 - t0)
+            times["hand settle"].append(t3 - t2)
+            times["jaxstep dispatch"].append(t4 - t3)
+            times["jaxstep settle"].append(t6 - t5)
+    return {k: float(np.median(v) * 1e6) for k, v in times.items()}
+
+
 # ----------------------------------------------------------------- reports
 def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
@@ -427,6 +460,9 @@ def print_size(model: Model, res: dict[str, Any]) -> None:
     print("\nEach check alone (time ratio, per round):")
     for pair, q in res["costs"].items():
         print(f"- {pair}: {fmt_q(q)}")
+    print("\nHost time per step (median microseconds):")
+    for key, value in res["host"].items():
+        print(f"- {key}: {value:.0f} us")
     print("\nHost loops (throughput):")
     for key, value in res["fit"].items():
         print(f"- {key}: {value:.0f}" if key.endswith("examples/s") else f"- {key}: {fmt_q(value)}")
@@ -499,6 +535,7 @@ def main() -> None:
         hlo = os.path.join(args.hlo, size) if args.hlo else None
         res = bench_steps(build_variants(setup), args, hlo)
         res["fit"] = bench_fit(setup, args)
+        res["host"] = bench_host(setup, args)
         res["goals"] = goals(res)
         print_size(setup.model, res)
         report["sizes"][size] = res
