@@ -37,7 +37,6 @@ class Backend(Protocol):
     devices: list[jax.Device]
 
     def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS) -> None: ...
-    def vary(self, tree: Any) -> Any: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
     def place_state(self, state: Any) -> Any: ...
@@ -62,12 +61,6 @@ class ShardMapBackend:
         self.split = NamedSharding(self.mesh, P(axis_name))
         self._equivalent: dict[tuple[Any, int], bool] = {}
 
-    def vary(self, tree: Any) -> Any:
-        # Replicated inputs must be marked device-varying before differentiating:
-        # otherwise shard_map sums their gradients across devices (a psum) and a
-        # check taken "before the pmean" would see every device's values.
-        return jax.lax.pcast(tree, self.axis, to="varying")
-
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         axis = self.axis
 
@@ -83,12 +76,21 @@ class ShardMapBackend:
             in_specs=(P(), P(axis), extra_specs),
             # metrics and health replicated, aux per device (info holds no arrays)
             out_specs=(P(), StepOutput._make((P(), P(), P(axis), P())), extra_specs),
+            # Without the varying-type check: under it, replicated parameters would have
+            # to be cast to device-varying before differentiating (else their gradients
+            # come back already summed over the devices and no check before the
+            # collective sees one device's values), and a user's scan whose carry starts
+            # from constants (flax.linen.RNN) fails to trace. The body's collectives are
+            # explicit; the outputs declared replicated are replicated by construction.
+            check_vma=False,
         )
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn(state) -> state`` run on every device's copy."""
-        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=P()))
+        return jax.jit(
+            jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+        )
 
     def place_state(self, state: Any) -> Any:
         return jax.device_put(state, self.replicated)
@@ -144,9 +146,6 @@ class PmapBackend:
             lambda _, x: x, axis_name=axis_name, in_axes=(0, None), devices=self.devices
         )
         self._split = jax.pmap(lambda x: x, axis_name=axis_name, devices=self.devices)
-
-    def vary(self, tree: Any) -> Any:
-        return tree  # pmap inputs are per-device already
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         return jax.pmap(

@@ -51,8 +51,6 @@ class Program:
     faults: Injector
     device_ids: tuple[int, ...]
     axis_name: str
-    #: marks replicated values device-varying before differentiating (shard_map)
-    vary: Callable[[Any], Any]
 
     @property
     def n(self) -> int:
@@ -69,7 +67,7 @@ def loss(program: Program, *args: Any, ctx: Context | None) -> tuple[jax.Array, 
 
 def loss_args(program: Program, state: TrainState, batch: Any, index: Any) -> tuple[Any, ...]:
     """The arguments of ``loss_fn`` on the device at ``index`` (its key folded in)."""
-    args: tuple[Any, ...] = (program.vary(state.params), batch)
+    args: tuple[Any, ...] = (state.params, batch)
     if state.rng is not None:
         args += (jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index),)
     return args
@@ -183,8 +181,6 @@ def replica_check(program: Program, state: TrainState) -> tuple[jax.Array, jax.A
     """This device's fingerprint of its own copy of params and optimizer state, and
     its first non-finite parameter leaf (or -1). In the every-k-steps program only."""
     leaves = jax.tree.leaves((state.params, state.opt_state))
-    # The device's own buffers: marked varying, so nothing is treated as shared.
-    leaves = program.vary(leaves)
     n_params = len(jax.tree.leaves(state.params))
     return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
 

@@ -84,7 +84,6 @@ class TrainStep:
             faults=self._faults,
             device_ids=tuple(d.id for d in self.devices),
             axis_name=axis_name,
-            vary=self._backend.vary,
         )
         self._donate = donate
         # Small arrays threaded through every call: fault bookkeeping only.
