@@ -12,6 +12,7 @@ from jaxstep.history import History
 from jaxstep.loop import fit
 from jaxstep.loop import replica_state
 from jaxstep.monitors import LossSpike
+from jaxstep.scaling import DynamicLossScale
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Diagnosis",
+    "DynamicLossScale",
     "Failure",
     "HealthTable",
     "History",

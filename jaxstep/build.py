@@ -15,6 +15,7 @@ from jaxstep.backends import BACKENDS
 from jaxstep.faults import Fault
 from jaxstep.monitors import DEFAULT_DIVERGENCE_EVERY
 from jaxstep.monitors import LossSpike
+from jaxstep.scaling import DynamicLossScale
 from jaxstep.step import POLICIES
 from jaxstep.step import TrainStep
 
@@ -34,6 +35,8 @@ def make_train_step(
     faults: Sequence[Fault] = (),
     donate: bool = True,
     axis_name: str = AXIS,
+    microbatches: int = 1,
+    loss_scale: DynamicLossScale | None = None,
 ) -> TrainStep:
     """Builds a checked data-parallel training step.
 
@@ -69,7 +72,16 @@ def make_train_step(
         in must not be used again).
       axis_name: the name of the device axis, bound on both backends, so that
         ``loss_fn`` (or the model: ``BatchNorm(axis_name=...)``) may use
-        ``lax.psum``/``lax.pmean`` over the devices.
+        ``lax.psum``/``lax.pmean`` over the devices. Which checks stay per-device
+        when the model communicates: see docs/flax.md.
+      microbatches: accumulate the mean gradient over this many equal slices of each
+        device's chunk inside the step (a ``lax.scan``); health is checked per
+        micro-batch and the first failing one is ``err.microbatch``. ``state.step``
+        counts batches (with ``optax.MultiSteps``, updates are every k-th of them).
+      loss_scale: a :class:`jaxstep.DynamicLossScale` for fp16: each device finds its
+        own overflow before the all-reduce; an overflowing step is skipped on every
+        device, recorded as ``Status.OVERFLOW`` (not a failure) and the scale backs
+        off; at the minimum scale an overflow raises. bf16 needs none.
 
     Returns:
       A :class:`TrainStep`: ``state = step.init(params)``, ``state, out = step(state, batch)``.
@@ -101,6 +113,11 @@ def make_train_step(
     if not (isinstance(axis_name, str) and axis_name):
         raise TypeError(f"axis_name must be a non-empty str, got {axis_name!r}")
     validate.positive_or_none("max_consecutive_skips", max_consecutive_skips)
+    validate.positive_or_none("microbatches", microbatches)
+    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a jaxstep.DynamicLossScale or None, got {loss_scale!r}"
+        )
     validate.positive_or_none("divergence_every", divergence_every)
     if loss_spike is not None and not isinstance(loss_spike, LossSpike):
         raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {loss_spike!r}")
@@ -126,4 +143,6 @@ def make_train_step(
         faults=faults,
         donate=donate,
         axis_name=axis_name,
+        microbatches=microbatches,
+        loss_scale=loss_scale,
     )

@@ -17,6 +17,16 @@ from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import Status
 from jaxstep.step import TrainStep
 
+# Causes a replay can follow from chunk to device, earliest in the chain first.
+_ROOTS = (
+    Status.INPUT_NONFINITE,
+    Status.LOSS_NONFINITE,
+    Status.GRAD_NONFINITE,
+    Status.MODEL_STATE_NONFINITE,
+    Status.CHECK_FAILED,
+    Status.LOSS_SPIKE,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
@@ -74,9 +84,18 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
     failed = tuple(sorted(position[f.device_id] for f in error.failures))
     ids = [d.id for d in step.devices]
 
+    # Follow the root cause only: when the model communicates (cross-device
+    # BatchNorm), one device's bad input makes every device's loss non-finite, but
+    # only the device holding the bad rows fails its input check.
+    root = next((flag for flag in _ROOTS if flag in error.status), None)
+    if root is not None:
+        failed = tuple(sorted(position[f.device_id] for f in error.failures if root in f.status))
+
     def run(rotation: int) -> tuple[int, ...]:
         _, out = step.replay(error.state, batch, rotation=rotation)
-        return tuple(int(i) for i in np.flatnonzero(step.table(out).status))
+        status = step.table(out).status
+        hit = status != 0 if root is None else (status & int(root)) != 0
+        return tuple(int(i) for i in np.flatnonzero(hit))
 
     same = run(0)
     replays = [(0, tuple(ids[i] for i in same))]

@@ -17,6 +17,8 @@ _CAUSES: tuple[tuple[Status, str], ...] = (
     (Status.INPUT_NONFINITE, "non-finite input"),
     (Status.LOSS_NONFINITE, "non-finite loss"),
     (Status.GRAD_NONFINITE, "non-finite gradient"),
+    (Status.MODEL_STATE_NONFINITE, "non-finite model state"),
+    (Status.OVERFLOW, "scaled gradient overflowed at the minimum loss scale"),
     (Status.PARAM_NONFINITE, "non-finite parameter after the update"),
     (Status.CHECK_FAILED, "failed check"),
     (Status.DIVERGED, "replica diverged from the majority"),
@@ -37,6 +39,14 @@ _HINTS: dict[Status, str] = {
         "the loss was finite but a gradient was not: look for sqrt/log at 0 or overflow "
         "in the layer that owns {leaf}; clipping (optax.clip_by_global_norm) does not "
         "help against NaN"
+    ),
+    Status.MODEL_STATE_NONFINITE: (
+        "the new model state (e.g. BatchNorm statistics) of {leaf} was not finite on rows "
+        "{rows} of the global batch: look for extreme inputs or a variance of 0"
+    ),
+    Status.OVERFLOW: (
+        "the fp16 gradients overflow even at DynamicLossScale's minimum_scale: lower "
+        "minimum_scale, keep the overflowing layer in float32, or use bf16 (no scale needed)"
     ),
     Status.PARAM_NONFINITE: (
         "the update overflowed the parameters: lower the learning rate or clip gradients"
@@ -62,6 +72,7 @@ class Failure:
     reason: str
     leaf: str | None
     rows: tuple[int, int] | None = None  # [start, stop) of the global batch on it
+    microbatch: int | None = None  # the first failing micro-batch (microbatches > 1)
 
 
 class TrainingWorkerError(RuntimeError):
@@ -93,6 +104,7 @@ class TrainingWorkerError(RuntimeError):
         self.status = first.status
         self.reason = first.reason
         self.leaf = first.leaf
+        self.microbatch = first.microbatch
         self.state = state
         self.note = note
         self.history = history
@@ -104,16 +116,24 @@ class TrainingWorkerError(RuntimeError):
 
     def _message(self) -> str:
         first = self.failures[0]
+        where = "" if first.microbatch is None else f", micro-batch {first.microbatch}"
         lines = [
             f"training worker on device {first.device_id} failed: {first.reason} "
-            f"at step {first.step} (process {first.process_index})"
+            f"at step {first.step}{where} (process {first.process_index})"
         ]
         if self.note:
             lines.append(self.note)
+        root = _rank(first.status)
         for other in self.failures[1:]:
+            follows = (
+                f" (follows from device {first.device_id}'s failure: the model's collectives "
+                "carried it)"
+                if _rank(other.status) > root
+                else ""
+            )
             lines.append(
                 f"  also failed at this step: device {other.device_id} "
-                f"(process {other.process_index}): {other.reason}"
+                f"(process {other.process_index}): {other.reason}{follows}"
             )
         if self.diagnosis is not None:
             lines.append(f"diagnosis: {self.diagnosis}")
@@ -181,13 +201,23 @@ def describe(status: Status, leaves: dict[Status, str], check: str | None) -> st
     return parts[0] + (f" (with {', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
+def _rank(status: Status) -> int:
+    """Where a status's first cause sits in the chain input -> loss -> gradient ->
+    model state -> parameters -> the rest: the earliest is the root cause."""
+    return next((i for i, (flag, _) in enumerate(_CAUSES) if flag in status), len(_CAUSES))
+
+
 def failures_from_table(
     table: HealthTable,
     devices: Sequence[Any],
     names: Mapping[str, Sequence[str]],
     rows_per_device: int | None,
+    microbatches: int = 1,
 ) -> list[Failure]:
-    """Turns a decoded health table into Failures, in the step's device order."""
+    """Turns a decoded health table into Failures, root cause first: the device whose
+    failure came earliest in the chain input -> loss -> gradient -> parameters leads
+    (a NaN input on one device outranks the non-finite losses a collective in the
+    model spread from it), then device order."""
     out = []
     for i, dev in enumerate(devices):
         status = Status(int(table.status[i]))
@@ -198,6 +228,8 @@ def failures_from_table(
             for flag, column, kind in (
                 (Status.INPUT_NONFINITE, table.input_leaf, "input"),
                 (Status.GRAD_NONFINITE, table.grad_leaf, "params"),
+                (Status.OVERFLOW, table.grad_leaf, "params"),
+                (Status.MODEL_STATE_NONFINITE, table.model_state_leaf, "model_state"),
                 (Status.PARAM_NONFINITE, table.param_leaf, "params"),
                 (Status.DIVERGED, table.diverged_leaf, "state"),
             )
@@ -207,6 +239,10 @@ def failures_from_table(
         leaf = next(iter(leaves.values()), None)
         check = names["checks"][int(table.check[i])] if table.check[i] >= 0 else None
         rows = (i * rows_per_device, (i + 1) * rows_per_device) if rows_per_device else None
+        micro = int(table.microbatch[i]) if microbatches > 1 and table.microbatch[i] >= 0 else None
+        if rows is not None and micro is not None and rows_per_device:
+            size = rows_per_device // microbatches
+            rows = (rows[0] + micro * size, rows[0] + (micro + 1) * size)
         out.append(
             Failure(
                 device_id=int(dev.id),
@@ -216,6 +252,7 @@ def failures_from_table(
                 reason=describe(status, leaves, check),
                 leaf=leaf,
                 rows=rows,
+                microbatch=micro,
             )
         )
-    return out
+    return sorted(out, key=lambda f: _rank(f.status))  # stable: device order within a rank

@@ -29,6 +29,8 @@ class Status(enum.IntFlag):
     DIVERGED = 32
     HUNG = 64
     LOSS_SPIKE = 128
+    OVERFLOW = 256  # scaled gradients overflowed (loss scaling): recorded, not a failure
+    MODEL_STATE_NONFINITE = 512  # the new model state (e.g. BatchNorm statistics)
 
 
 # Columns of the health table. Per-device columns first; the last ones hold the
@@ -40,12 +42,15 @@ COLUMNS: tuple[str, ...] = (
     "param_leaf",  # index of the first non-finite parameter leaf, or -1
     "check",  # index of the first failing user check, or -1
     "diverged_leaf",  # index of the first state leaf that differs from the majority, or -1
+    "model_state_leaf",  # index of the first non-finite new model-state leaf, or -1
+    "microbatch",  # the first failing micro-batch, or -1
     "loss",  # local loss (float32 bits)
     "grad_norm",  # local gradient norm, before averaging (float32 bits)
     "step",  # state.step the step started from
     "halted",  # 1 if the state is halted after this step
     "skipped",  # 1 if this step's update was discarded (skip policy)
     "consecutive_skips",  # skips in a row after this step
+    "failed",  # 1 if this step failed (OVERFLOW alone is no failure, but at the minimum scale)
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 FLOAT_COLUMNS = frozenset({"loss", "grad_norm"})
@@ -139,12 +144,15 @@ class HealthTable(NamedTuple):
     param_leaf: np.ndarray
     check: np.ndarray
     diverged_leaf: np.ndarray
+    model_state_leaf: np.ndarray
+    microbatch: np.ndarray
     loss: np.ndarray
     grad_norm: np.ndarray
     step: int
     halted: bool
     skipped: bool
     consecutive_skips: int
+    failed: bool
 
     @classmethod
     def from_array(cls, table: np.ndarray) -> HealthTable:
@@ -156,15 +164,11 @@ class HealthTable(NamedTuple):
                 fields[name] = col.view(np.float32)
             elif name in ("step", "consecutive_skips"):
                 fields[name] = int(col[0])
-            elif name in ("halted", "skipped"):
+            elif name in ("halted", "skipped", "failed"):
                 fields[name] = bool(col[0])
             else:
                 fields[name] = col
         return cls(**fields)
-
-    @property
-    def failed(self) -> bool:
-        return bool(np.any(self.status != 0))
 
     @property
     def mean_loss(self) -> float:

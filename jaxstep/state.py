@@ -30,6 +30,11 @@ class TrainState:
       consecutive_skips: skipped steps in a row (``skip`` policy).
       total_skips: skipped steps in all.
       monitor: memory of the cross-step checks (the loss-spike window), a dict.
+      model_state: the model's non-trained variables (BatchNorm statistics,
+        counters), or None: ``loss_fn(..., model_state=ms)`` returns the new one as
+        ``aux["model_state"]``; float leaves are averaged over the devices each step.
+      loss_scale: a :class:`jaxstep.scaling.LossScaleState` with a
+        :class:`jaxstep.DynamicLossScale`, or None.
     """
 
     step: jax.Array
@@ -40,6 +45,8 @@ class TrainState:
     consecutive_skips: jax.Array
     total_skips: jax.Array
     monitor: dict[str, Any]
+    model_state: Any = None
+    loss_scale: Any = None
 
 
 @jax.tree_util.register_static

@@ -29,6 +29,7 @@ from jaxstep.faults import Fault
 from jaxstep.faults import Injector
 from jaxstep.health import HealthTable
 from jaxstep.monitors import LossSpike
+from jaxstep.scaling import DynamicLossScale
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
 from jaxstep.state import from_host
@@ -59,6 +60,8 @@ class TrainStep:
         faults: Sequence[Fault],
         donate: bool,
         axis_name: str = AXIS,
+        microbatches: int = 1,
+        loss_scale: DynamicLossScale | None = None,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -67,6 +70,8 @@ class TrainStep:
         self.max_consecutive_skips = max_consecutive_skips
         self.divergence_every = divergence_every
         self.loss_spike = loss_spike
+        self.microbatches = microbatches
+        self.loss_scale = loss_scale
         self.verify_update = verify_update
         self.axis_name = axis_name
         self.devices: list[jax.Device] = list(devices)
@@ -84,6 +89,8 @@ class TrainStep:
             faults=self._faults,
             device_ids=tuple(d.id for d in self.devices),
             axis_name=axis_name,
+            microbatches=microbatches,
+            loss_scale=loss_scale,
         )
         self._donate = donate
         # Small arrays threaded through every call: fault bookkeeping only.
@@ -113,7 +120,13 @@ class TrainStep:
         self.heartbeats: dict[int, int] = {}
         # Leaf names: params and state at init, input on the first batch, checks from
         # the first output's StepInfo.
-        self.names: dict[str, list[str]] = {"params": [], "input": [], "checks": [], "state": []}
+        self.names: dict[str, list[str]] = {
+            "params": [],
+            "input": [],
+            "checks": [],
+            "state": [],
+            "model_state": [],
+        }
         self._info: Any = None
         self._params_def: Any = None
         self._state_sig: Any = None
@@ -127,18 +140,27 @@ class TrainStep:
         return self._backend.stacked
 
     # ---------------------------------------------------------------- host side
-    def init(self, params: Any, *, rng: jax.Array | None = None) -> TrainState:
+    def init(
+        self, params: Any, *, model_state: Any = None, rng: jax.Array | None = None
+    ) -> TrainState:
         """Builds the first state from ``params`` and places it on the devices.
 
         Args:
           params: a pytree of float arrays.
+          model_state: the model's non-trained variables (e.g. linen's
+            ``{"batch_stats": ...}``), or None. With it, ``loss_fn`` is called with
+            ``model_state=`` and returns the new one in ``aux["model_state"]``.
           rng: optional PRNG key; then ``loss_fn(params, batch, rng)`` gets a key per
             step and device.
 
         Raises:
-          TypeError: a parameter leaf is not a float array.
+          TypeError: a parameter leaf is not a float array, or a model state is given
+            to a step built without ``has_aux=True``.
         """
         validate.params(params)
+        if model_state is not None:
+            validate.model_state_leaves(model_state, self.has_aux)
+            model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
         # Own copies: the step donates its state, and must not delete the caller's arrays.
         params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         opt_state = self.optimizer.init(params)
@@ -154,13 +176,19 @@ class TrainStep:
             consecutive_skips=jnp.zeros((), jnp.int32),
             total_skips=jnp.zeros((), jnp.int32),
             monitor={"spike": self.loss_spike.init(n)} if self.loss_spike else {},
+            model_state=model_state,
+            loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
         )
         placed = self._backend.place_state(state)
         self._check_state(placed)  # records the state's shape
         return placed
 
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepOutput]:
+    def __call__(
+        self, state: TrainState, batch: Any, *, presplit: bool = False
+    ) -> tuple[TrainState, StepOutput]:
         """Runs one step on ``batch``; chunk i of its leading axis runs on ``devices[i]``.
+        ``presplit=True``: every leaf is ``(n_devices, per_device, ...)``, as pmap code
+        builds batches (``[i]`` runs on ``devices[i]``).
 
         Dispatches and returns at once: nothing here waits for the devices. A failed
         step returns the state unchanged (with ``halted`` set under ``raise``); read
@@ -170,15 +198,17 @@ class TrainStep:
           ValueError, TypeError: the batch or state is malformed; nothing ran and the
             state is still usable.
         """
-        return self.dispatch(state, batch)
+        return self.dispatch(state, batch, presplit=presplit)
 
     def dispatch(
-        self, state: TrainState, batch: Any, *, heartbeat: bool = False
+        self, state: TrainState, batch: Any, *, heartbeat: bool = False, presplit: bool = False
     ) -> tuple[TrainState, StepOutput]:
         """Like calling the step; ``heartbeat=True`` also records, in
         ``self.heartbeats``, each device finishing its local part (a host callback
         per device and step: what ``fit(step_timeout=...)`` uses to name a hung device).
         On CPU a step with host callbacks runs synchronously."""
+        if presplit:
+            batch = self.join(batch)
         self._check_state(state)
         self._check_batch(batch)
         number = self._step_number(state)
@@ -188,11 +218,33 @@ class TrainStep:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
         else:
             fn = self._compiled[(False, replicas)]
-        state, out, self._extras = fn(state, placed, self._extras)
+        if self._info is None:  # the first call traces the program: say what went wrong
+            try:
+                state, out, self._extras = fn(state, placed, self._extras)
+            except Exception as err:
+                hint = validate.presplit_hint(err, batch, len(self.devices))
+                if hint is None:
+                    raise
+                raise hint from err
+        else:
+            state, out, self._extras = fn(state, placed, self._extras)
         self._last_state, self._next_step = state, number + 1
         if out.info is not self._info:
             self._learn(out.info)
         return state, out
+
+    def join(self, batch: Any) -> Any:
+        """A pre-split ``(n_devices, per_device, ...)`` batch as the global batch."""
+        n = len(self.devices)
+        for path, x in jax.tree_util.tree_leaves_with_path(batch):
+            shape: tuple[int, ...] = tuple(getattr(x, "shape", ()))
+            if len(shape) < 2 or shape[0] != n:
+                raise ValueError(
+                    f"presplit=True, but batch leaf {jax.tree_util.keystr(path) or 'batch'} "
+                    f"has shape {tuple(shape)}; a pre-split leaf is (n_devices={n}, "
+                    "per_device, ...)"
+                )
+        return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), batch)
 
     def _learn(self, info: Any) -> None:
         """What the program returned about itself (once per compiled program)."""
@@ -250,21 +302,30 @@ class TrainStep:
         self, state: TrainState, batch: Any, chunks: Sequence[int], step: int
     ) -> list[int]:
         """Global batch indices of the examples of ``chunks`` that fail on their own
-        (input, loss, gradient or a user check) from ``state`` at step ``step``: the
-        per-example health pass of the replay diagnosis. Runs on one device."""
+        (input, loss, gradient, model state or a user check) from ``state`` at step
+        ``step``: the per-example health pass of the replay diagnosis. Runs on one
+        device; ``axis_name`` is bound to a one-example axis, so a model that
+        communicates (cross-device BatchNorm) sees each example alone."""
         if self._examples is None:
-            one = functools.partial(prog.example_failed, self.program)
-            self._examples = jax.jit(jax.vmap(one, in_axes=(None, None, None, 0, None, 0)))
+            program, axis = self.program, self.axis_name
+
+            def one(state: TrainState, example: Any, chunk: jax.Array, row: jax.Array) -> Any:
+                def alone(ex: Any) -> jax.Array:
+                    return prog.example_failed(program, state, ex, chunk, row)
+
+                lone = jax.tree.map(lambda x: x[None], example)
+                return jax.vmap(alone, axis_name=axis)(lone)[0]
+
+            self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
         self._check_batch(batch)
-        host = self.host_state(state)
-        params = jax.tree.map(np.asarray, host.params)
+        host = from_host(self.local_copy(state, 0))
+        host = dataclasses.replace(host, step=jnp.asarray(step, jnp.int32))
         size = jax.tree.leaves(batch)[0].shape[0] // len(self.devices)
-        step_no = jnp.asarray(step, jnp.int32)
         found: list[int] = []
         for c in chunks:
             rows = slice(c * size, (c + 1) * size)
             part = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], batch)
-            flags = self._examples(params, host.rng, step_no, part, jnp.int32(c), jnp.arange(size))
+            flags = self._examples(host, part, jnp.int32(c), jnp.arange(size))
             found.extend(int(c * size + r) for r in np.flatnonzero(np.asarray(flags)))
         return found
 
@@ -274,7 +335,9 @@ class TrainStep:
 
     def failures(self, table: HealthTable, rows_per_device: int | None = None) -> list[Failure]:
         """The failing devices of a step, in device order."""
-        return failures_from_table(table, self.devices, self.names, rows_per_device)
+        return failures_from_table(
+            table, self.devices, self.names, rows_per_device, self.microbatches
+        )
 
     def clear_halt(self, state: TrainState) -> TrainState:
         """The same state with ``halted`` cleared, to resume from a failed step."""
@@ -329,8 +392,11 @@ class TrainStep:
             self._params_def = jax.tree.structure(state.params)
             host = self.host_state(state)
             self.names["params"] = _keystrs(host.params)
-            self.names["state"] = _keystrs(host.params, "params") + _keystrs(
-                host.opt_state, "opt_state"
+            self.names["model_state"] = _keystrs(host.model_state, "model_state")
+            self.names["state"] = (
+                _keystrs(host.params, "params")
+                + _keystrs(host.opt_state, "opt_state")
+                + self.names["model_state"]
             )
             self._state_sig = (treedef, shapes)
         elif (treedef, shapes) != self._state_sig:
@@ -354,7 +420,7 @@ class TrainStep:
         key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
         if key == self._batch_key:
             return
-        validate.batch(batch, len(self.devices))
+        validate.batch(batch, len(self.devices), self.microbatches)
         if self._batch_def is None:
             self._batch_def = treedef
             self.names["input"] = _keystrs(batch)

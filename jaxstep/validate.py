@@ -55,7 +55,7 @@ def params(tree: Any) -> None:
             )
 
 
-def batch(tree: Any, n: int) -> int:
+def batch(tree: Any, n: int, microbatches: int = 1) -> int:
     """Checks a global batch; returns its leading (example) size."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if not leaves:
@@ -89,6 +89,7 @@ def batch(tree: Any, n: int) -> int:
             f"batch leading axis {size} does not divide by the {n} devices; use a multiple "
             f"of {n} (e.g. {lo or n} or {hi}) or drop the last partial batch"
         )
+    microbatch_rows(size, n, microbatches)
     return int(size)
 
 
@@ -136,3 +137,73 @@ def checks(aux: Any) -> tuple[dict[str, jax.Array], Any]:
                 "it (e.g. jnp.all(x < 10.0))"
             )
     return {k: found[k] for k in sorted(found)}, rest
+
+
+def model_state(aux: Any, old: Any) -> tuple[Any, Any]:
+    """Splits ``aux["model_state"]`` (the new model state) from the rest of aux, and
+    checks it matches the old one's structure (at trace time). ``old`` None: the
+    step has no model state and aux is returned as it is."""
+    if old is None:
+        return None, aux
+    if not (isinstance(aux, dict) and "model_state" in aux):
+        raise TypeError(
+            "the state holds a model_state, so loss_fn must return (loss, aux) with the new "
+            "one in aux['model_state'] (build the step with has_aux=True); got aux of type "
+            f"{type(aux).__name__}"
+        )
+    new = aux["model_state"]
+    rest = {k: v for k, v in aux.items() if k != "model_state"} or None
+    want: Any = jax.tree.structure(old)
+    got: Any = jax.tree.structure(new)
+    if want != got:
+        raise TypeError(
+            f"aux['model_state'] must have the structure of the model_state given to "
+            f"loss_fn: expected {want}, got {got}"
+        )
+    for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise TypeError(
+                f"aux['model_state'] changed a leaf from {a.shape} {a.dtype} to "
+                f"{b.shape} {b.dtype}; return the updated state with the same shapes"
+            )
+    return new, rest
+
+
+def model_state_leaves(tree: Any, has_aux: bool) -> None:
+    """Checks a model state given to ``step.init`` (arrays only; needs has_aux)."""
+    if not has_aux:
+        raise TypeError(
+            "step.init(..., model_state=...) needs a step built with has_aux=True: loss_fn "
+            "returns the new model state as aux['model_state']"
+        )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            raise TypeError(
+                f"model_state leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, "
+                "not an array; keep modules and configuration out of the model state"
+            )
+
+
+def microbatch_rows(size: int, n: int, microbatches: int) -> None:
+    if microbatches > 1 and (size // n) % microbatches:
+        per = size // n
+        raise ValueError(
+            f"each device's chunk has {per} rows, which do not split into microbatches="
+            f"{microbatches}; use a global batch whose per-device rows divide by "
+            f"{microbatches} (e.g. {n * microbatches * max(1, per // microbatches)})"
+        )
+
+
+def presplit_hint(err: Exception, tree: Any, n: int) -> Exception | None:
+    """``err`` from tracing the step, with a hint when the batch looks pre-split."""
+    shapes: list[tuple[int, ...]] = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(tree)]
+    if shapes and all(len(s) >= 2 and s[0] == n for s in shapes):
+        shown = ", ".join(str(tuple(s)) for s in shapes)
+        return ValueError(
+            f"tracing the step failed ({type(err).__name__}: {str(err)[:300]}); the batch "
+            f"has shapes {shown}, whose leading axis is the number of devices ({n}): if it "
+            "is pre-split as (n_devices, per_device, ...), as pmap code builds it, call "
+            "step(state, batch, presplit=True), or pass the global batch "
+            "(n_devices * per_device, ...). Nothing ran; the state is unchanged"
+        )
+    return None
