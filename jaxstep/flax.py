@@ -178,7 +178,9 @@ def _fresh(template: nnx.State, values: Mapping[str, Any] | None = None) -> nnx.
     """New ``Variable`` objects (owned by the current trace) holding ``values``."""
     state = jax.tree.map(lambda x: x, template)
     if values:
-        nnx.replace_by_pure_dict(state, dict(values))
+        # jax arrays, never numpy: a module updates its variables in place, which
+        # would write into the caller's numpy arrays.
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, dict(values)))
     return state
 
 
@@ -209,6 +211,7 @@ def nnx_split(module: nnx.Module) -> tuple[NNXGraph, dict[str, Any], dict[str, A
             "use jaxstep.flax.linen_split(module.init(key, x))"
         )
     graphdef, params, rngs, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
+    rngs = jax.tree.map(jnp.asarray, rngs)  # see _fresh
     graph = NNXGraph(graphdef, _shapes(params), _shapes(rest), rngs)
     return graph, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
