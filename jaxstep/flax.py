@@ -113,7 +113,9 @@ def linen_apply(
 
     Returns:
       ``(outputs, new_model_state)``; collections the module did not update are
-      passed through, so the structure never changes.
+      passed through, so with the default ``mutable`` the structure never changes
+      (a collection added through ``mutable``, e.g. ``"intermediates"``, is in
+      ``new_model_state`` too: take it out before returning the state to jaxstep).
     """
     model_state = dict(model_state or {})
     mutable = list(model_state) if mutable is None else list(mutable)
