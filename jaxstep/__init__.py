@@ -1,5 +1,8 @@
 """jaxstep: data-parallel training in JAX that says which device failed, and why."""
 
+import importlib
+from typing import Any
+
 from jaxstep import testing
 from jaxstep.build import make_train_step
 from jaxstep.diagnose import Diagnosis
@@ -18,6 +21,14 @@ from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # jaxstep.flax (the Flax adapters) loads flax.nnx: only when first used.
+    if name == "flax":
+        return importlib.import_module("jaxstep.flax")
+    raise AttributeError(f"module 'jaxstep' has no attribute {name!r}")
+
 
 __all__ = [
     "Diagnosis",
