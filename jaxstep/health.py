@@ -62,6 +62,8 @@ def _floats(leaves: Sequence[jax.Array]) -> list[tuple[int, jax.Array]]:
 
 def first_true(flags: jax.Array) -> jax.Array:
     """Index of the first True in a 1-d bool array, or -1."""
+    if flags.shape[0] == 0:
+        return jnp.array(-1, jnp.int32)
     return jnp.where(jnp.any(flags), jnp.argmax(flags), -1).astype(jnp.int32)
 
 

@@ -128,6 +128,7 @@ class TrainStep:
             "model_state": [],
         }
         self._info: Any = None
+        self._traced: set[Any] = set()  # batch shapes the program was traced for
         self._params_def: Any = None
         self._state_sig: Any = None
         self._last_state: Any = None
@@ -218,7 +219,7 @@ class TrainStep:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
         else:
             fn = self._compiled[(False, replicas)]
-        if self._info is None:  # the first call traces the program: say what went wrong
+        if self._batch_key not in self._traced:  # a new shape traces: say what went wrong
             try:
                 state, out, self._extras = fn(state, placed, self._extras)
             except Exception as err:
@@ -226,6 +227,7 @@ class TrainStep:
                 if hint is None:
                     raise
                 raise hint from err
+            self._traced.add(self._batch_key)
         else:
             state, out, self._extras = fn(state, placed, self._extras)
         self._last_state, self._next_step = state, number + 1
