@@ -204,7 +204,12 @@ class Setup:
         return Variant(name, run, state, batches, lambda: fn.lower(*state, batches[0]), group)
 
     def jaxstep(
-        self, name: str, loss_fn: Callable | None = None, optional: bool = False, **kwargs: Any
+        self,
+        name: str,
+        loss_fn: Callable | None = None,
+        optional: bool = False,
+        group: str | None = None,
+        **kwargs: Any,
     ) -> Variant:
         step = jaxstep.make_train_step(loss_fn or self.model.loss_fn, self.adam, **kwargs)
         state, batch = step.init(self.params), self.batches[0]
@@ -216,7 +221,7 @@ class Setup:
         def lower() -> Any:
             return step.lower(state, batch)
 
-        group = "optional" if optional else "jaxstep"
+        group = group or ("optional" if optional else "jaxstep")
         return Variant(name, run, state, self.batches, lower, group)
 
 
@@ -252,6 +257,10 @@ def build_variants(setup: Setup) -> list[Variant]:
             setup.jaxstep("jaxstep loss_spike", optional=True, **spike),
             setup.jaxstep("jaxstep verify_update", optional=True, verify_update=True),
         ]
+    variants += [  # features, not checks: their price, not part of the check goals
+        setup.jaxstep("jaxstep microbatches=4", group="feature", microbatches=4),
+        setup.jaxstep("jaxstep loss_scale", group="feature", loss_scale=jaxstep.DynamicLossScale()),
+    ]
     all_checks = {"optional": True, "has_aux": True, **every}
     variants += [
         setup.jaxstep("jaxstep user checks", checked, optional=True, has_aux=True),
@@ -432,6 +441,98 @@ def bench_host(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     return {k: float(np.median(v) * 1e6) for k, v in times.items()}
 
 
+def bench_batchnorm(args: argparse.Namespace) -> dict[str, Any]:
+    """A CNN with cross-device BatchNorm: jaxstep (model_state, axis_name) against a
+    hand-written pmap step in the Flax imagenet example's style (``pmean`` of the
+    gradients and of the batch statistics), ms per step and ratios per round."""
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            x = nn.Conv(32, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=False, axis_name="batch")(x)
+            x = nn.relu(nn.Conv(32, (3, 3), strides=2)(x))
+            x = nn.BatchNorm(use_running_average=False, axis_name="batch")(x)
+            return nn.Dense(10)(x.mean((1, 2)))
+
+    model, opt, per_device = CNN(), optax.sgd(0.1, momentum=0.9), 32
+    rng = np.random.default_rng(0)
+    # init under a one-example-axis vmap: BatchNorm's axis name must be bound
+    x0 = jnp.ones((1, per_device, 16, 16, 3))
+    init = jax.vmap(lambda x: model.init(jax.random.key(0), x), axis_name="batch")(x0)
+    params = jax.tree.map(lambda v: v[0], init["params"])
+    stats = jax.tree.map(lambda v: v[0], init["batch_stats"])
+    host = []
+    for _ in range(4):
+        x = rng.normal(size=(N_DEVICES * per_device, 16, 16, 3)).astype(np.float32)
+        host.append({"x": x, "y": rng.integers(0, 10, len(x)).astype(np.int32)})
+
+    def loss(p: Any, ms: Any, b: Any) -> tuple[jax.Array, Any]:
+        logits, new = model.apply({"params": p, "batch_stats": ms}, b["x"], mutable=["batch_stats"])
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+        return xent, new["batch_stats"]
+
+    def hand_body(p: Any, o: Any, ms: Any, b: Any) -> tuple[Any, ...]:
+        (value, ms), grads = jax.value_and_grad(loss, has_aux=True)(p, ms, b)
+        grads, ms, value = jax.lax.pmean((grads, ms, value), "batch")
+        updates, o = opt.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, ms, value
+
+    hand = jax.pmap(hand_body, "batch", donate_argnums=(0, 1, 2))
+    split = lambda b: jax.tree.map(lambda v: v.reshape(N_DEVICES, -1, *v.shape[1:]), b)  # noqa: E731
+    stacked = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("b",)), P("b"))
+    hand_state = [
+        jax.device_put(jax.tree.map(lambda v: np.stack([v] * N_DEVICES), t), stacked)
+        for t in (params, opt.init(params), stats)
+    ]
+    hand_batches = [jax.device_put(split(b), stacked) for b in host]
+
+    def user_loss(p: Any, b: Any, *, model_state: Any) -> tuple[jax.Array, Any]:
+        value, new = loss(p, model_state, b)
+        return value, {"model_state": new}
+
+    variants: dict[str, Callable[[], float]] = {}
+    state_box: dict[str, Any] = {"hand": hand_state}
+
+    def hand_loop() -> float:
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            *rest, value = hand(*state_box["hand"], hand_batches[i % 4])
+            state_box["hand"] = rest
+        jax.block_until_ready(state_box["hand"])
+        return (time.perf_counter() - t0) / args.steps
+
+    variants["hand pmap (imagenet style)"] = hand_loop
+    for backend in ("pmap", "shard_map"):
+        step = jaxstep.make_train_step(
+            user_loss, opt, has_aux=True, axis_name="batch", backend=backend
+        )
+        state_box[backend] = step.init(params, model_state=stats)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("b",))
+        placed = [jax.device_put(b, NamedSharding(mesh, P("b"))) for b in host]
+
+        def loop(step: Any = step, backend: str = backend, placed: Any = placed) -> float:
+            t0 = time.perf_counter()
+            previous = None
+            for i in range(args.steps):
+                state_box[backend], out = step(state_box[backend], placed[i % 4])
+                if previous is not None:
+                    step.table(previous)
+                previous = out
+            jax.block_until_ready(state_box[backend])
+            return (time.perf_counter() - t0) / args.steps
+
+        variants[f"jaxstep {backend}"] = loop
+    interleave(variants, 1)  # compile and warm up
+    times = interleave(variants, args.rounds)
+    base = times["hand pmap (imagenet style)"]
+    return {
+        name: {"ms_per_step": float(np.median(t) * 1e3), "ratio_q": quartiles(t / base)}
+        for name, t in times.items()
+    }
+
+
 # ----------------------------------------------------------------- reports
 def fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
@@ -499,6 +600,9 @@ def main() -> None:
     parser.add_argument("--fit-steps", type=int, default=40, help="steps per host-loop round")
     parser.add_argument("--quick", action="store_true", help="a short run: mlp,tiny, few rounds")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument(
+        "--batchnorm", action="store_true", help="also the BatchNorm CNN against a pmap step"
+    )
     parser.add_argument("--hlo", help="write every variant's optimized HLO into this folder")
     args = parser.parse_args()
     if args.quick:  # under 2 minutes on 2 cores, compiling included
@@ -530,6 +634,11 @@ def main() -> None:
         f"rounds x {args.steps} steps; default divergence_every={divergence}; LossSpike "
         f"{'on' if NEW_CHECKS else 'not available'}; load average {os.getloadavg()[0]:.2f}"
     )
+    if args.batchnorm:
+        report["batchnorm"] = bench_batchnorm(args)
+        print("\n### BatchNorm CNN (cross-device statistics), ratio to the hand pmap step\n")
+        for name, r in report["batchnorm"].items():
+            print(f"- {name}: {r['ms_per_step']:.2f} ms/step, ratio {fmt_q(r['ratio_q'])}")
     for size in sizes:
         setup = Setup(MODELS[size])
         hlo = os.path.join(args.hlo, size) if args.hlo else None
