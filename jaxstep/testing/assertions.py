@@ -65,6 +65,7 @@ def assert_fails(
           status=jaxstep.Status.GRAD_NONFINITE, leaf="['w']",
       )
     """
+    __tracebackhide__ = True  # pytest: report the failure at the caller
     want_ids = [device_id] if isinstance(device_id, int) else list(device_id)
     want = f"a failure on device {_ids(want_ids)} at step {step}"
     if status is not _UNCHECKED:
@@ -107,6 +108,7 @@ def assert_replicas_equal(step: TrainStep, tree: Any) -> None:
       AssertionError: naming the devices whose copy differs from the majority's, and
         the leaves that differ (``chex.assert_trees_all_equal``'s report).
     """
+    __tracebackhide__ = True  # pytest: report the failure at the caller
     copies = [step.local_copy(tree, i) for i in range(len(step.devices))]
     ids = [d.id for d in step.devices]
     # Group equal copies; the largest group is taken as the correct one.
@@ -163,6 +165,7 @@ def assert_matches_reference(
       AssertionError: a step failed, or its loss or parameters differ from the
         reference; the message names the step and the leaf.
     """
+    __tracebackhide__ = True  # pytest: report the failure at the caller
     n = len(step.devices)
     state = step.init(params)
     ref_params = jax.tree.map(jnp.asarray, params)
@@ -174,7 +177,9 @@ def assert_matches_reference(
         if table.failed:
             rows = jax.tree.leaves(batch)[0].shape[0] // n
             err = TrainingWorkerError(step.failures(table, rows))
-            raise AssertionError(f"step {t} failed, the reference did not:\n{err}")
+            raise AssertionError(
+                f"step {t} failed, so the run cannot match the single-device reference:\n{err}"
+            )
         ref_params, ref_opt, ref_loss = reference(ref_params, ref_opt, batch)
         np.testing.assert_allclose(
             table.mean_loss,
