@@ -146,9 +146,9 @@ def test_the_example_project_runs_on_the_installed_package(tmp_path):
     for name in BROKEN:
         outcome, message = outcomes[name]
         assert outcome == "failed", log
-        assert "step 1 failed, so the run cannot match the single-device reference" in message
+        assert "step 0 failed, so the run cannot match the single-device reference" in message
         assert (
             "training worker on device 7 failed: non-finite loss (with non-finite gradient "
-            "in ['b1']) at step 1" in message
+            "in ['b1']) at step 0" in message
         ), message
     assert run.returncode == 1, log

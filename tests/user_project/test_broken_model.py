@@ -19,7 +19,7 @@ def normalized_loss_fn(params, batch):
 
 def test_padded_batches_train(jaxstep_devices):
     step = jaxstep.make_train_step(normalized_loss_fn, optax.adam(1e-2))
-    batches = make_batches(2, 2 * len(jaxstep_devices))
-    batches[1]["x"][-2:] = 0.0  # the last batch padded with two zero rows: the last device's
-    batches[1]["y"][-2:] = 0.0
-    assert_matches_reference(step, init_params(), batches)
+    (batch,) = make_batches(1, 2 * len(jaxstep_devices))
+    batch["x"][-2:] = 0.0  # padded with two zero rows: the last device's chunk
+    batch["y"][-2:] = 0.0
+    assert_matches_reference(step, init_params(), [batch])
