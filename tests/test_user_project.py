@@ -152,3 +152,10 @@ def test_the_example_project_runs_on_the_installed_package(tmp_path):
             "in ['b1']) at step 0" in message
         ), message
     assert run.returncode == 1, log
+
+
+def test_the_docs_show_the_example_files_byte_for_byte():
+    doc = (ROOT / "docs" / "testing.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", doc, re.S | re.M)
+    for name in ("mymodel.py", "test_training.py"):
+        assert (PROJECT / name).read_text() in blocks, f"docs/testing.md lacks {name} as is"
