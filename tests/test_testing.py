@@ -121,7 +121,7 @@ def test_assert_fails_reports_a_run_that_did_not_fail():
 
 def test_assert_replicas_equal_names_the_corrupted_device_and_leaf(backend):
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend)
-    state = step.init(init_params())
+    state = step.init(init_params(), rng=jax.random.key(0))  # a typed key compares too
     assert_replicas_equal(step, state)
     bad = jax.devices()[6].id
     state = corrupt_replica(step, state, bad, "params['dense1']['bias']")

@@ -17,6 +17,7 @@ import optax
 
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import Status
+from jaxstep.state import HostKey
 from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
 
@@ -109,7 +110,7 @@ def assert_replicas_equal(step: TrainStep, tree: Any) -> None:
         the leaves that differ (``chex.assert_trees_all_equal``'s report).
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
-    copies = [step.local_copy(tree, i) for i in range(len(step.devices))]
+    copies = [_raw_keys(step.local_copy(tree, i)) for i in range(len(step.devices))]
     ids = [d.id for d in step.devices]
     # Group equal copies; the largest group is taken as the correct one.
     groups: list[list[int]] = []
@@ -236,6 +237,15 @@ def _error(err_or_callable: Any, want: str) -> TrainingWorkerError:
     except TrainingWorkerError as err:
         return err
     raise AssertionError(f"expected {want}, but the run finished without a TrainingWorkerError")
+
+
+def _raw_keys(tree: Any) -> Any:
+    """Typed PRNG keys as their raw data, which chex compares like any array."""
+    return jax.tree.map(
+        lambda x: x.data if isinstance(x, HostKey) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, HostKey),
+    )
 
 
 def _equal(a: Any, b: Any) -> bool:
