@@ -99,6 +99,7 @@ def test_assert_fails_accepts_the_exact_failure_in_every_form():
         ),
         (_error(5, leaf="['b']"), "leaf is \"['b']\", not \"['w']\""),
     ],
+    ids=["a-healthy-device-blamed", "another-device", "another-step", "more-flags", "leaf"],
 )
 def test_assert_fails_reports_what_differs(err, expect):
     with pytest.raises(AssertionError) as info:
