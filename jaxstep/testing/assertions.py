@@ -153,7 +153,8 @@ def assert_matches_reference(
     its gradient goes through ``step.optimizer.update`` and ``optax.apply_updates``.
 
     Args:
-      step: from ``jaxstep.make_train_step`` (without an ``rng``).
+      step: from ``jaxstep.make_train_step``, for a model without ``model_state``
+        (the run starts from ``step.init(params)``: no ``rng`` either).
       params: the initial parameters.
       batches: global batches, as for :func:`jaxstep.fit`.
       rtol, atol: tolerances of ``chex.assert_trees_all_close`` (the two sum the
