@@ -1,14 +1,15 @@
-"""8 fake CPU devices before anything starts a JAX backend (tests and doctests)."""
+"""The repo's tests run on the plugin jaxstep ships (``jaxstep.testing.pytest``,
+loaded through its pytest11 entry point by an installed jaxstep, editable or not):
+8 fake CPU devices set through chex before anything starts a backend, and both
+backends through ``jaxstep_backend``."""
 
-import os
-
-import jax
 import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-jax.config.update("jax_num_cpu_devices", 8)
+# Run by tests/test_user_project.py in its own pytest, against an installed wheel.
+collect_ignore = ["tests/user_project"]
 
 
-@pytest.fixture(params=["shard_map", "pmap"])
-def backend(request):
-    return request.param
+@pytest.fixture
+def backend(jaxstep_backend: str) -> str:
+    """The repo's tests' name for the plugin's ``jaxstep_backend``."""
+    return jaxstep_backend

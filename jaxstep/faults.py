@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -92,6 +93,28 @@ class Injector:
 
     def __bool__(self) -> bool:
         return bool(self.faults)
+
+    def validate(self, names: Mapping[str, Sequence[str]]) -> None:
+        """Raises now, before anything runs, for a fault on a leaf that does not exist.
+
+        Called with what the step has learned so far: ``{"grad": ..., "param": ...}``
+        (the parameter leaves) at ``step.init``, ``{"input": ...}`` (the batch's float
+        leaves, see :func:`float_leaves`) at the first batch. Kinds not in ``names``
+        are not checked.
+
+        Raises:
+          ValueError: naming the fault and listing the leaves it may name.
+        """
+        for f in self.faults:
+            if f.leaf is None or f.kind not in names:
+                continue
+            known = list(names[f.kind])
+            if f.leaf not in known:
+                what = "batch's float leaves" if f.kind == "input" else "parameter leaves"
+                raise ValueError(
+                    f"{f!r} names leaf {f.leaf!r}, which does not exist; the {what} are "
+                    f"{known} (names as jax.tree_util.keystr writes them)"
+                )
 
     def check_rows(self, rows: int) -> None:
         """Raises (at trace time) for a fault on an example the chunks do not have."""
@@ -181,6 +204,12 @@ class Injector:
 
             tree = jax.tree_util.tree_map_with_path(poison, tree)
         return tree
+
+
+def float_leaves(tree: Any) -> list[str]:
+    """The ``keystr`` names of the float leaves of ``tree``: what an input fault may name."""
+    paths = jax.tree_util.tree_leaves_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, x in paths if _is_float(x)]
 
 
 def _is_float(x: Any) -> bool:

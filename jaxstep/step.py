@@ -27,6 +27,7 @@ from jaxstep.errors import Failure
 from jaxstep.errors import failures_from_table
 from jaxstep.faults import Fault
 from jaxstep.faults import Injector
+from jaxstep.faults import float_leaves
 from jaxstep.health import HealthTable
 from jaxstep.monitors import LossSpike
 from jaxstep.scaling import DynamicLossScale
@@ -400,6 +401,7 @@ class TrainStep:
                 + _keystrs(host.opt_state, "opt_state")
                 + self.names["model_state"]
             )
+            self._faults.validate({"grad": self.names["params"], "param": self.names["params"]})
             self._state_sig = (treedef, shapes)
         elif (treedef, shapes) != self._state_sig:
             want_def, want_shapes = self._state_sig
@@ -424,6 +426,7 @@ class TrainStep:
             return
         validate.batch(batch, len(self.devices), self.microbatches)
         if self._batch_def is None:
+            self._faults.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
             self.names["input"] = _keystrs(batch)
         elif treedef != self._batch_def:

@@ -1,6 +1,7 @@
 """Injected faults are pinned exactly, and the replay tells data from device from
 one-off."""
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -82,7 +83,7 @@ def test_diagnose_on_its_own_leaves_the_state_alone(backend):
     result = jaxstep.diagnose(step, err, batches[1])
     assert result.verdict == "data" and result.examples == (4 * PER_DEVICE + 3,)
     after = jax.tree.map(np.asarray, step.host_state(err.state).params)
-    jax.tree.map(np.testing.assert_array_equal, before, after)
+    chex.assert_trees_all_equal(before, after)
     assert err.leaf == "['dense1']['bias']"  # the first leaf (pytree order) by default
 
 

@@ -2,6 +2,7 @@
 
 import pickle
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -60,5 +61,5 @@ def test_error_from_a_run_pickles_with_its_fields(backend):
     for field in ("device_id", "process_index", "step", "status", "reason", "leaf", "failures"):
         assert getattr(back, field) == getattr(err, field)
     assert back.device_id == jax.devices()[2].id
-    jax.tree.map(np.testing.assert_array_equal, back.state.params, jax.device_get(err.state.params))
+    chex.assert_trees_all_equal(back.state.params, jax.device_get(err.state.params))
     assert "rows 8..11 of the global batch" in str(err)

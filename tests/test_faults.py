@@ -1,6 +1,7 @@
 """A fault injected on one chosen device at one chosen step is pinned on exactly that
 device, step, status and tensor; healthy devices are never blamed."""
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -49,7 +50,7 @@ def test_nan_input_names_device_step_and_leaf(backend, position, bad_step):
     want, want_step = _state_after(backend, batches, bad_step)
     got = host_params(step, err.state)
     assert int(np.asarray(step.host_state(err.state).step)) == want_step == bad_step
-    jax.tree.map(np.testing.assert_array_equal, got, want)
+    chex.assert_trees_all_equal(got, want)
     assert not bool(np.any(np.asarray(err.state.halted)))
 
 

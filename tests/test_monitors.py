@@ -1,5 +1,6 @@
 """Silent replica divergence and loss spikes."""
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -7,6 +8,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
+from jaxstep.testing import assert_replicas_equal
 from jaxstep.testing import corrupt_replica
 from jaxstep.testing import replicas
 from tests.models import init_params
@@ -37,8 +39,8 @@ def test_one_ulp_on_one_replica_is_caught_and_named(backend, leaf):
     assert [f.device_id for f in err.failures] == [dev.id]
     assert "rebuilt from the copy on device" in str(err)
     # the error's state comes from a healthy replica, on every device
-    for copy in replicas(step, (err.state.params, err.state.opt_state)):
-        jax.tree.map(np.testing.assert_array_equal, copy, healthy)
+    assert_replicas_equal(step, err.state)
+    chex.assert_trees_all_equal(replicas(step, (err.state.params, err.state.opt_state))[0], healthy)
     jaxstep.fit(step, err.state, batches[3:])  # and trains on
 
 

@@ -1,5 +1,6 @@
 """raise freezes the state; skip discards the update everywhere and goes on."""
 
+import chex
 import jax
 import numpy as np
 import optax
@@ -7,6 +8,8 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
+from jaxstep.testing import assert_replicas_equal
+from jaxstep.testing import replicas
 from tests.models import BATCH
 from tests.models import host_params
 from tests.models import init_params
@@ -15,32 +18,21 @@ from tests.models import make_batches
 from tests.models import rows_of
 
 
-def _replicas(step, state):
-    """Every device's own copy of the params, as numpy."""
-    leaves = jax.tree.leaves(state.params)
-    if step.backend == "pmap":
-        return [[np.asarray(x)[i] for x in leaves] for i in range(len(step.devices))]
-    return [[np.asarray(x.addressable_data(i)) for x in leaves] for i in range(len(step.devices))]
-
-
 def test_skip_discards_update_on_every_device_and_goes_on(backend):
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, on_failure="skip")
     batches = make_batches(6)
     state = jaxstep.fit(step, step.init(init_params()), batches[:2])
-    before = _replicas(step, state)
+    before = replicas(step, state.params)
     bad = {k: v.copy() for k, v in batches[2].items()}
     bad["x"][rows_of(3)] = np.nan
     state, out = step(state, bad)
     table = step.table(out)
     assert table.skipped and not table.halted
     assert [int(s) for s in table.status] == [0, 0, 0, 7, 0, 0, 0, 0]
-    after = _replicas(step, state)
+    after = replicas(step, state.params)
     for dev_before, dev_after in zip(before, after, strict=True):
-        for a, b in zip(dev_before, dev_after, strict=True):
-            np.testing.assert_array_equal(a, b)
-    for replica in after[1:]:
-        for a, b in zip(after[0], replica, strict=True):
-            np.testing.assert_array_equal(a, b)
+        chex.assert_trees_all_equal(dev_before, dev_after)  # no device updated
+    assert_replicas_equal(step, state)
     host = step.host_state(state)
     assert int(np.asarray(host.step)) == 3
     assert int(np.asarray(host.total_skips)) == 1
@@ -52,7 +44,8 @@ def test_skip_discards_update_on_every_device_and_goes_on(backend):
     assert int(np.asarray(host.step)) == 6
     assert int(np.asarray(host.consecutive_skips)) == 0
     assert int(np.asarray(host.total_skips)) == 1
-    assert not np.array_equal(_replicas(step, state)[0][0], after[0][0])
+    kernel = replicas(step, state.params)[0]["dense1"]["kernel"]
+    assert not np.array_equal(kernel, after[0]["dense1"]["kernel"])
     assert history.skipped == [False, False, False]
 
 
@@ -74,7 +67,7 @@ def test_skip_raises_after_max_consecutive_skips(backend):
     assert err.status & Status.INPUT_NONFINITE
     assert "3 failed steps in a row" in str(err)
     assert history.skipped == [True, True, False]
-    jax.tree.map(np.testing.assert_array_equal, host_params(step, err.state), good_params)
+    chex.assert_trees_all_equal(host_params(step, err.state), good_params)
 
 
 def test_raise_freezes_state_for_steps_already_dispatched(backend):
@@ -90,7 +83,7 @@ def test_raise_freezes_state_for_steps_already_dispatched(backend):
     assert step.table(out1).failed and step.table(out1).halted
     host = step.host_state(state)
     assert bool(np.asarray(host.halted)) and int(np.asarray(host.step)) == 1
-    jax.tree.map(np.testing.assert_array_equal, host_params(step, state), good)
+    chex.assert_trees_all_equal(host_params(step, state), good)
     with pytest.raises(ValueError, match="halted"):
         jaxstep.fit(step, state, batches)
     resumed = jaxstep.fit(step, step.clear_halt(state), batches[2:])
@@ -114,7 +107,7 @@ def test_healthy_run_matches_single_device_optax(backend):
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))
     got = host_params(step, state)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got, params)
+    chex.assert_trees_all_close(got, params, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(history.loss, losses, rtol=1e-5)
     arrays = history.as_arrays()
     assert arrays["device_loss"].shape == (5, 8)

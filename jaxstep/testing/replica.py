@@ -1,42 +1,15 @@
-"""Helpers for tests, notebooks and the demo: fake CPU devices, injected faults and
-silently corrupted replicas."""
+"""Replicas, read and corrupted: each device's own copy of a replicated pytree, and
+silent data corruption of one copy (what ``Status.DIVERGED`` catches)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxstep.faults import Fault
 from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
-
-__all__ = ["Fault", "corrupt_replica", "replicas", "set_cpu_devices"]
-
-
-def set_cpu_devices(n: int) -> None:
-    """Gives this process ``n`` fake CPU devices. Call it before JAX starts a backend.
-
-    Raises:
-      RuntimeError: a backend already runs with another device count.
-    """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    with contextlib.suppress(RuntimeError):  # a backend is up already: checked below
-        jax.config.update("jax_num_cpu_devices", n)
-    have = len(jax.devices("cpu"))
-    if have != n:
-        raise RuntimeError(
-            f"JAX already started with {have} CPU devices, wanted {n}: call "
-            "jaxstep.testing.set_cpu_devices before anything uses JAX (or set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n})"
-        )
 
 
 def corrupt_replica(
@@ -82,5 +55,6 @@ def corrupt_replica(
 
 
 def replicas(step: TrainStep, tree: Any) -> list[Any]:
-    """Each device's own copy of a replicated (or pmap-stacked) pytree, as numpy."""
+    """Each device's own copy of a replicated (or pmap-stacked) pytree, as numpy, in
+    the order of ``step.devices``."""
     return [step.local_copy(tree, i) for i in range(len(step.devices))]

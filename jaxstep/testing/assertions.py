@@ -1,0 +1,266 @@
+"""Assertions for tests of training code: exactly this device failed, the replicas
+agree, a run matches plain single-device optax. Each raises ``AssertionError`` with a
+message that says what was expected, what happened and where."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxstep.errors import TrainingWorkerError
+from jaxstep.health import Status
+from jaxstep.state import HostKey
+from jaxstep.state import TrainState
+from jaxstep.step import TrainStep
+
+_UNCHECKED: Any = object()
+
+
+def assert_fails(
+    err_or_callable: TrainingWorkerError | Callable[[], Any] | Any,
+    *,
+    device_id: int | Sequence[int],
+    step: int,
+    status: Status | int = _UNCHECKED,
+    leaf: str | None = _UNCHECKED,
+) -> TrainingWorkerError:
+    """Asserts that a run failed on exactly this device, at this step, for this cause.
+
+    Checks ``err.device_id``, ``err.step``, and that ``err.failures`` names this device
+    and no other (a healthy device blamed fails the assertion), then the status flags
+    (exactly) and the leaf, when given.
+
+    Args:
+      err_or_callable: a :class:`jaxstep.TrainingWorkerError`, a
+        ``pytest.raises(...)`` result holding one, or a function of no arguments that
+        should raise one (e.g. ``lambda: jaxstep.fit(step, state, batches)``).
+      device_id: the ``jax.Device.id`` that must fail (not its position); a sequence
+        when several devices fail at that step, in the step's device order.
+      step: the step that must fail.
+      status: the exact :class:`jaxstep.Status` flags of the first failing device. A
+        NaN in the input also makes the loss and gradients non-finite:
+        ``Status.INPUT_NONFINITE | Status.LOSS_NONFINITE | Status.GRAD_NONFINITE``.
+        Omitted: not checked.
+      leaf: the ``jax.tree_util.keystr`` of the leaf named, e.g. ``"['w']"``, or None
+        for a failure without one. Omitted: not checked.
+
+    Returns:
+      The error, for further checks.
+
+    Raises:
+      AssertionError: the run did not fail, or failed elsewhere, or otherwise.
+
+    Example::
+
+      err = assert_fails(
+          lambda: jaxstep.fit(step, state, batches),
+          device_id=jax.devices()[3].id, step=2,
+          status=jaxstep.Status.GRAD_NONFINITE, leaf="['w']",
+      )
+    """
+    __tracebackhide__ = True  # pytest: report the failure at the caller
+    want_ids = [device_id] if isinstance(device_id, int) else list(device_id)
+    want = f"a failure on device {_ids(want_ids)} at step {step}"
+    if status is not _UNCHECKED:
+        want += f" with status {_flags(status)}"
+    if leaf is not _UNCHECKED:
+        want += f" in leaf {leaf!r}"
+    err = _error(err_or_callable, want)
+    problems = []
+    got_ids = [f.device_id for f in err.failures]
+    if got_ids != want_ids:
+        healthy_blamed = [i for i in got_ids if i not in want_ids]
+        missed = [i for i in want_ids if i not in got_ids]
+        parts = [f"failing devices are {_ids(got_ids)}"]
+        if healthy_blamed:
+            parts.append(f"blamed, but should be healthy: {_ids(healthy_blamed)}")
+        if missed:
+            parts.append(f"not blamed: {_ids(missed)}")
+        problems.append("; ".join(parts))
+    if err.step != step:
+        problems.append(f"failed at step {err.step}, not {step}")
+    if status is not _UNCHECKED and err.status != status:
+        problems.append(f"status is {_flags(err.status)}, not {_flags(status)}")
+    if leaf is not _UNCHECKED and err.leaf != leaf:
+        problems.append(f"leaf is {err.leaf!r}, not {leaf!r}")
+    if problems:
+        raise AssertionError(
+            f"expected {want}, but: " + "; ".join(problems) + f"\nthe error was:\n{err}"
+        )
+    return err
+
+
+def assert_replicas_equal(step: TrainStep, tree: Any) -> None:
+    """Asserts that every device holds the same copy of ``tree``, bit for bit.
+
+    ``tree`` is a replicated (or, under pmap, stacked) pytree from ``step``: a
+    ``TrainState``, ``state.params``, ... Data parallel training keeps the copies
+    identical; one that differs is a diverged replica.
+
+    Raises:
+      AssertionError: naming the devices whose copy differs from the majority's, and
+        the leaves that differ (``chex.assert_trees_all_equal``'s report).
+    """
+    __tracebackhide__ = True  # pytest: report the failure at the caller
+    copies = [_raw_keys(step.local_copy(tree, i)) for i in range(len(step.devices))]
+    ids = [d.id for d in step.devices]
+    # Group equal copies; the largest group is taken as the correct one.
+    groups: list[list[int]] = []
+    for i, copy in enumerate(copies):
+        for group in groups:
+            if _equal(copies[group[0]], copy):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    if len(groups) == 1:
+        return
+    groups.sort(key=len, reverse=True)
+    major = groups[0]
+    lines = [f"the replicas differ: devices {_ids([ids[i] for i in major])} agree, and"]
+    for group in groups[1:]:
+        try:
+            chex.assert_trees_all_equal(copies[major[0]], copies[group[0]])
+            diff = "(no difference found by chex)"
+        except AssertionError as e:
+            diff = str(e)
+        lines.append(f"devices {_ids([ids[i] for i in group])} hold another copy: {diff}")
+    raise AssertionError("\n".join(lines))
+
+
+def assert_matches_reference(
+    step: TrainStep,
+    params: Any,
+    batches: Iterable[Any],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> TrainState:
+    """Trains ``step`` from ``params`` on ``batches`` and asserts that after every step
+    the mean loss and the parameters match a plain single-device optax loop.
+
+    The reference is what data parallelism promises: the loss is the mean over
+    devices of ``loss_fn`` on each device's chunk (evaluated with ``jax.vmap`` over
+    the chunks, under the step's axis name, so a loss that uses collectives works),
+    its gradient goes through ``step.optimizer.update`` and ``optax.apply_updates``.
+
+    Args:
+      step: from ``jaxstep.make_train_step``, for a model without ``model_state``
+        (the run starts from ``step.init(params)``: no ``rng`` either).
+      params: the initial parameters.
+      batches: global batches, as for :func:`jaxstep.fit`.
+      rtol, atol: tolerances of ``chex.assert_trees_all_close`` (the two sum the
+        gradients in different orders).
+
+    Returns:
+      The final state of ``step``.
+
+    Raises:
+      AssertionError: a step failed, or its loss or parameters differ from the
+        reference; the message names the step and the leaf.
+    """
+    __tracebackhide__ = True  # pytest: report the failure at the caller
+    n = len(step.devices)
+    state = step.init(params)
+    ref_params = jax.tree.map(jnp.asarray, params)
+    ref_opt = step.optimizer.init(ref_params)
+    reference = _reference_step(step, n)
+    for t, batch in enumerate(batches):
+        state, out = step(state, batch)
+        table = step.table(out)
+        if table.failed:
+            rows = jax.tree.leaves(batch)[0].shape[0] // n
+            err = TrainingWorkerError(step.failures(table, rows))
+            raise AssertionError(
+                f"step {t} failed, so the run cannot match the single-device reference:\n{err}"
+            )
+        ref_params, ref_opt, ref_loss = reference(ref_params, ref_opt, batch)
+        np.testing.assert_allclose(
+            table.mean_loss,
+            float(ref_loss),
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"step {t}: the mean loss differs from the single-device reference",
+        )
+        got = step.host_state(state).params
+        try:
+            chex.assert_trees_all_close(got, ref_params, rtol=rtol, atol=atol)
+        except AssertionError as e:
+            raise AssertionError(
+                f"after step {t} the parameters differ from the single-device optax "
+                f"reference (tree 0: {step.backend} on {n} devices, tree 1: reference): {e}"
+            ) from None
+    return state
+
+
+def _reference_step(step: TrainStep, n: int) -> Callable[[Any, Any, Any], Any]:
+    axis = step.axis_name
+
+    def mean_loss(params: Any, batch: Any) -> jax.Array:
+        chunks = jax.tree.map(lambda x: x.reshape((n, -1, *x.shape[1:])), batch)
+
+        def one(chunk: Any) -> jax.Array:
+            out = step.loss_fn(params, chunk)
+            return out[0] if step.has_aux else out
+
+        return jnp.mean(jax.vmap(one, axis_name=axis)(chunks))
+
+    @jax.jit
+    def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
+        loss, grads = jax.value_and_grad(mean_loss)(params, batch)
+        updates, opt_state = step.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return update
+
+
+def _error(err_or_callable: Any, want: str) -> TrainingWorkerError:
+    if isinstance(err_or_callable, TrainingWorkerError):
+        return err_or_callable
+    held = getattr(err_or_callable, "value", None)  # pytest.raises(...) -> ExceptionInfo
+    if isinstance(held, TrainingWorkerError):
+        return held
+    if not callable(err_or_callable):
+        raise TypeError(
+            "assert_fails takes a jaxstep.TrainingWorkerError, a pytest.raises() result "
+            f"or a function that raises one, got {type(err_or_callable).__name__}"
+        )
+    try:
+        err_or_callable()
+    except TrainingWorkerError as err:
+        return err
+    raise AssertionError(f"expected {want}, but the run finished without a TrainingWorkerError")
+
+
+def _raw_keys(tree: Any) -> Any:
+    """Typed PRNG keys as their raw data, which chex compares like any array."""
+    return jax.tree.map(
+        lambda x: x.data if isinstance(x, HostKey) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, HostKey),
+    )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        chex.assert_trees_all_equal(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return str(ids[0]) if len(ids) == 1 else str(list(ids))
+
+
+def _flags(status: Status | int) -> str:
+    names = [f.name for f in Status if f & int(status)]
+    return " | ".join(f"Status.{name}" for name in names) or "Status(0)"
