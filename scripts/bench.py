@@ -498,7 +498,7 @@ def bench_batchnorm(args: argparse.Namespace) -> dict[str, Any]:
     def hand_loop() -> float:
         t0 = time.perf_counter()
         for i in range(args.steps):
-            *rest, value = hand(*state_box["hand"], hand_batches[i % 4])
+            *rest, _ = hand(*state_box["hand"], hand_batches[i % 4])
             state_box["hand"] = rest
         jax.block_until_ready(state_box["hand"])
         return (time.perf_counter() - t0) / args.steps
