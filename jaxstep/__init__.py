@@ -3,6 +3,7 @@
 import importlib
 from typing import Any
 
+from jaxstep import distributed
 from jaxstep import testing
 from jaxstep.build import make_train_step
 from jaxstep.diagnose import Diagnosis
@@ -43,6 +44,7 @@ __all__ = [
     "TrainStep",
     "TrainingWorkerError",
     "diagnose",
+    "distributed",
     "fit",
     "make_train_step",
     "replica_state",

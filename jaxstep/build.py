@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import optax
 
+from jaxstep import distributed
 from jaxstep import validate
 from jaxstep.backends import AXIS
 from jaxstep.backends import BACKENDS
@@ -129,11 +130,18 @@ def make_train_step(
                 f"{f!r} corrupts the checked new parameters, which only verify_update=True "
                 "checks: build the step with verify_update=True"
             )
+    devices = validate.devices(devices)
+    if backend == "pmap" and distributed.spans_processes(devices):
+        raise ValueError(
+            "backend='pmap' with devices of several processes is not supported: use "
+            "backend='shard_map' (the default; the same checks, state replicated), or pass "
+            "devices=jax.local_devices() for one process's devices"
+        )
     return TrainStep(
         loss_fn,
         optimizer,
         backend=backend,
-        devices=validate.devices(devices),
+        devices=devices,
         has_aux=has_aux,
         on_failure=on_failure,
         max_consecutive_skips=max_consecutive_skips,

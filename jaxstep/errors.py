@@ -4,6 +4,7 @@ and what to try next; with the last good state attached."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -56,7 +57,10 @@ _HINTS: dict[Status, str] = {
         "this device's copy of the weights differs from the others: suspect the chip "
         "(silent data corruption); restart without it from the last checkpoint"
     ),
-    Status.HUNG: "this device did not finish its part of the step: suspect the chip or link",
+    Status.HUNG: (
+        "this device did not finish its part of the step: suspect the chip, its link, or "
+        "its host process (see the Python stacks logged by each process)"
+    ),
     Status.LOSS_SPIKE: "the loss jumped far above its recent range on this device's rows {rows}",
 }
 
@@ -73,6 +77,7 @@ class Failure:
     leaf: str | None
     rows: tuple[int, int] | None = None  # [start, stop) of the global batch on it
     microbatch: int | None = None  # the first failing micro-batch (microbatches > 1)
+    host: str | None = None  # host name of the process holding the device (many hosts)
 
 
 class TrainingWorkerError(RuntimeError):
@@ -119,7 +124,7 @@ class TrainingWorkerError(RuntimeError):
         where = "" if first.microbatch is None else f", micro-batch {first.microbatch}"
         lines = [
             f"training worker on device {first.device_id} failed: {first.reason} "
-            f"at step {first.step}{where} (process {first.process_index})"
+            f"at step {first.step}{where} ({_where(first)})"
         ]
         if self.note:
             lines.append(self.note)
@@ -133,7 +138,7 @@ class TrainingWorkerError(RuntimeError):
             )
             lines.append(
                 f"  also failed at this step: device {other.device_id} "
-                f"(process {other.process_index}): {other.reason}{follows}"
+                f"({_where(other)}): {other.reason}{follows}"
             )
         if self.diagnosis is not None:
             lines.append(f"diagnosis: {self.diagnosis}")
@@ -172,6 +177,11 @@ class TrainingWorkerError(RuntimeError):
             _rebuild,
             (self.failures, state, self.note, self.history, self.diagnosis, self.state_is_good),
         )
+
+
+def _where(failure: Failure) -> str:
+    host = f", host {failure.host}" if failure.host else ""
+    return f"process {failure.process_index}{host}"
 
 
 def _rebuild(failures, state, note, history, diagnosis, state_is_good=True):
@@ -213,11 +223,13 @@ def failures_from_table(
     names: Mapping[str, Sequence[str]],
     rows_per_device: int | None,
     microbatches: int = 1,
+    hosts: Callable[[int], str | None] | None = None,
 ) -> list[Failure]:
     """Turns a decoded health table into Failures, root cause first: the device whose
     failure came earliest in the chain input -> loss -> gradient -> parameters leads
     (a NaN input on one device outranks the non-finite losses a collective in the
-    model spread from it), then device order."""
+    model spread from it), then device order. ``hosts`` maps a process index to its
+    host name (runs over many hosts)."""
     out = []
     for i, dev in enumerate(devices):
         status = Status(int(table.status[i]))
@@ -253,6 +265,7 @@ def failures_from_table(
                 leaf=leaf,
                 rows=rows,
                 microbatch=micro,
+                host=None if hosts is None else hosts(dev.process_index),
             )
         )
     return sorted(out, key=lambda f: _rank(f.status))  # stable: device order within a rank

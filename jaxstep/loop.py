@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep import distributed
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
@@ -25,12 +26,13 @@ from jaxstep.watchdog import Watcher
 
 
 def _rows_per_device(step: TrainStep, batch: Any) -> int:
-    return int(jax.tree.leaves(batch)[0].shape[0]) // len(step.devices)
+    return distributed.local_rows_per_device(batch, step.devices)
 
 
 class _Pending(NamedTuple):
     out: StepOutput
     batch: Any
+    number: int  # the step it runs (as counted from the state fit started with)
 
 
 def fit(
@@ -79,6 +81,13 @@ def fit(
         raise ValueError(f"num_steps must be >= 0 or None, got {num_steps}")
     if step_timeout is not None and not step_timeout > 0:
         raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+    if diagnose and distributed.spans_processes(step.devices):
+        raise ValueError(
+            "diagnose=True replays a failed step with its chunks moved to other devices, "
+            "which needs the whole batch in one process: not available when the step's "
+            "devices span processes. The error still names the device and its rows; replay "
+            "them on one host with make_train_step(..., devices=jax.local_devices())"
+        )
     host = step.host_state(state)
     if bool(np.asarray(host.halted)):
         raise ValueError(
@@ -92,7 +101,14 @@ def fit(
 
     def settle(pending: _Pending, current: TrainState) -> None:
         nonlocal next_step
-        table = step.table(pending.out)
+        if watch_peers:  # never block where a lost peer would leave this process stuck
+            distributed.wait_ready(pending.out.health, pending.number, step.devices)
+        try:
+            table = step.table(pending.out)
+        except Exception as err:  # a collective failed: a lost peer is the likely cause
+            if not watch_peers:
+                raise
+            raise distributed.lost_after(err, pending.number, step.devices) from err
         next_step = table.step + 1
         history.append(table)
         for cb in callbacks:
@@ -110,28 +126,38 @@ def fit(
             raise error
 
     pending: _Pending | None = None
+    watch_peers = distributed.spans_processes(step.devices) and distributed.watch() is not None
+    first_step = next_step
     watcher = Watcher(step, step_timeout) if step_timeout is not None else None
-    # islice: never pull a batch that will not be trained on (an iterator is shared).
-    for batch in itertools.islice(batches, num_steps):
-        try:
-            if watcher is not None:
-                state, out = watcher.run(state, batch, next_step)
-            else:
-                state, out = step.dispatch(state, batch)
-        except (ValueError, TypeError) as err:
+    last: StepOutput | None = None  # the newest dispatched step
+    try:
+        # islice: never pull a batch that will not be trained on (an iterator is shared).
+        for count, batch in enumerate(itertools.islice(batches, num_steps)):
+            try:
+                if watcher is not None:
+                    state, out = watcher.run(state, batch, next_step)
+                else:
+                    state, out = step.dispatch(state, batch)
+                last = out
+            except (ValueError, TypeError) as err:
+                if pending is not None:
+                    settle(pending, state)  # a failure of the previous step comes first
+                err.state = state  # type: ignore[union-attr]
+                err.add_note("the state before this batch is in error.state; nothing was lost")
+                raise
             if pending is not None:
-                settle(pending, state)  # a failure of the previous step comes first
-            err.state = state  # type: ignore[union-attr]
-            err.add_note("the state before this batch is in error.state; nothing was lost")
-            raise
+                settle(pending, state)
+            pending = _Pending(out, batch, first_step + count)
+            if watcher is not None:  # the step has finished: settle it now
+                settle(pending, state)
+                pending = None
         if pending is not None:
             settle(pending, state)
-        pending = _Pending(out, batch)
-        if watcher is not None:  # the step has finished: settle it now
-            settle(pending, state)
-            pending = None
-    if pending is not None:
-        settle(pending, state)
+    except BaseException as err:
+        if watch_peers and last is not None:
+            # Leave no collective half done: a peer that is still in it would abort.
+            distributed.finish_in_flight(last.health, err)
+        raise
     return state
 
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxstep import distributed
 from jaxstep import program as prog
 from jaxstep import validate
 from jaxstep.backends import AXIS
@@ -338,8 +339,10 @@ class TrainStep:
 
     def failures(self, table: HealthTable, rows_per_device: int | None = None) -> list[Failure]:
         """The failing devices of a step, in device order."""
+        # One host needs no host name in every message; many do.
+        hosts = distributed.host_name if distributed.spans_processes(self.devices) else None
         return failures_from_table(
-            table, self.devices, self.names, rows_per_device, self.microbatches
+            table, self.devices, self.names, rows_per_device, self.microbatches, hosts
         )
 
     def clear_halt(self, state: TrainState) -> TrainState:
@@ -424,7 +427,8 @@ class TrainStep:
         key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
         if key == self._batch_key:
             return
-        validate.batch(batch, len(self.devices), self.microbatches)
+        n, what = self._feeding_devices(batch)
+        validate.batch(batch, n, self.microbatches, what)
         if self._batch_def is None:
             self._faults.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
@@ -435,6 +439,15 @@ class TrainStep:
                 f"one is {treedef}; every batch must have the same pytree structure"
             )
         self._batch_key = key
+
+    def _feeding_devices(self, batch: Any) -> tuple[int, str]:
+        """How many devices this process's batch is split over, and what to call them."""
+        first = jax.tree.leaves(batch)[0]
+        if not distributed.spans_processes(self.devices) or (
+            isinstance(first, jax.Array) and not first.is_fully_addressable
+        ):
+            return len(self.devices), "devices"
+        return len(distributed.local_positions(self.devices)), "devices of this process"
 
     def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
         self.heartbeats[int(index)] = int(step)

@@ -55,8 +55,9 @@ def params(tree: Any) -> None:
             )
 
 
-def batch(tree: Any, n: int, microbatches: int = 1) -> int:
-    """Checks a global batch; returns its leading (example) size."""
+def batch(tree: Any, n: int, microbatches: int = 1, what: str = "devices") -> int:
+    """Checks a batch split over ``n`` devices (``what``: how the message calls them;
+    "devices of this process" for one process's rows); returns its leading size."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if not leaves:
         raise ValueError("the batch has no arrays; pass a pytree of arrays")
@@ -86,7 +87,7 @@ def batch(tree: Any, n: int, microbatches: int = 1) -> int:
     if size % n:
         lo, hi = size // n * n, (size // n + 1) * n
         raise ValueError(
-            f"batch leading axis {size} does not divide by the {n} devices; use a multiple "
+            f"batch leading axis {size} does not divide by the {n} {what}; use a multiple "
             f"of {n} (e.g. {lo or n} or {hi}) or drop the last partial batch"
         )
     microbatch_rows(size, n, microbatches)

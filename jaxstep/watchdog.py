@@ -11,6 +11,7 @@ import time
 import traceback
 from typing import Any
 
+from jaxstep import distributed
 from jaxstep.errors import Failure
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import Status
@@ -39,6 +40,10 @@ class Watcher:
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
         while not (future.done() and future.result()[1].health.is_ready()):  # type: ignore[attr-defined]
+            lost = distributed.lost_processes()
+            if lost:  # a peer process died or froze: no need to wait for the deadline
+                self.pool.shutdown(wait=False)
+                raise distributed.lost_error(lost, expected, self.step.devices)
             if time.monotonic() > deadline:
                 self.pool.shutdown(wait=False)
                 raise hung(self.step, expected, self.timeout)
@@ -53,8 +58,13 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
         for ident, frame in sys._current_frames().items()
     )
     log.error("step %d did not finish within %.1f s; Python stacks:\n%s", expected, timeout, stacks)
-    beats = dict(step.heartbeats)
-    late = [i for i in range(len(step.devices)) if beats.get(i, -1) < expected]
+    done = {i for i, beat in dict(step.heartbeats).items() if beat >= expected}
+    many = distributed.spans_processes(step.devices)
+    if many:
+        # Each process saw only its own devices' heartbeats: pool them, so every
+        # process names the same devices.
+        done, _ = distributed.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
+    late = [i for i in range(len(step.devices)) if i not in done]
     where = "before reaching the first collective"
     if not late:  # every device reached the collective: the hang is in or after it
         late = list(range(len(step.devices)))
@@ -63,6 +73,7 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
         Failure(
             device_id=step.devices[i].id,
             process_index=step.devices[i].process_index,
+            host=distributed.host_name(step.devices[i].process_index) if many else None,
             step=expected,
             status=Status.HUNG,
             reason=f"did not finish its part of the step within {timeout:g} s, {where}",

@@ -1,0 +1,108 @@
+"""One process of a multi-process test, started by ``python -m jaxstep.launch``.
+
+    python -m jaxstep.launch -n 2 --error-dir D tests/multihost_child.py MODE
+
+Every process builds the same global batches and passes its own rows. MODE:
+``nan`` (a NaN in the input chunk of process 1's second device at step 3),
+``kill`` (process 1 SIGKILLs itself after step 2), ``raise`` (a Python error on
+process 1 alone after step 2, jax#11987), ``stall`` (process 1's second device stalls
+at step 3, ``step_timeout``). Each process prints one line
+``RESULT {json}`` with what it saw.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import optax
+
+import jaxstep
+from jaxstep import distributed
+from jaxstep.testing import Fault
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+
+STEPS = 8
+AT = 3
+
+
+def result(**fields):
+    fields.update(process=jax.process_index(), pid=os.getpid(), at=time.time())
+    print("RESULT " + json.dumps(fields), flush=True)
+
+
+def error_fields(err):
+    return {
+        "raised": True,
+        "device_id": err.device_id,
+        "process_index": err.process_index,
+        "host": err.failures[0].host,
+        "step": err.step,
+        "status": int(err.status),
+        "ids": [f.device_id for f in err.failures],
+        "message": str(err),
+    }
+
+
+@distributed.record
+def main(mode: str) -> None:
+    devices = jax.devices()
+    target = [d for d in devices if d.process_index == 1][1]  # id 2049 on this JAX
+    faults, kwargs = [], {}
+    if mode == "nan":
+        faults = [Fault("input", device_id=target.id, step=AT)]
+    elif mode == "stall":
+        faults = [Fault("stall", device_id=target.id, step=AT, seconds=300)]
+        kwargs = {"step_timeout": 6.0}
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults)
+    state = step.init(init_params())
+    batches = [distributed.local_batch(b, devices) for b in make_batches(STEPS)]
+    rejected = {}
+    if mode == "nan":  # what a multi-process run refuses, before anything runs
+        try:
+            jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend="pmap")
+        except ValueError as err:
+            rejected["pmap"] = str(err)
+        try:  # 6 local rows do not split over this process's 4 devices
+            step(state, jax.tree.map(lambda x: x[:6], batches[0]))
+        except ValueError as err:
+            rejected["rows"] = str(err)
+
+    class Kill:
+        def on_step_end(self, table):
+            if jax.process_index() != 1 or table.step != AT - 1:
+                return
+            if mode == "kill":
+                # Between collectives (step 3 is tiny and already dispatched): a peer
+                # killed in the middle of a gloo message can make gloo abort the others
+                # (std::terminate) before any Python runs, which no watchdog can name.
+                time.sleep(1.0)
+                print(f"KILLING {time.time()}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if mode == "raise":
+                print(f"RAISING {time.time()}", flush=True)
+                raise ValueError("bad record in the data of process 1")
+
+    start = time.monotonic()
+    try:
+        jaxstep.fit(step, state, batches, callbacks=[Kill()], **kwargs)
+    except jaxstep.TrainingWorkerError as err:
+        fields = error_fields(err)
+        fields.update(target=target.id, rejected=rejected)
+        fields["held"] = [d.id for d in devices if d.process_index == 1]
+        result(seconds=time.monotonic() - start, **fields)
+        raise
+    result(raised=False, seconds=time.monotonic() - start)
+
+
+if __name__ == "__main__":
+    # Before any computation; not at import (pytest imports this file for doctests).
+    distributed.initialize(lost_timeout=float(os.environ.get("CHILD_LOST_TIMEOUT", "6")))
+    main(sys.argv[1])

@@ -1,0 +1,329 @@
+"""Two processes x four fake CPU devices under ``python -m jaxstep.launch``: one verdict
+on every process, a lost process named, error reports, and ``scripts/tpu_vm/train.py``.
+
+Process start-up costs seconds on a small machine, so the four jobs start together
+(one module fixture) and each test waits for its own; every job has a hard timeout.
+Process 1's devices have ids 2048..2051 on this JAX: ids are read, never assumed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxstep
+from jaxstep import reports
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = ROOT / "tests" / "multihost_child.py"
+TRAIN = ROOT / "scripts" / "tpu_vm" / "train.py"
+LOST_TIMEOUT = 6.0  # the children's lost_timeout (CHILD_LOST_TIMEOUT)
+JOB_TIMEOUT = 240  # seconds for one job, start-up and compile included
+TRAIN_ARGS = ["--steps", "4", "--per-device", "4", "--hidden", "16", "--log-every", "1"]
+
+pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
+
+
+class Job:
+    """One ``python -m jaxstep.launch -n 2`` run, started at once, read when waited for."""
+
+    def __init__(self, args: list[str], error_dir: Path):
+        self.error_dir = error_dir
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "jaxstep.launch", "-n", "2", "--devices-per-process", "4"),
+                *("--error-dir", str(error_dir), "--grace", "60", *args),
+            ],
+            cwd=str(ROOT),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "CHILD_LOST_TIMEOUT": str(LOST_TIMEOUT)},
+        )
+        self.output: str | None = None
+
+    def wait(self) -> Job:
+        if self.output is None:
+            try:
+                self.output, _ = self.proc.communicate(timeout=JOB_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.output, _ = self.proc.communicate()
+                pytest.fail(f"job ran past {JOB_TIMEOUT} s:\n{self.output[-4000:]}")
+            self.seconds = time.monotonic() - self.started
+        return self
+
+    def left_on_their_own(self) -> bool:
+        """No process had to be stopped by the launcher (after its grace period)."""
+        return "[launch] stopping" not in (self.output or "")
+
+    def results(self) -> dict[int, dict]:
+        """The ``RESULT {json}`` line of each process, by process index."""
+        out = {}
+        for line in (self.output or "").splitlines():
+            head, _, rest = line.partition("] ")
+            if rest.startswith("RESULT "):
+                out[int(head[2:])] = json.loads(rest[len("RESULT ") :])
+        return out
+
+    def tail(self) -> str:
+        return (self.output or "")[-6000:]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("multihost")
+    modes = ("nan", "kill", "raise", "stall")
+    started = {mode: Job([str(CHILD), mode], base / mode) for mode in modes}
+    started["train"] = Job(
+        [str(TRAIN), *TRAIN_ARGS, "--save-params", str(base / "params.npz")], base / "train"
+    )
+    started["train"].params_path = base / "params.npz"  # type: ignore[attr-defined]
+    yield started
+    for job in started.values():
+        if job.proc.poll() is None:
+            job.proc.kill()
+            job.proc.communicate()
+
+
+def test_nan_on_process_1_raises_the_same_error_on_both_processes(jobs):
+    job = jobs["nan"].wait()
+    res = job.results()
+    assert set(res) == {0, 1}, job.tail()
+    target = res[1]["target"]
+    assert target == res[1]["held"][1] >= 2048  # process 1's second device, by its real id
+    for p in (0, 1):
+        assert res[p]["raised"], job.tail()
+        assert res[p]["device_id"] == target
+        assert res[p]["ids"] == [target]  # the healthy devices are not blamed
+        assert res[p]["process_index"] == 1
+        assert res[p]["host"] == socket.gethostname()
+        assert res[p]["step"] == 3
+        assert res[p]["status"] == int(jaxstep.Status.INPUT_NONFINITE)
+    assert res[0]["message"] == res[1]["message"]
+    assert res[0]["message"].startswith(f"training worker on device {target} failed: ")
+    assert f"(process 1, host {socket.gethostname()})" in res[0]["message"]
+    assert job.proc.returncode == 1 and job.left_on_their_own(), job.tail()
+    assert "[launch] process 0 exited with exit code 1" in job.output
+    assert "[launch] process 1 exited with exit code 1" in job.output
+    rejected = res[0]["rejected"]
+    assert "backend='pmap' with devices of several processes" in rejected["pmap"]
+    assert "does not divide by the 4 devices of this process" in rejected["rows"]
+
+
+def test_error_reports_one_per_process_root_cause_marked(jobs):
+    job = jobs["nan"].wait()
+    found = reports.read(job.error_dir)
+    assert sorted(found) == [0, 1], job.tail()
+    target = job.results()[1]["target"]
+    for p, report in found.items():
+        assert report["process_index"] == p
+        assert report["pid"] == job.results()[p]["pid"]
+        assert report["host"] == socket.gethostname()
+        assert report["device_id"] == target
+        assert report["device_process_index"] == 1
+        assert report["step"] == 3
+        assert report["status"] == "INPUT_NONFINITE"
+        assert report["root_cause_process"] == 1
+        assert "TrainingWorkerError" in report["traceback"]
+        assert report["time"] > 0
+    # The failing device is process 1's: its report is the root cause, and only it.
+    assert found[1]["root_cause"] is True
+    assert found[0]["root_cause"] is False
+    assert reports.root_cause(job.error_dir)["process_index"] == 1
+
+
+def test_sigkilled_process_is_named_by_the_other_within_the_timeout(jobs):
+    job = jobs["kill"].wait()
+    res = job.results()
+    assert set(res) == {0}, job.tail()  # process 1 died without a word
+    survivor = res[0]
+    assert survivor["raised"], job.tail()
+    assert survivor["process_index"] == 1
+    assert survivor["ids"] == survivor["held"]  # every device of process 1
+    assert min(survivor["held"]) >= 2048
+    assert survivor["status"] == int(jaxstep.Status.HUNG)
+    assert survivor["step"] == 4  # the step it waited for (step 3 finished before the kill)
+    assert "process 1 is lost" in survivor["message"]
+    # Named within the documented timeout of the kill (lost_timeout plus one heartbeat
+    # interval), with room for a busy machine.
+    waited = survivor["at"] - res_kill_time(job)
+    assert LOST_TIMEOUT - 1 < waited < LOST_TIMEOUT + 20, waited
+    assert job.proc.returncode == 128 + 9  # the first failure: process 1, SIGKILL
+    assert job.left_on_their_own(), job.tail()
+    found = reports.read(job.error_dir)
+    assert sorted(found) == [0, 1]
+    assert found[0]["root_cause"] is False and found[0]["root_cause_process"] == 1
+    assert found[1]["root_cause"] is True  # written by the launcher for the silent death
+    assert "SIGKILL" in found[1]["reason"]
+
+
+def res_kill_time(job: Job, what: str = "KILLING") -> float:
+    for line in (job.output or "").splitlines():
+        if line.startswith(f"[p1] {what} "):
+            return float(line.split()[-1])
+    raise AssertionError(f"process 1 did not print {what}:\n" + job.tail())
+
+
+def test_python_error_on_one_process_stops_the_other_at_once(jobs):
+    # jax#11987: one process raises, the other must not wait in the next collective.
+    job = jobs["raise"].wait()
+    res = job.results()
+    assert set(res) == {0}, job.tail()
+    survivor = res[0]
+    assert survivor["raised"] and survivor["status"] == int(jaxstep.Status.HUNG)
+    assert survivor["ids"] == survivor["held"] and survivor["process_index"] == 1
+    assert "its process 1 is lost: it failed: ValueError: bad record" in survivor["message"]
+    # Told through the store at the next heartbeat, not after lost_timeout.
+    assert survivor["at"] - res_kill_time(job, "RAISING") < LOST_TIMEOUT, job.tail()
+    found = reports.read(job.error_dir)
+    assert found[1]["exception"] == "ValueError" and found[1]["root_cause"] is True
+    assert found[0]["root_cause"] is False and found[0]["root_cause_process"] == 1
+    assert job.proc.returncode == 1 and job.left_on_their_own(), job.tail()
+
+
+def test_stalled_device_on_process_1_is_named_by_both(jobs):
+    job = jobs["stall"].wait()
+    res = job.results()
+    assert set(res) == {0, 1}, job.tail()
+    target = res[1]["target"]
+    for p in (0, 1):
+        assert res[p]["device_id"] == target
+        assert res[p]["ids"] == [target]  # the other seven reached the collective
+        assert res[p]["process_index"] == 1
+        assert res[p]["step"] == 3
+        assert res[p]["status"] == int(jaxstep.Status.HUNG)
+    assert res[0]["message"] == res[1]["message"]
+    assert job.left_on_their_own(), job.tail()
+    found = reports.read(job.error_dir)
+    assert sorted(found) == [0, 1]
+    assert [p for p, r in found.items() if r["root_cause"]] == [1]
+
+
+def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
+    job = jobs["train"].wait()
+    assert job.proc.returncode == 0, job.tail()
+    assert "[p1] [process 1] finished 4 steps" in job.output
+    spec = importlib.util.spec_from_file_location("tpu_vm_train", TRAIN)
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    step, state = train.train(train.parse(TRAIN_ARGS), jax.devices())
+    here = step.local_copy(step.host_state(state).params, 0)
+    saved = np.load(job.params_path)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(here)}
+    assert sorted(saved.files) == sorted(flat)
+    for name, value in flat.items():
+        np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    # Training moved the weights, so agreeing is not agreeing on the initial values.
+    _, first = train.build(train.parse(TRAIN_ARGS), jax.devices())
+    start = step.local_copy(first.params, 0)
+    pairs = zip(jax.tree.leaves(start), jax.tree.leaves(here), strict=True)
+    assert not all(np.allclose(a, b) for a, b in pairs)
+
+
+# ------------------------------------------------ in-process pieces (fast, no jobs)
+class _Dev:
+    def __init__(self, id: int, process_index: int):
+        self.id, self.process_index = id, process_index
+
+
+def test_local_rows_follow_the_device_order_not_the_ids():
+    from jaxstep import distributed
+
+    # Interleaved: this process (0) holds positions 1 and 2, in that order.
+    devices = [_Dev(2048, 1), _Dev(0, 0), _Dev(1, 0), _Dev(2049, 1)]
+    assert distributed.local_positions(devices) == [1, 2]
+    np.testing.assert_array_equal(distributed.local_rows(devices, 8), [2, 3, 4, 5])
+    with pytest.raises(ValueError, match="does not divide by the 4 devices"):
+        distributed.local_rows(devices, 6)
+    batch = {"x": np.arange(16).reshape(8, 2)}
+    np.testing.assert_array_equal(distributed.local_batch(batch, devices)["x"][:, 0], [4, 6, 8, 10])
+
+
+def test_failure_with_a_host_pickles_and_the_report_names_it(tmp_path):
+    import pickle
+
+    failure = jaxstep.Failure(
+        device_id=2049,
+        process_index=1,
+        step=7,
+        status=jaxstep.Status.GRAD_NONFINITE,
+        reason="non-finite gradient in ['w']",
+        leaf="['w']",
+        rows=(20, 24),
+        host="worker-1",
+    )
+    err = pickle.loads(pickle.dumps(jaxstep.TrainingWorkerError([failure])))
+    assert err.failures[0].host == "worker-1" and err.device_id == 2049
+    report = reports.build(err, process_index=0, root_cause=False, root_cause_process=1)
+    reports.write(report, tmp_path)
+    back = reports.read(tmp_path)[0]
+    assert back["device_host"] == "worker-1"
+    assert back["status"] == "GRAD_NONFINITE" and back["step"] == 7 and back["leaf"] == "['w']"
+    assert back["failures"][0]["rows"] == [20, 24]
+
+
+def test_launcher_completes_reports_of_silent_deaths_and_marks_the_blamed_one(tmp_path):
+    blame = jaxstep.TrainingWorkerError(
+        [jaxstep.Failure(4, 1, 3, jaxstep.Status.HUNG, "its process 1 is lost", None)]
+    )
+    reports.write(
+        reports.build(blame, process_index=0, root_cause=False, root_cause_process=1), tmp_path
+    )
+
+    class Proc:
+        pid = 4242
+
+    reports.complete(tmp_path, {0: 1, 1: -9}, [Proc(), Proc()])
+    found = reports.read(tmp_path)
+    assert found[1]["root_cause"] is True and "SIGKILL" in found[1]["reason"]
+    assert found[0]["root_cause"] is False
+    assert reports.root_cause(tmp_path)["process_index"] == 1
+
+
+def test_launcher_prefixes_output_stops_the_others_and_returns_the_first_failure(tmp_path):
+    import io
+
+    from jaxstep import launch
+
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "i = int(os.environ['JAXSTEP_PROCESS_ID'])\n"
+        "print('hello from', i, os.environ['JAXSTEP_NUM_PROCESSES'],\n"
+        "      os.environ['JAX_NUM_CPU_DEVICES'], os.environ['JAXSTEP_COORDINATOR'], flush=True)\n"
+        "if i == 1:\n"
+        "    sys.exit(3)\n"
+        "time.sleep(60)\n"  # process 0 would hang: the launcher must stop it
+    )
+    out = io.StringIO()
+    start = time.monotonic()
+    code = launch.launch(
+        [sys.executable, str(script)],
+        num_processes=2,
+        devices_per_process=3,
+        error_dir=str(tmp_path / "errors"),
+        grace=1.0,
+        out=out,
+    )
+    assert code == 3
+    assert time.monotonic() - start < 30  # stopped after the grace, not after 60 s
+    text = out.getvalue()
+    assert "[p0] hello from 0 2 3 127.0.0.1:" in text
+    assert "[p1] hello from 1 2 3 127.0.0.1:" in text
+    assert "[launch] process 1 exited with exit code 3" in text
+    found = reports.read(tmp_path / "errors")
+    assert sorted(found) == [0, 1]  # both failed silently (3, SIGTERM): both reported
+    assert [p for p, r in found.items() if r["root_cause"]] == [1]
