@@ -128,12 +128,18 @@ class TrainingWorkerError(RuntimeError):
         ]
         if self.note:
             lines.append(self.note)
-        root = _rank(first.status)
         for other in self.failures[1:]:
+            # A finite input with a non-finite loss, beside a device whose input was
+            # not finite: what a collective in the model (cross-device BatchNorm) does.
+            spread = (
+                Status.INPUT_NONFINITE in first.status
+                and Status.INPUT_NONFINITE not in other.status
+                and Status.LOSS_NONFINITE in other.status
+            )
             follows = (
-                f" (follows from device {first.device_id}'s failure: the model's collectives "
-                "carried it)"
-                if _rank(other.status) > root
+                f" (likely follows from device {first.device_id}'s input: a collective in "
+                "the model carries it)"
+                if spread
                 else ""
             )
             lines.append(
