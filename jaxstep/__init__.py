@@ -3,6 +3,7 @@
 import importlib
 from typing import Any
 
+from jaxstep import plot
 from jaxstep import testing
 from jaxstep.build import make_train_step
 from jaxstep.diagnose import Diagnosis
@@ -14,7 +15,10 @@ from jaxstep.health import Status
 from jaxstep.history import History
 from jaxstep.loop import fit
 from jaxstep.loop import replica_state
+from jaxstep.metrics import JsonlWriter
+from jaxstep.metrics import TensorBoardWriter
 from jaxstep.monitors import LossSpike
+from jaxstep.progress import Progress
 from jaxstep.scaling import DynamicLossScale
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
@@ -36,15 +40,19 @@ __all__ = [
     "Failure",
     "HealthTable",
     "History",
+    "JsonlWriter",
     "LossSpike",
+    "Progress",
     "Status",
     "StepOutput",
+    "TensorBoardWriter",
     "TrainState",
     "TrainStep",
     "TrainingWorkerError",
     "diagnose",
     "fit",
     "make_train_step",
+    "plot",
     "replica_state",
     "testing",
 ]

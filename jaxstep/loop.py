@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
 from jaxstep.history import History
+from jaxstep.history import scalar_aux
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
@@ -56,7 +58,10 @@ def fit(
       batches: an iterable of global batches.
       num_steps: stop after this many steps (default: when ``batches`` runs out).
       history: a :class:`History` to append each finished step to.
-      callbacks: objects with optional ``on_step_end(table)`` / ``on_failure(error)``.
+      callbacks: objects with optional ``on_fit_start(step, history)``,
+        ``on_step_end(table)`` (after ``history`` has the step), ``on_failure(error)``
+        and ``on_fit_end(history)`` (after the last step, when nothing failed); e.g.
+        :class:`jaxstep.Progress`, :class:`jaxstep.JsonlWriter`.
       diagnose: on a failure, replay the step (:func:`jaxstep.diagnose`) and put the
         verdict on ``error.diagnosis`` and in its message.
       step_timeout: seconds a step may take (counted from its dispatch, compile
@@ -89,12 +94,20 @@ def fit(
     history.device_ids = [d.id for d in step.devices]
     next_step = int(np.asarray(host.step))
     step.heartbeats.clear()
+    for cb in callbacks:
+        if hasattr(cb, "on_fit_start"):
+            cb.on_fit_start(step, history)
+    last_time = time.perf_counter()
 
     def settle(pending: _Pending, current: TrainState) -> None:
-        nonlocal next_step
+        nonlocal next_step, last_time
         table = step.table(pending.out)
         next_step = table.step + 1
-        history.append(table)
+        now = time.perf_counter()
+        examples = len(step.devices) * _rows_per_device(step, pending.batch)
+        metrics = scalar_aux(pending.out.aux, len(step.devices))
+        history.append(table, metrics, examples / max(now - last_time, 1e-9))
+        last_time = now
         for cb in callbacks:
             if hasattr(cb, "on_step_end"):
                 cb.on_step_end(table)
@@ -132,6 +145,9 @@ def fit(
             pending = None
     if pending is not None:
         settle(pending, state)
+    for cb in callbacks:
+        if hasattr(cb, "on_fit_end"):
+            cb.on_fit_end(history)
     return state
 
 

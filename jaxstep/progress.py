@@ -1,0 +1,108 @@
+"""A progress callback for :func:`jaxstep.fit`: a live ``rich`` bar (step, loss,
+examples/s, skipped steps, the ``aux`` scalars) in a terminal, plain lines every few
+steps elsewhere (logs, CI, notebooks)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import IO
+from typing import Any
+
+from jaxstep.errors import TrainingWorkerError
+from jaxstep.health import HealthTable
+from jaxstep.history import History
+
+
+class Progress:
+    """Shows a run's progress; add it with ``fit(..., callbacks=[jaxstep.Progress(n)])``.
+
+    Args:
+      total: the number of steps expected (for the bar), or None.
+      every: in plain mode, print a line every this many steps (default: about ten
+        lines a run, or every 25 steps when ``total`` is unknown).
+      live: force the live bar (True) or plain lines (False); default: live when
+        ``file`` is a terminal and ``rich`` is installed.
+      file: where to write (default ``sys.stdout``).
+    """
+
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        every: int | None = None,
+        live: bool | None = None,
+        file: IO[str] | None = None,
+    ):
+        self.total = total
+        self.every = every or (max(1, total // 10) if total else 25)
+        self.file = file
+        self._live = live
+        self._bar: Any = None
+        self._task: Any = None
+        self.history: History | None = None
+        self._done = 0
+
+    def _out(self) -> IO[str]:
+        return self.file if self.file is not None else sys.stdout
+
+    def on_fit_start(self, step: Any, history: History) -> None:
+        self.history = history
+        self._done = 0
+        live = self._live
+        if live is None:
+            try:
+                import rich  # noqa: F401
+            except ImportError:
+                live = False
+            else:
+                live = bool(getattr(self._out(), "isatty", lambda: False)())
+        if live and self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn
+            from rich.progress import MofNCompleteColumn
+            from rich.progress import Progress as Bar
+            from rich.progress import TextColumn
+            from rich.progress import TimeElapsedColumn
+
+            self._bar = Bar(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[text]}"),
+                console=Console(file=self._out()),
+            )
+            self._task = self._bar.add_task("train", total=self.total, text="compiling...")
+            self._bar.start()
+
+    def describe(self) -> str:
+        """The last finished step in one line: loss, examples/s, skips, aux scalars."""
+        h = self.history
+        if h is None or not len(h):
+            return ""
+        rate = h.examples_per_sec[-1]
+        parts = [f"loss {h.loss[-1]:.4f}"]
+        parts += [f"{k} {v:.4f}" for k, v in h.metrics[-1].items()]
+        parts.append(f"{rate:,.0f} ex/s" if math.isfinite(rate) else "- ex/s")
+        parts.append(f"skipped {sum(h.skipped)}")
+        return "  ".join(parts)
+
+    def on_step_end(self, table: HealthTable) -> None:
+        self._done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, text=self.describe())
+        elif self._done % self.every == 0 or self._done == self.total:
+            of = f"/{self.total}" if self.total else ""
+            print(f"step {table.step:5d} ({self._done}{of})  {self.describe()}", file=self._out())
+
+    def on_failure(self, error: TrainingWorkerError) -> None:
+        self.close()  # the error itself reaches whoever called fit
+
+    def on_fit_end(self, history: History) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
