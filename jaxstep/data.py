@@ -4,6 +4,8 @@ served as global batches that are the same whenever batch ``i`` is made."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -20,6 +22,27 @@ class Split(NamedTuple):
         return len(self.label)
 
 
+def _digits_table() -> np.ndarray:
+    """The ``(1797, 65)`` table ``load_digits`` reads (64 pixels in 0..16, the label).
+
+    Read straight from scikit-learn's package data: importing scikit-learn itself
+    costs seconds (scipy and more) and is not needed to read one small CSV file.
+    """
+    spec = importlib.util.find_spec("sklearn")  # locates it without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the digits data comes with scikit-learn: pip install 'jaxstep[demo]' "
+            "(or pip install scikit-learn)"
+        )
+    path = pathlib.Path(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    if path.exists():
+        return np.loadtxt(path, delimiter=",", dtype=np.float64)
+    from sklearn.datasets import load_digits  # a layout this function does not know
+
+    raw = load_digits()
+    return np.concatenate([raw.data, raw.target[:, None]], axis=1)
+
+
 def digits(*, test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
     """scikit-learn's digits, shuffled with ``seed`` and split into (train, test).
 
@@ -28,16 +51,9 @@ def digits(*, test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as err:
-        raise ImportError(
-            "the digits data comes with scikit-learn: pip install 'jaxstep[demo]' "
-            "(or pip install scikit-learn)"
-        ) from err
-    raw = load_digits()
-    image = (raw.images / 16.0).astype(np.float32)[..., None]
-    label = raw.target.astype(np.int32)
+    table = _digits_table()
+    image = (table[:, :64].reshape(-1, 8, 8, 1) / 16.0).astype(np.float32)
+    label = table[:, 64].astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(label))
     n_test = round(len(label) * test_fraction)
     test, train = order[:n_test], order[n_test:]

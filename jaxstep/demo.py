@@ -140,10 +140,12 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
         devices=devices,
         has_aux=True,
         on_failure=args.policy,
-        divergence_every=DIVERGENCE_EVERY,
+        # Replica fingerprints cost a second program to compile: on for "corrupt" only.
+        divergence_every=DIVERGENCE_EVERY if inj is not None and inj.kind == "corrupt" else None,
         faults=faults,
     )
-    params = model.init(jax.random.key(args.seed), train.image[:1])["params"]
+    # One compiled init, not one small compile per parameter.
+    params = jax.jit(model.init)(jax.random.key(args.seed), train.image[:1])["params"]
     state = step.init(params)
 
     print(
@@ -193,7 +195,7 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
     summary(history, args.steps, devices)
     if error is None or error.state is not None:
         params = step.host_state(state).params
-        logits = model.apply({"params": jax.tree.map(np.asarray, params)}, test.image)
+        logits = jax.jit(model.apply)({"params": jax.tree.map(np.asarray, params)}, test.image)
         accuracy = float(np.mean(np.asarray(logits).argmax(-1) == test.label))
         print(f"test accuracy {accuracy:.3f} after {len(history)} steps")
     if args.plot:

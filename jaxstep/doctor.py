@@ -104,9 +104,10 @@ def describe_devices(devices: Sequence[jax.Device]) -> list[DeviceInfo]:
     ]
 
 
-def _probe(key: jax.Array, size: int, rounds: int) -> jax.Array:
+def _probe(key_data: jax.Array, size: int, rounds: int) -> jax.Array:
     """Matmuls, transcendentals and reductions from a fixed key: the same bits on
     every healthy device of one kind."""
+    key = jax.random.wrap_key_data(key_data)
     x = jax.random.normal(key, (size, size), jnp.float32)
     w = jax.random.normal(jax.random.fold_in(key, 1), (size, size), jnp.float32) / np.sqrt(size)
 
@@ -131,39 +132,46 @@ def scan(
     rounds: int = 8,
     corrupt: int | None = None,
 ) -> list[ScanResult]:
-    """Runs the probe on each device and compares the results bitwise.
+    """Runs the probe on each device (one program, compiled once, no collective) and
+    compares this process's results bitwise.
 
     Args:
-      devices: the devices to scan (this process's own).
+      devices: the devices to scan (results are compared for this process's own).
       size: the probe's matrix side.
       rounds: how many matmul rounds.
       corrupt: a device id whose result gets its last bit flipped before the
         comparison, to see what a disagreeing device looks like (tests, demos).
 
     Returns:
-      One :class:`ScanResult` per device, in ``devices`` order. Without a majority
-      (two devices that differ, or every result different) no device agrees.
+      One :class:`ScanResult` per local device, in ``devices`` order. Without a
+      majority (two devices that differ, or every result different) none agrees.
     """
+    devices = list(devices)
     if corrupt is not None and corrupt not in [d.id for d in devices]:
         raise ValueError(
             f"--corrupt {corrupt}: no such device; the devices are {[d.id for d in devices]}"
         )
-    fn = jax.jit(_probe, static_argnums=(1, 2))
-    key = np.asarray(jax.random.key_data(jax.random.key(0)))
-    results = []
-    for d in devices:
-        keys = jax.random.wrap_key_data(jax.device_put(key, d))
-        out = np.asarray(fn(keys, size, rounds))
-        results.append(_flip_last_bit(out) if d.id == corrupt else out)
+    mesh = Mesh(np.array(devices, dtype=object), ("d",))
+
+    def each(key: jax.Array) -> jax.Array:
+        # Varying: every device computes its own copy, none is shared or skipped.
+        return _probe(jax.lax.pcast(key, "d", to="varying"), size, rounds)[None]
+
+    fn = jax.jit(jax.shard_map(each, mesh=mesh, in_specs=P(), out_specs=P("d")))
+    out = fn(jax.device_put(jax.random.key_data(jax.random.key(0)), NamedSharding(mesh, P())))
+    mine = {s.device.id: np.asarray(s.data)[0] for s in out.addressable_shards}
+    local = [d for d in devices if d.id in mine]
+    results = [_flip_last_bit(mine[d.id]) if d.id == corrupt else mine[d.id] for d in local]
     digests = [hashlib.sha256(r.tobytes()).hexdigest()[:16] for r in results]
     common, count = Counter(digests).most_common(1)[0]
     reference = results[digests.index(common)] if count * 2 > len(results) else None
     found = []
-    for d, out, digest in zip(devices, results, digests, strict=True):
+    for d, result, digest in zip(local, results, digests, strict=True):
         if reference is None:
             differing, ulps = -1, -1
         else:
-            a, b = out.view(np.int32).astype(np.int64), reference.view(np.int32).astype(np.int64)
+            a = result.view(np.int32).astype(np.int64)
+            b = reference.view(np.int32).astype(np.int64)
             differing, ulps = int(np.sum(a != b)), int(np.max(np.abs(a - b)))
         found.append(ScanResult(int(d.id), digest, differing == 0, differing, ulps))
     return found
@@ -200,8 +208,9 @@ def versions() -> dict[str, str]:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name] = "not installed"
-    backend = jax.devices()[0].client
-    found["backend"] = f"{backend.platform} {getattr(backend, 'platform_version', '')}".strip()
+    client = jax.devices()[0].client
+    name, version = str(client.platform), str(getattr(client, "platform_version", ""))
+    found["backend"] = name if version in ("", name) else f"{name} ({version})"
     return found
 
 
@@ -210,10 +219,9 @@ def run(
 ) -> Report:
     """The whole check-up on ``devices`` (default ``jax.devices()``)."""
     devices = list(jax.devices() if devices is None else devices)
-    local = [d for d in devices if d.process_index == jax.process_index()]
     return Report(
         devices=describe_devices(devices),
-        scan=scan(local, size=size, corrupt=corrupt),
+        scan=scan(devices, size=size, corrupt=corrupt),
         all_reduce=time_all_reduce(devices),
         versions=versions(),
     )

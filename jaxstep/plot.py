@@ -82,8 +82,7 @@ def grad_norm_heatmap(history: History, ax: Any = None, *, colorbar: bool = True
     steps, ids = a["step"], a["device_ids"]
     norms = a["device_grad_norm"].T.astype(np.float64)
     good = np.isfinite(norms) & (norms > 0)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("black")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="black")
     lo, hi = (norms[good].min(), norms[good].max()) if good.any() else (1e-3, 1.0)
     image = ax.imshow(
         np.ma.masked_where(~good, norms),
@@ -172,6 +171,7 @@ def overview(
         height_ratios=(1 + 0.1 * rows, 1),
         sharex=True,
         layout="constrained",
+        dpi=dpi,
     )
     grad_norm_heatmap(history, top, colorbar=False)
     loss_curves(history, bottom)
