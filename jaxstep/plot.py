@@ -8,6 +8,7 @@ loss curve of every device.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,9 @@ def _pyplot() -> Any:
             "jaxstep.plot draws with matplotlib: pip install 'jaxstep[demo]' "
             "(or pip install matplotlib)"
         ) from err
-    if "matplotlib.pyplot" not in __import__("sys").modules:
-        matplotlib.use("Agg")  # no display needed; a notebook has chosen its own already
+    chosen = os.environ.get("MPLBACKEND") or {"matplotlib.pyplot", "IPython"} & set(sys.modules)
+    if not chosen:
+        matplotlib.use("Agg")  # files only; a notebook or a pyplot user has chosen already
     import matplotlib.pyplot as plt
 
     return plt

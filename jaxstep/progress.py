@@ -14,6 +14,22 @@ from jaxstep.health import HealthTable
 from jaxstep.history import History
 
 
+def _can_draw(file: IO[str]) -> bool:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return False
+    if getattr(file, "isatty", lambda: False)():
+        return True
+    if not Console(file=file).is_jupyter:
+        return False
+    try:  # rich draws a live display in Jupyter through a widget
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class Progress:
     """Shows a run's progress; add it with ``fit(..., callbacks=[jaxstep.Progress(n)])``.
 
@@ -22,7 +38,8 @@ class Progress:
       every: in plain mode, print a line every this many steps (default: about ten
         lines a run, or every 25 steps when ``total`` is unknown).
       live: force the live bar (True) or plain lines (False); default: live when
-        ``file`` is a terminal and ``rich`` is installed.
+        ``rich`` is installed and ``file`` is a terminal, or a Jupyter notebook's
+        output with ``ipywidgets`` installed.
       file: where to write (default ``sys.stdout``).
     """
 
@@ -49,14 +66,7 @@ class Progress:
     def on_fit_start(self, step: Any, history: History) -> None:
         self.history = history
         self._done = 0
-        live = self._live
-        if live is None:
-            try:
-                import rich  # noqa: F401
-            except ImportError:
-                live = False
-            else:
-                live = bool(getattr(self._out(), "isatty", lambda: False)())
+        live = self._live if self._live is not None else _can_draw(self._out())
         if live and self._bar is None:
             from rich.console import Console
             from rich.progress import BarColumn
