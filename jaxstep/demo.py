@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import re
 from typing import Any
@@ -167,6 +168,8 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
     options: dict[str, Any] = {"history": history, "callbacks": callbacks, "diagnose": True}
     if inj is not None and inj.kind == "stall":
         options["step_timeout"] = STEP_TIMEOUT
+    # The hang watchdog logs every Python stack: right for a job's log, noise here.
+    logging.getLogger("jaxstep").addHandler(logging.NullHandler())
     code, error = EXIT_OK, None
     try:
         if inj is not None and inj.kind == "corrupt":
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
             state = err.state
 
     print()
-    summary(history, args.steps, devices)
+    summary(history, args.steps, devices, error)
     if error is None or error.state is not None:
         params = step.host_state(state).params
         logits = jax.jit(model.apply)({"params": jax.tree.map(np.asarray, params)}, test.image)
@@ -206,8 +209,9 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
     return code
 
 
-def summary(history: Any, steps: int, devices: list[Any]) -> None:
-    """The per-device table: id, process, mean loss and gradient norm, failures."""
+def summary(history: Any, steps: int, devices: list[Any], error: Any = None) -> None:
+    """The per-device table: id, process, mean loss and gradient norm, failures (a
+    hung step never reaches the history: it is taken from ``error``)."""
     import numpy as np
 
     if not len(history):
@@ -217,14 +221,16 @@ def summary(history: Any, steps: int, devices: list[Any]) -> None:
     rows = []
     for i, device_id in enumerate(a["device_ids"]):
         loss, norm = a["device_loss"][:, i], a["device_grad_norm"][:, i]
-        failed = np.flatnonzero(a["status"][:, i] != 0)
+        failed = [int(a["step"][t]) for t in np.flatnonzero(a["status"][:, i] != 0)]
+        if error is not None and error.step not in failed:
+            failed += [f.step for f in error.failures if f.device_id == device_id]
         rows.append(
             (
                 str(device_id),
                 str(devices[i].process_index),
                 f"{np.mean(loss[np.isfinite(loss)]):.4f}" if np.isfinite(loss).any() else "-",
                 f"{np.mean(norm[np.isfinite(norm)]):.4f}" if np.isfinite(norm).any() else "-",
-                (f"{len(failed)} (step {', '.join(str(a['step'][t]) for t in failed[:3])})")
+                (f"{len(failed)} (step {', '.join(str(t) for t in failed[:3])})")
                 if len(failed)
                 else "0",
             )

@@ -137,6 +137,11 @@ def fit(
             err.state = state  # type: ignore[union-attr]
             err.add_note("the state before this batch is in error.state; nothing was lost")
             raise
+        except TrainingWorkerError as err:  # a hung step: the callbacks hear of it too
+            for cb in callbacks:
+                if hasattr(cb, "on_failure"):
+                    cb.on_failure(err)
+            raise
         if pending is not None:
             settle(pending, state)
         pending = _Pending(out, batch)
