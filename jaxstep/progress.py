@@ -57,6 +57,7 @@ class Progress:
         self._live = live
         self._bar: Any = None
         self._task: Any = None
+        self._step: Any = None
         self.history: History | None = None
         self._done = 0
 
@@ -65,7 +66,7 @@ class Progress:
 
     def on_fit_start(self, step: Any, history: History) -> None:
         self.history = history
-        self._done = 0
+        self._step = step  # a Progress used for several fits keeps counting
         live = self._live if self._live is not None else _can_draw(self._out())
         if live and self._bar is None:
             from rich.console import Console
@@ -83,7 +84,9 @@ class Progress:
                 TextColumn("{task.fields[text]}"),
                 console=Console(file=self._out()),
             )
-            self._task = self._bar.add_task("train", total=self.total, text="compiling...")
+            self._task = self._bar.add_task(
+                "train", total=self.total, completed=self._done, text="compiling..."
+            )
             self._bar.start()
 
     def describe(self) -> str:
@@ -100,11 +103,23 @@ class Progress:
 
     def on_step_end(self, table: HealthTable) -> None:
         self._done += 1
+        if table.failed and table.skipped:
+            # Under the skip policy nothing is raised: say who failed, once.
+            failures = "; ".join(
+                f"device {f.device_id}: {f.reason}" for f in self._step.failures(table)
+            )
+            self._print(f"step {table.step} skipped: {failures}")
         if self._bar is not None:
             self._bar.update(self._task, advance=1, text=self.describe())
         elif self._done % self.every == 0 or self._done == self.total:
             of = f"/{self.total}" if self.total else ""
-            print(f"step {table.step:5d} ({self._done}{of})  {self.describe()}", file=self._out())
+            self._print(f"step {table.step:5d} ({self._done}{of})  {self.describe()}")
+
+    def _print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)  # above the bar
+        else:
+            print(line, file=self._out())
 
     def on_failure(self, error: TrainingWorkerError) -> None:
         self.close()  # the error itself reaches whoever called fit

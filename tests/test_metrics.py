@@ -153,6 +153,10 @@ def test_tensorboard_event_file_holds_the_scalars(run):
 def test_progress_prints_plain_lines_off_a_terminal(run):
     history = run["history"]
     lines = run["plain"].splitlines()
+    # Under skip nothing is raised: the progress says who failed.
+    skipped = f"step {BAD_STEP} skipped: device {run['bad']}: non-finite gradient in "
+    assert [line for line in lines if "skipped:" in line] == [skipped + "['dense2']['kernel']"]
+    lines = [line for line in lines if "skipped:" not in line]
     assert len(lines) == STEPS // 2
     assert lines[-1].startswith(f"step     {STEPS - 1} ({STEPS}/{STEPS})")
     assert f"loss {history.loss[-1]:.4f}" in lines[-1]
@@ -162,3 +166,4 @@ def test_progress_prints_plain_lines_off_a_terminal(run):
 def test_progress_draws_a_live_bar_when_asked(run):
     text = run["live"]
     assert f"{STEPS}/{STEPS}" in text and "skipped 1" in text
+    assert f"step {BAD_STEP} skipped: device {run['bad']}" in text
