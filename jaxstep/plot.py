@@ -65,11 +65,12 @@ def marks(history: History) -> dict[str, np.ndarray]:
 
 
 def _colorbar(fig: Any, image: Any, axes: Any, **kwargs: Any) -> None:
-    from matplotlib.ticker import FormatStrFormatter
+    from matplotlib.ticker import LogFormatter
 
     bar = fig.colorbar(image, ax=axes, label=COLORBAR_LABEL, pad=0.01, **kwargs)
-    for axis in (bar.ax.yaxis.set_major_formatter, bar.ax.yaxis.set_minor_formatter):
-        axis(FormatStrFormatter("%.3g"))
+    # Plain numbers (not 2x10^0); minor ticks labelled only over a narrow range.
+    bar.ax.yaxis.set_major_formatter(LogFormatter())
+    bar.ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
 
 
 def grad_norm_heatmap(history: History, ax: Any = None, *, colorbar: bool = True) -> Any:
@@ -101,7 +102,7 @@ def grad_norm_heatmap(history: History, ax: Any = None, *, colorbar: bool = True
     m = marks(history)
     for s in m["skipped"]:
         ax.axvspan(s - 0.5, s + 0.5, color="0.6", alpha=0.5, lw=0, gid="skipped")
-    size = float(np.clip(3000 / max(len(steps), len(ids) * 4), 40, 160))
+    size = float(np.clip(4000 / max(len(steps), len(ids) * 4), 70, 160))
     for kind, color, marker in (
         ("failures", FAILURE_COLOR, "X"),
         ("overflows", OVERFLOW_COLOR, "o"),
