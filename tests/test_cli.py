@@ -5,8 +5,10 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import jax
+import numpy as np
 import pytest
 
 from jaxstep import cli
@@ -120,3 +122,31 @@ def test_readme_command_exits_nonzero_naming_the_device():
     assert done.returncode == cli.EXIT_WORKER_FAILED, done.stderr[-2000:]
     assert "training worker on device 3 failed" in done.stdout
     assert "on 8 cpu devices" in done.stdout
+
+
+def test_digits_are_scikit_learns_and_batches_are_the_same_when_resumed():
+    from sklearn.datasets import load_digits
+
+    from jaxstep import data
+
+    train, test = data.digits(seed=3)
+    raw = load_digits()
+    assert (len(train), len(test)) == (1438, 359)
+    assert train.image.shape[1:] == (8, 8, 1) and train.image.dtype == np.float32
+    # Every example is one of scikit-learn's, with its label, exactly once.
+    pixels = {row.tobytes(): int(label) for row, label in zip(raw.data, raw.target, strict=True)}
+    both = np.concatenate([train.image, test.image]).reshape(-1, 64) * 16.0
+    labels = np.concatenate([train.label, test.label])
+    assert [pixels[row.astype(np.float64).tobytes()] for row in both] == labels.tolist()
+    assert len({row.tobytes() for row in both}) == len({row.tobytes() for row in raw.data})
+    # Batch i is the same whether the stream starts at 0 or resumes at i (across epochs).
+    whole = list(data.batches(train, 128, seed=1, stop=30))
+    resumed = list(data.batches(train, 128, seed=1, start=17, stop=30))
+    for a, b in zip(whole[17:], resumed, strict=True):
+        assert np.array_equal(a["image"], b["image"]) and np.array_equal(a["label"], b["label"])
+    per_epoch = len(train) // 128
+    seen = Counter(x.tobytes() for b in whole[:per_epoch] for x in b["image"])
+    have = Counter(x.tobytes() for x in train.image)
+    assert all(n <= have[x] for x, n in seen.items())  # each example at most once an epoch
+    assert whole[per_epoch]["image"].shape == (128, 8, 8, 1)
+    assert not np.array_equal(whole[0]["image"], whole[per_epoch]["image"])  # a new shuffle
