@@ -253,11 +253,16 @@ def format_report(report: Report) -> str:
         )
     a = report.all_reduce
     lines.append("")
+    bandwidth = (
+        f"{a.bus_gbps:.2f} GB/s bus bandwidth" if a.devices > 1 else "one device: no traffic"
+    )
     lines.append(
         f"all-reduce: psum of {a.bytes_per_device / 2**20:.1f} MiB per device over {a.devices} "
-        f"devices: {a.seconds * 1e3:.2f} ms median ({a.bus_gbps:.2f} GB/s bus bandwidth), "
+        f"device(s): {a.seconds * 1e3:.2f} ms median ({bandwidth}), "
         + ("result exact" if a.correct else "RESULT WRONG: a device or the interconnect is bad")
     )
+    if len(report.scan) == 1:
+        lines.append("(one local device: nothing to compare its bits with; try --devices 8)")
     lines.append("")
     lines.append("versions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()))
     lines.append("")
