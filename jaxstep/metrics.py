@@ -12,6 +12,7 @@ import math
 import os
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxstep.errors import TrainingWorkerError
@@ -85,12 +86,19 @@ def failure_record(error: TrainingWorkerError) -> dict[str, Any]:
 
 
 class _Writer:
-    """What both writers share: the run's :class:`History`, handed over by ``fit``."""
+    """What both writers share: the run's :class:`History`, handed over by ``fit``, and
+    writing on one process only (every process of a multi-host run holds the same
+    table, so one copy is the whole record)."""
 
     history: History | None = None
+    all_processes: bool = False
 
     def on_fit_start(self, step: Any, history: History) -> None:
         self.history = history
+
+    @property
+    def writes(self) -> bool:
+        return self.all_processes or jax.process_index() == 0
 
     def _record(self, table: HealthTable) -> dict[str, Any]:
         if self.history is None or not len(self.history):
@@ -108,13 +116,18 @@ class JsonlWriter(_Writer):
 
     Args:
       path: the file; appended to, so a resumed run continues it.
+      all_processes: write on every process of a multi-host run (give each its own
+        path); by default only process 0 writes.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, all_processes: bool = False):
         self.path = os.fspath(path)
+        self.all_processes = all_processes
         self._file: Any = None
 
     def _write(self, record: dict[str, Any]) -> None:
+        if not self.writes:
+            return
         if self._file is None:
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
@@ -144,12 +157,14 @@ class TensorBoardWriter(_Writer):
 
     Args:
       logdir: the directory for the event files (``tensorboard --logdir``).
+      all_processes: write on every process of a multi-host run (give each its own
+        directory); by default only process 0 writes.
 
     Raises:
       ImportError: tensorboardX is missing (``pip install 'jaxstep[demo]'``).
     """
 
-    def __init__(self, logdir: str | os.PathLike[str]):
+    def __init__(self, logdir: str | os.PathLike[str], *, all_processes: bool = False):
         try:
             from tensorboardX import SummaryWriter
         except ImportError as err:
@@ -158,9 +173,12 @@ class TensorBoardWriter(_Writer):
                 "(or pip install tensorboardX)"
             ) from err
         self.logdir = os.fspath(logdir)
-        self.writer = SummaryWriter(self.logdir)
+        self.all_processes = all_processes
+        self.writer = SummaryWriter(self.logdir) if self.writes else None
 
     def on_step_end(self, table: HealthTable) -> None:
+        if self.writer is None:
+            return
         record = self._record(table)
         step = record["step"]
         scalars = {
@@ -178,11 +196,14 @@ class TensorBoardWriter(_Writer):
             self.writer.add_scalar(tag, np.nan if value is None else value, step)
 
     def on_failure(self, error: TrainingWorkerError) -> None:
-        self.writer.add_text("failure", str(error), int(error.step))
+        if self.writer is not None:
+            self.writer.add_text("failure", str(error), int(error.step))
         self.close()
 
     def on_fit_end(self, history: History) -> None:
-        self.writer.flush()
+        if self.writer is not None:
+            self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -94,7 +94,12 @@ class Progress:
         h = self.history
         if h is None or not len(h):
             return ""
-        rate = h.examples_per_sec[-1]
+        # Throughput of the last steps (harmonic mean: equal examples per step), the
+        # run's first step left out once there are others: it includes compiling.
+        recent = h.examples_per_sec[max(1, len(h) - 20) :] or h.examples_per_sec[-1:]
+        rate = (
+            len(recent) / sum(1.0 / r for r in recent) if all(r > 0 for r in recent) else math.nan
+        )
         parts = [f"loss {h.loss[-1]:.4f}"]
         parts += [f"{k} {v:.4f}" for k, v in h.metrics[-1].items()]
         parts.append(f"{rate:,.0f} ex/s" if math.isfinite(rate) else "- ex/s")
