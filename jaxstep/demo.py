@@ -214,6 +214,8 @@ def summary(history: Any, steps: int, devices: list[Any], error: Any = None) -> 
     hung step never reaches the history: it is taken from ``error``)."""
     import numpy as np
 
+    import jaxstep
+
     if not len(history):
         print("no step finished")
         return
@@ -221,7 +223,8 @@ def summary(history: Any, steps: int, devices: list[Any], error: Any = None) -> 
     rows = []
     for i, device_id in enumerate(a["device_ids"]):
         loss, norm = a["device_loss"][:, i], a["device_grad_norm"][:, i]
-        failed = [int(a["step"][t]) for t in np.flatnonzero(a["status"][:, i] != 0)]
+        bad = (a["status"][:, i] & ~int(jaxstep.Status.OVERFLOW)) != 0  # overflows: no failure
+        failed = [int(a["step"][t]) for t in np.flatnonzero(bad)]
         if error is not None and error.step not in failed:
             failed += [f.step for f in error.failures if f.device_id == device_id]
         rows.append(

@@ -27,6 +27,11 @@ def status_name(value: int) -> str:
     return "OK" if not status else str(status.name)
 
 
+def failed(value: int) -> bool:
+    """Whether a status is a failure (an OVERFLOW alone is recorded, not a failure)."""
+    return bool(int(value) & ~int(Status.OVERFLOW))
+
+
 def _number(x: Any) -> float | None:
     """A JSON-safe float: non-finite values become None (the status says why)."""
     x = float(x)
@@ -38,8 +43,8 @@ def step_record(history: History, index: int = -1) -> dict[str, Any]:
 
     Keys: ``step``, ``loss`` (mean over devices), ``skipped``, ``examples_per_sec``,
     ``metrics`` (the means over devices of ``aux``'s scalar entries), ``devices`` (one
-    dict per device: ``id``, ``loss``, ``grad_norm``, ``status``). Non-finite numbers
-    are None.
+    dict per device: ``id``, ``loss``, ``grad_norm``, ``status``, ``failed``).
+    Non-finite numbers are None.
     """
     devices = [
         {
@@ -47,6 +52,7 @@ def step_record(history: History, index: int = -1) -> dict[str, Any]:
             "loss": _number(loss),
             "grad_norm": _number(norm),
             "status": status_name(status),
+            "failed": failed(status),
         }
         for device_id, loss, norm, status in zip(
             history.device_ids,
@@ -190,7 +196,7 @@ class TensorBoardWriter(_Writer):
         for d in record["devices"]:
             scalars[f"device_{d['id']}/loss"] = d["loss"]
             scalars[f"device_{d['id']}/grad_norm"] = d["grad_norm"]
-            scalars[f"device_{d['id']}/failed"] = float(d["status"] != "OK")
+            scalars[f"device_{d['id']}/failed"] = float(d["failed"])
         for tag, value in scalars.items():
             # TensorBoard draws NaN as a gap: keep the step visible on the curve.
             self.writer.add_scalar(tag, np.nan if value is None else value, step)

@@ -17,7 +17,7 @@ from jaxstep.health import Status
 from jaxstep.history import History
 
 #: Status bits that are recorded but are not failures (loss-scale overflows).
-_NOT_FAILURES = int(getattr(Status, "OVERFLOW", 0))
+_NOT_FAILURES = int(Status.OVERFLOW)
 FAILURE_COLOR = "#e41a1c"
 OVERFLOW_COLOR = "#ff7f00"
 COLORBAR_LABEL = "gradient norm (before averaging)"
@@ -51,7 +51,7 @@ def marks(history: History) -> dict[str, np.ndarray]:
     a = _arrays(history)
     ids = a["device_ids"]
     failed = (a["status"] & ~_NOT_FAILURES) != 0
-    overflow = (a["status"] & _NOT_FAILURES) != 0 if _NOT_FAILURES else np.zeros_like(failed)
+    overflow = (a["status"] & _NOT_FAILURES) != 0
 
     def pairs(mask: np.ndarray) -> np.ndarray:
         t, d = np.nonzero(mask)

@@ -100,6 +100,7 @@ def test_jsonl_has_one_line_per_step_with_every_device_and_the_aux_metrics(run):
         ):
             failed = record["step"] == BAD_STEP and d["id"] == bad
             assert d["status"] == ("GRAD_NONFINITE" if failed else "OK")
+            assert d["failed"] == failed
             assert d["loss"] == pytest.approx(float(loss))
             # A non-finite gradient norm is written as null (strict JSON), never as NaN.
             assert d["grad_norm"] is None if failed else d["grad_norm"] == pytest.approx(norm)

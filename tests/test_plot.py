@@ -71,3 +71,21 @@ def test_overview_is_a_png_with_the_failure_drawn_where_it_happened(history, tmp
 def test_an_empty_history_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"history is empty: pass it to jaxstep\.fit"):
         jaxstep.plot.overview(jaxstep.History())
+
+
+def test_an_overflow_is_marked_as_an_overflow_not_a_failure():
+    history = jaxstep.History(device_ids=[10, 11])
+    for t, status in enumerate([(0, 0), (0, int(jaxstep.Status.OVERFLOW)), (4, 0)]):
+        history.step.append(t)
+        history.loss.append(1.0)
+        history.device_loss.append(np.ones(2, np.float32))
+        history.device_grad_norm.append(np.ones(2, np.float32))
+        history.status.append(np.asarray(status, np.int32))
+        history.skipped.append(False)
+        history.metrics.append({})
+        history.examples_per_sec.append(1.0)
+    marks = jaxstep.plot.marks(history)
+    assert marks["overflows"].tolist() == [[1, 11]]
+    assert marks["failures"].tolist() == [[2, 10]]
+    fig = jaxstep.plot.overview(history)
+    assert {c.get_gid() for c in fig.axes[0].collections} >= {"failures", "overflows"}
