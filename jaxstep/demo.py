@@ -169,7 +169,8 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
     if inj is not None and inj.kind == "stall":
         options["step_timeout"] = STEP_TIMEOUT
     # The hang watchdog logs every Python stack: right for a job's log, noise here.
-    logging.getLogger("jaxstep").addHandler(logging.NullHandler())
+    quiet = logging.NullHandler()
+    logging.getLogger("jaxstep").addHandler(quiet)
     code, error = EXIT_OK, None
     try:
         if inj is not None and inj.kind == "corrupt":
@@ -193,6 +194,8 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
             print(f"emergency checkpoint: {checkpoint}")
         if err.state is not None:
             state = err.state
+    finally:
+        logging.getLogger("jaxstep").removeHandler(quiet)
 
     print()
     summary(history, args.steps, devices, error)
@@ -201,7 +204,7 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
         logits = jax.jit(model.apply)({"params": jax.tree.map(np.asarray, params)}, test.image)
         accuracy = float(np.mean(np.asarray(logits).argmax(-1) == test.label))
         print(f"test accuracy {accuracy:.3f} after {len(history)} steps")
-    if args.plot:
+    if args.plot and len(history):
         jaxstep.plot.overview(history, args.plot)
         print(f"plot saved to {args.plot}")
     if error is None:
