@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean strip-notebooks
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# Notebooks are committed without outputs (tests/test_notebook.py runs them).
+strip-notebooks: $(STAMP)
+	$(BIN)/python scripts/strip_notebooks.py notebooks/*.ipynb
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py --json bench.json

@@ -4,6 +4,7 @@ import importlib
 from typing import Any
 
 from jaxstep import distributed
+from jaxstep import plot
 from jaxstep import testing
 from jaxstep.build import make_train_step
 from jaxstep.diagnose import Diagnosis
@@ -15,7 +16,10 @@ from jaxstep.health import Status
 from jaxstep.history import History
 from jaxstep.loop import fit
 from jaxstep.loop import replica_state
+from jaxstep.metrics import JsonlWriter
+from jaxstep.metrics import TensorBoardWriter
 from jaxstep.monitors import LossSpike
+from jaxstep.progress import Progress
 from jaxstep.scaling import DynamicLossScale
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
@@ -37,9 +41,12 @@ __all__ = [
     "Failure",
     "HealthTable",
     "History",
+    "JsonlWriter",
     "LossSpike",
+    "Progress",
     "Status",
     "StepOutput",
+    "TensorBoardWriter",
     "TrainState",
     "TrainStep",
     "TrainingWorkerError",
@@ -47,6 +54,7 @@ __all__ = [
     "distributed",
     "fit",
     "make_train_step",
+    "plot",
     "replica_state",
     "testing",
 ]

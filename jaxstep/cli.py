@@ -1,124 +1,173 @@
-"""``jaxstep demo``: a short data-parallel run on fake CPU devices that meets a fault
-on one device and says which one, where and why."""
+"""The ``jaxstep`` command: ``jaxstep demo`` trains a small CNN on real data and meets a
+fault if asked; ``jaxstep doctor`` checks the devices.
+
+exit codes:
+  0  done: the demo trained to the end (a skipped step included), the doctor found
+     nothing wrong
+  1  a device failed: a training worker failed (demo), or a device computed other
+     bits than the rest or the all-reduce was wrong (doctor)
+  2  usage error: bad arguments, or a missing optional dependency
+"""
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
-import time
+from typing import Any
+
+from jaxstep.demo import EXIT_OK
+from jaxstep.demo import EXIT_USAGE
+from jaxstep.demo import EXIT_WORKER_FAILED
+from jaxstep.demo import KINDS
+from jaxstep.demo import Injection
+
+__all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_WORKER_FAILED", "main"]
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _device_spec(text: str) -> int | str:
+    if text == "real":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give a number of fake CPU devices (e.g. 8) or 'real' for the devices "
+        "JAX finds (GPUs, TPUs)"
+    )
+
+
+def _injection(text: str) -> Injection:
+    try:
+        return Injection.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    devices_help = (
+        "N fake CPU devices, or 'real' for the devices JAX finds (a bare --devices means real)"
+    )
+    demo = sub.add_parser(
+        "demo",
+        help="train a CNN on scikit-learn's digits on every device; --inject meets a fault",
+        description="Train a small Flax CNN on scikit-learn's bundled digits with jaxstep.",
+        epilog="fault kinds for --inject:\n"
+        + "\n".join(f"  {k:8} {v}" for k, v in KINDS.items())
+        + "\n\n"
+        + __doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument(
+        "--devices",
+        type=_device_spec,
+        nargs="?",
+        const="real",
+        default=8,
+        help=devices_help + " (default 8)",
+    )
+    demo.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
+    demo.add_argument(
+        "--policy",
+        choices=("raise", "skip"),
+        default="raise",
+        help="on a failure: stop with the error (raise) or skip the step (skip)",
+    )
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--per-device", type=int, default=16, help="examples per device a step")
+    demo.add_argument("--seed", type=int, default=0, help="data split, shuffle and init")
+    demo.add_argument(
+        "--inject",
+        type=_injection,
+        metavar="KIND@device=D,step=S",
+        help=f"plant one fault; KIND: {', '.join(KINDS)}; D a device id",
+    )
+    demo.add_argument("--plot", metavar="PNG", help="save the gradient-norm heatmap and losses")
+    demo.add_argument("--jsonl", metavar="PATH", help="write per-step metrics as JSON lines")
+    demo.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files")
+    doctor = sub.add_parser(
+        "doctor",
+        help="list the devices, compare their results bitwise, time an all-reduce",
+        description="Check the devices: the same program on each must give the same bits.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument(
+        "--devices",
+        type=_device_spec,
+        nargs="?",
+        const="real",
+        default="real",
+        help=devices_help + " (default real)",
+    )
+    doctor.add_argument("--size", type=int, default=256, help="the probe's matrix side")
+    doctor.add_argument(
+        "--corrupt",
+        type=int,
+        metavar="DEVICE_ID",
+        help="flip one bit of this device's result, to see a failing scan",
+    )
+    return parser
+
+
+def _devices(spec: int | str) -> list[Any]:
+    """The devices to run on; fake CPU devices are made before JAX starts a backend
+    (in a process where it has started, e.g. a notebook, the first N CPU devices)."""
+    if spec == "real":
+        import jax
+
+        return jax.devices()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
     from jaxstep import testing
 
-    testing.set_cpu_devices(args.devices)
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    import jaxstep
-
-    rng = np.random.default_rng(0)
-    sizes = (784, 256, 256, 10)
-    params = {
-        f"dense{i + 1}": {
-            "kernel": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32),
-            "bias": np.zeros(b, np.float32),
-        }
-        for i, (a, b) in enumerate(itertools.pairwise(sizes))
-    }
-
-    def loss_fn(params, batch):
-        h = batch["image"]
-        for name in ("dense1", "dense2"):
-            h = jax.nn.relu(h @ params[name]["kernel"] + params[name]["bias"])
-        logits = h @ params["dense3"]["kernel"] + params["dense3"]["bias"]
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-
-    # A synthetic, learnable task: the label is which of 10 fixed templates is nearest.
-    templates = rng.normal(size=(10, 784)).astype(np.float32)
-    batch_size = args.per_device * args.devices
-
-    def batches(start: int = 0, drop: tuple[int, ...] = ()):
-        """The batches from step ``start``; examples in ``drop`` (of the faulty step)
-        are replaced by their neighbours, as a data pipeline fix would."""
-        for i in range(start, args.steps):
-            draw = np.random.default_rng(i)  # batch i is the same whenever it is made
-            label = draw.integers(0, 10, batch_size)
-            noise = 8 * draw.normal(size=(batch_size, 784)).astype(np.float32)
-            image = templates[label] + noise
-            if i == args.fault_step:
-                chunk = args.fault_position * args.per_device
-                image[chunk + 1, 17] = np.nan  # one bad pixel on one device's chunk
-                for row in drop:
-                    image[row], label[row] = image[row - 1], label[row - 1]
-            yield {"image": image, "label": label.astype(np.int32)}
-
-    devices = jax.devices()
-    print(
-        f"jaxstep demo: {len(devices)} {devices[0].platform} devices, backend "
-        f"{args.backend}, {batch_size} examples per step ({args.per_device} per device)"
-    )
-    if 0 <= args.fault_step < args.steps:
-        print(
-            f"a NaN pixel is planted at step {args.fault_step} in the chunk of device "
-            f"{devices[args.fault_position].id}"
-        )
-    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-3), backend=args.backend)
-    state = step.init(jax.tree.map(jnp.asarray, params))
-
-    class Progress:
-        def __init__(self) -> None:
-            self.start = time.perf_counter()
-
-        def on_step_end(self, table: jaxstep.HealthTable) -> None:
-            if table.step % args.log_every == 0:
-                spread = float(np.max(table.loss) - np.min(table.loss))
-                print(
-                    f"  step {table.step:4d}  loss {table.mean_loss:.4f}  per-device "
-                    f"spread {spread:.3f}  {time.perf_counter() - self.start:.1f}s"
-                )
-
     try:
-        state = jaxstep.fit(step, state, batches(), callbacks=[Progress()], diagnose=True)
-    except jaxstep.TrainingWorkerError as err:
-        print("\njaxstep.TrainingWorkerError:", err, sep="\n")
-        good = int(np.asarray(step.host_state(err.state).step))
-        print(f"\nerr.device_id={err.device_id} err.step={err.step} err.status={err.status!r}")
-        print(f"err.leaf={err.leaf!r}; err.state holds the last good state (step {good})")
-        if err.diagnosis is None or err.diagnosis.verdict != "data":
-            return 1
-        drop = err.diagnosis.examples
-        print(f"\nreplacing example(s) {list(drop)} of step {err.step} and resuming from err.state")
-        state = jaxstep.fit(step, err.state, batches(good, drop), callbacks=[Progress()])
-    print(f"finished {int(np.asarray(step.host_state(state).step))} steps")
-    return 0
+        testing.set_cpu_devices(int(spec))
+    except RuntimeError as err:
+        cpus = jax.devices("cpu")
+        if len(cpus) < int(spec):
+            raise ValueError(str(err)) from None
+        return cpus[: int(spec)]
+    return jax.devices("cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxstep", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train on fake CPU devices and meet a fault")
-    demo.add_argument("--devices", type=int, default=8)
-    demo.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
-    demo.add_argument("--steps", type=int, default=200)
-    demo.add_argument("--per-device", type=int, default=32)
-    demo.add_argument("--fault-step", type=int, default=150, help="-1: no fault")
-    demo.add_argument("--fault-position", type=int, default=5)
-    demo.add_argument("--log-every", type=int, default=25)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        if args.per_device < 2:
-            parser.error("--per-device must be >= 2 (the planted NaN is on row 1 of a chunk)")
-        if not 0 <= args.fault_position < args.devices:
-            parser.error(f"--fault-position {args.fault_position} is not in 0..{args.devices - 1}")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        return _demo(args)
-    return 2
+    """Runs ``jaxstep`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # argparse has printed the usage error
+        return EXIT_USAGE if exit.code else EXIT_OK
+    try:
+        devices = _devices(args.devices)
+    except ValueError as err:
+        print(f"jaxstep {args.command}: error: --devices {args.devices}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.command == "doctor":
+            from jaxstep import doctor
+
+            try:
+                report = doctor.run(devices, corrupt=args.corrupt, size=args.size)
+            except ValueError as err:
+                print(f"jaxstep doctor: error: {err}", file=sys.stderr)
+                return EXIT_USAGE
+            print(doctor.format_report(report))
+            return EXIT_OK if report.ok else EXIT_WORKER_FAILED
+        from jaxstep import demo
+
+        problem = demo.check(args, [d.id for d in devices])
+        if problem is not None:
+            print(f"jaxstep demo: error: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        return demo.run(args, devices)
+    except ImportError as err:
+        print(f"jaxstep {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
 from jaxstep.history import History
+from jaxstep.history import scalar_aux
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
@@ -58,7 +60,10 @@ def fit(
       batches: an iterable of global batches.
       num_steps: stop after this many steps (default: when ``batches`` runs out).
       history: a :class:`History` to append each finished step to.
-      callbacks: objects with optional ``on_step_end(table)`` / ``on_failure(error)``.
+      callbacks: objects with optional ``on_fit_start(step, history)``,
+        ``on_step_end(table)`` (after ``history`` has the step), ``on_failure(error)``
+        and ``on_fit_end(history)`` (after the last step, when nothing failed); e.g.
+        :class:`jaxstep.Progress`, :class:`jaxstep.JsonlWriter`.
       diagnose: on a failure, replay the step (:func:`jaxstep.diagnose`) and put the
         verdict on ``error.diagnosis`` and in its message.
       step_timeout: seconds a step may take (counted from its dispatch, compile
@@ -98,9 +103,13 @@ def fit(
     history.device_ids = [d.id for d in step.devices]
     next_step = int(np.asarray(host.step))
     step.heartbeats.clear()
+    for cb in callbacks:
+        if hasattr(cb, "on_fit_start"):
+            cb.on_fit_start(step, history)
+    last_time = time.perf_counter()
 
     def settle(pending: _Pending, current: TrainState) -> None:
-        nonlocal next_step
+        nonlocal next_step, last_time
         if watch_peers:  # never block where a lost peer would leave this process stuck
             distributed.wait_ready(pending.out.health, pending.number, step.devices)
         try:
@@ -110,7 +119,11 @@ def fit(
                 raise
             raise distributed.lost_after(err, pending.number, step.devices) from err
         next_step = table.step + 1
-        history.append(table)
+        now = time.perf_counter()
+        examples = len(step.devices) * _rows_per_device(step, pending.batch)
+        metrics = scalar_aux(pending.out.aux, len(step.devices))
+        history.append(table, metrics, examples / max(now - last_time, 1e-9))
+        last_time = now
         for cb in callbacks:
             if hasattr(cb, "on_step_end"):
                 cb.on_step_end(table)
@@ -145,6 +158,11 @@ def fit(
                 err.state = state  # type: ignore[union-attr]
                 err.add_note("the state before this batch is in error.state; nothing was lost")
                 raise
+            except TrainingWorkerError as err:  # a hung step: the callbacks hear of it too
+                for cb in callbacks:
+                    if hasattr(cb, "on_failure"):
+                        cb.on_failure(err)
+                raise
             if pending is not None:
                 settle(pending, state)
             pending = _Pending(out, batch, first_step + count)
@@ -158,6 +176,9 @@ def fit(
             # Leave no collective half done: a peer that is still in it would abort.
             distributed.finish_in_flight(last.health, err)
         raise
+    for cb in callbacks:
+        if hasattr(cb, "on_fit_end"):
+            cb.on_fit_end(history)
     return state
 
 

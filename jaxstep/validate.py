@@ -64,18 +64,8 @@ def batch(tree: Any, n: int, microbatches: int = 1, what: str = "devices") -> in
     sizes = {}
     for path, leaf in leaves:
         name = jax.tree_util.keystr(path) or "batch"
-        shape = getattr(leaf, "shape", None)
-        if shape is None:
-            raise TypeError(
-                f"batch leaf {name} is a {type(leaf).__name__}, not an array; convert it "
-                "with np.asarray"
-            )
-        if len(shape) == 0:
-            raise ValueError(
-                f"batch leaf {name} is a scalar; every batch leaf needs a leading example "
-                "axis that is split across the devices"
-            )
-        sizes[name] = shape[0]
+        _batch_leaf(name, leaf)
+        sizes[name] = leaf.shape[0]
     if len(set(sizes.values())) > 1:
         raise ValueError(
             f"batch leaves disagree on the leading (example) axis: {sizes}; every leaf "
@@ -86,12 +76,50 @@ def batch(tree: Any, n: int, microbatches: int = 1, what: str = "devices") -> in
         raise ValueError("the batch has 0 examples; drop empty batches before the step")
     if size % n:
         lo, hi = size // n * n, (size // n + 1) * n
-        raise ValueError(
-            f"batch leading axis {size} does not divide by the {n} {what}; use a multiple "
-            f"of {n} (e.g. {lo or n} or {hi}) or drop the last partial batch"
-        )
+        if lo == 0:  # fewer examples than devices
+            fix = f"each device needs at least one example: use {n} or another multiple of {n}"
+        else:
+            fix = f"use a multiple of {n} (e.g. {lo} or {hi}) or drop the last partial batch"
+        raise ValueError(f"batch leading axis {size} does not divide by the {n} {what}; {fix}")
     microbatch_rows(size, n, microbatches)
     return int(size)
+
+
+def _batch_leaf(name: str, leaf: Any) -> None:
+    """Raises for a batch leaf the devices cannot take: text, a single number, an
+    object that is not an array, an array without an example axis or of a non-numeric
+    dtype."""
+    if isinstance(leaf, (str, bytes)):
+        raise TypeError(
+            f"batch leaf {name} is a {type(leaf).__name__} ({leaf[:20]!r}); devices take "
+            "numbers: encode text as integer ids (one row per example), or keep it out of "
+            "the batch"
+        )
+    if isinstance(leaf, (bool, int, float, complex)):
+        raise ValueError(
+            f"batch leaf {name} is a scalar (a Python {type(leaf).__name__}); every batch "
+            "leaf needs a leading example axis that is split across the devices: give one "
+            f"value per example (e.g. np.full(batch_size, {leaf!r})), or close over a "
+            "constant in loss_fn"
+        )
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"batch leaf {name} is a {type(leaf).__name__}, not an array; give an array "
+            "with one row per example (e.g. np.stack of the examples)"
+        )
+    if len(shape) == 0:
+        raise ValueError(
+            f"batch leaf {name} is a scalar; every batch leaf needs a leading example "
+            "axis that is split across the devices: give one value per example"
+        )
+    numeric = jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+    if not (numeric or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)):
+        raise TypeError(
+            f"batch leaf {name} has dtype {dtype}, which devices cannot hold; encode "
+            "strings as integer ids (e.g. a vocabulary lookup) and keep other objects "
+            "out of the batch"
+        )
 
 
 def loss_output(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
