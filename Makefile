@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --durations=15
 
 # Notebooks are committed without outputs (tests/test_notebook.py runs them).
 strip-notebooks: $(STAMP)
