@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from jaxstep import distributed
+from jaxstep import local
 from jaxstep import program as prog
 from jaxstep import validate
 from jaxstep.backends import AXIS
@@ -80,7 +81,7 @@ class TrainStep:
         self.backend = backend
         self._backend: Backend = BACKENDS[backend](self.devices, axis_name)
         self._faults = Injector(faults, self.devices)
-        self.program = prog.Program(
+        self.program = local.Program(
             loss_fn=loss_fn,
             optimizer=optimizer,
             has_aux=has_aux,
@@ -315,7 +316,7 @@ class TrainStep:
 
             def one(state: TrainState, example: Any, chunk: jax.Array, row: jax.Array) -> Any:
                 def alone(ex: Any) -> jax.Array:
-                    return prog.example_failed(program, state, ex, chunk, row)
+                    return local.example_failed(program, state, ex, chunk, row)
 
                 lone = jax.tree.map(lambda x: x[None], example)
                 return jax.vmap(alone, axis_name=axis)(lone)[0]
