@@ -212,7 +212,8 @@ def nnx_split(module: nnx.Module) -> tuple[NNXGraph, dict[str, Any], dict[str, A
             f"expected an nnx.Module, got {type(module).__name__}; for a linen module "
             "use jaxstep.flax.linen_split(module.init(key, x))"
         )
-    graphdef, params, rngs, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
+    split = nnx.split(module, nnx.Param, nnx.RngState, ...)
+    graphdef, params, rngs, rest = split  # type: ignore[misc]
     rngs = jax.tree.map(jnp.asarray, rngs)  # see _fresh
     graph = NNXGraph(graphdef, _shapes(params), _shapes(rest), rngs)
     return graph, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
