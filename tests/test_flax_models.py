@@ -148,16 +148,15 @@ class InputMonitor(nnx.Module):
 
 
 class NNXCNN(nnx.Module):
-    """The NNX mnist tutorial's CNN (BatchNorm + Dropout), shrunk."""
+    """The NNX mnist tutorial's CNN (conv, BatchNorm, Dropout, two linear layers),
+    shrunk to one conv block: compile time is what these tests pay for."""
 
     def __init__(self, *, rngs: nnx.Rngs, axis_name: str | None = "batch") -> None:
         self.monitor = InputMonitor()
         self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
         self.batch_norm1 = nnx.BatchNorm(4, axis_name=axis_name, rngs=rngs)
         self.dropout1 = nnx.Dropout(rate=0.1, rngs=rngs)
-        self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), rngs=rngs)
-        self.batch_norm2 = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
-        self.linear1 = nnx.Linear(8 * 2 * 2, 16, rngs=rngs)
+        self.linear1 = nnx.Linear(4 * 4 * 4, 16, rngs=rngs)
         self.dropout2 = nnx.Dropout(rate=0.1, rngs=rngs)
         self.linear2 = nnx.Linear(16, 10, rngs=rngs)
 
@@ -165,7 +164,6 @@ class NNXCNN(nnx.Module):
         pool = functools.partial(nnx.avg_pool, window_shape=(2, 2), strides=(2, 2))
         x = self.monitor(x)
         x = pool(nnx.relu(self.batch_norm1(self.dropout1(self.conv1(x)))))
-        x = pool(nnx.relu(self.batch_norm2(self.conv2(x))))
         x = nnx.relu(self.dropout2(self.linear1(x.reshape(x.shape[0], -1))))
         return self.linear2(x)
 
@@ -198,8 +196,6 @@ def test_nnx_split_names_leaves_by_module_path():
     assert _names(model_state) == [
         "['batch_norm1']['mean']",
         "['batch_norm1']['var']",
-        "['batch_norm2']['mean']",
-        "['batch_norm2']['var']",
         "['monitor']['energy']",
     ]
     assert graph.streams == ["['dropout1']['rngs']", "['dropout2']['rngs']"]
@@ -428,7 +424,7 @@ def test_nnx_cnn_trains_and_faults_are_named_by_module_path(backend):
     host = step.host_state(err.state)
     model = jaxstep.flax.nnx_merge(graph, host.params, host.model_state)
     np.testing.assert_array_equal(
-        model.batch_norm2.var[...], host.model_state["batch_norm2"]["var"]
+        model.batch_norm1.var[...], host.model_state["batch_norm1"]["var"]
     )
 
 
