@@ -263,6 +263,25 @@ def test_nnx_loss_fn_passes_rngs_to_a_module_that_takes_them_at_call_time():
         loss_fn(params, x)
 
 
+def test_nnx_loss_fn_carries_only_the_state_the_module_had_at_split():
+    class Sows(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.bn = nnx.BatchNorm(2, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            h = self.linear(x)
+            self.sow(nnx.Intermediate, "h", h)  # created while running: not state
+            return self.bn(h)
+
+    graph, params, model_state = jaxstep.flax.nnx_split(Sows(nnx.Rngs(0)))
+    loss_fn = jaxstep.flax.nnx_loss_fn(graph, lambda m, x: jnp.sum(m(x)))
+    _, aux = jax.eval_shape(  # shapes only: nothing to compile
+        functools.partial(loss_fn, model_state=model_state), params, jnp.ones((4, 3))
+    )
+    assert _names(aux["model_state"]) == _names(model_state) == ["['bn']['mean']", "['bn']['var']"]
+
+
 def test_linen_helpers_split_apply_and_merge():
     model = ImagenetCNN(axis_name=None)
     params, model_state = _linen_init(model)
