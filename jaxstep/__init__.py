@@ -7,6 +7,7 @@ from jaxstep import distributed
 from jaxstep import plot
 from jaxstep import testing
 from jaxstep.build import make_train_step
+from jaxstep.checkpoint import restore
 from jaxstep.diagnose import Diagnosis
 from jaxstep.diagnose import diagnose
 from jaxstep.errors import Failure
@@ -56,5 +57,6 @@ __all__ = [
     "make_train_step",
     "plot",
     "replica_state",
+    "restore",
     "testing",
 ]

@@ -86,7 +86,9 @@ class TrainingWorkerError(RuntimeError):
     The message starts with ``training worker on device {device_id} failed: `` and the
     fields repeat it for code: ``device_id`` (``jax.Device.id``), ``process_index``,
     ``step``, ``status``, ``reason``, ``leaf``, every failing device of the step in
-    ``failures`` (in the step's device order) and the last good ``state``.
+    ``failures`` (in the step's device order) and the last good ``state``; ``batches``
+    (the failing batch and those pulled after it, untrained) and ``checkpoint`` (where
+    ``fit``'s emergency save went) when :func:`jaxstep.fit` raised it.
     """
 
     def __init__(
@@ -98,6 +100,8 @@ class TrainingWorkerError(RuntimeError):
         history: Any = None,
         diagnosis: Any = None,
         state_is_good: bool = True,
+        batches: Sequence[Any] = (),
+        checkpoint: str | None = None,
     ):
         if not failures:
             raise ValueError("TrainingWorkerError needs at least one Failure")
@@ -117,6 +121,11 @@ class TrainingWorkerError(RuntimeError):
         #: False when ``state`` is the state as it stands but not a good one (its
         #: parameters were already non-finite when the periodic check found them).
         self.state_is_good = state_is_good
+        #: The failing batch and every batch pulled after it and not trained, in order:
+        #: ``fit(step, error.state, itertools.chain(error.batches, rest))`` loses nothing.
+        self.batches = list(batches)
+        #: Where the emergency save went (None without ``fit(checkpoint_dir=...)``).
+        self.checkpoint = checkpoint
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -162,26 +171,56 @@ class TrainingWorkerError(RuntimeError):
                 "error.state is the state as it stands, NOT a good one: restore from your "
                 "last checkpoint"
             )
+        if self.batches:
+            lines.append(
+                f"error.batches holds the failing batch and the {len(self.batches) - 1} "
+                "pulled after it, untrained: fit(step, error.state, "
+                "itertools.chain(error.batches, rest)) loses none"
+            )
+        if self.checkpoint is not None:
+            lines.append(f"emergency save (state, failing batch, this report): {self.checkpoint}")
         return "\n".join(lines)
 
     def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
         """A copy of this error with ``diagnosis`` set (and shown in the message)."""
-        return TrainingWorkerError(
-            self.failures,
-            self.state,
-            note=self.note,
-            history=self.history,
-            diagnosis=diagnosis,
-            state_is_good=self.state_is_good,
-        )
+        return self.replace(diagnosis=diagnosis)
+
+    def replace(self, **changes: Any) -> TrainingWorkerError:
+        """A copy of this error with some of its constructor's arguments changed (``note``,
+        ``diagnosis``, ``batches``, ``checkpoint``, ...); the message follows them."""
+        fields = {
+            "failures": self.failures,
+            "state": self.state,
+            "note": self.note,
+            "history": self.history,
+            "diagnosis": self.diagnosis,
+            "state_is_good": self.state_is_good,
+            "batches": self.batches,
+            "checkpoint": self.checkpoint,
+        }
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"TrainingWorkerError has no field(s) {sorted(unknown)}")
+        fields.update(changes)
+        return TrainingWorkerError(fields.pop("failures"), **fields)
 
     def __reduce__(self):
         from jaxstep.state import map_host
 
         state = None if self.state is None else map_host(np.asarray, self.state)
+        batches = [map_host(np.asarray, b) for b in self.batches]
         return (
             _rebuild,
-            (self.failures, state, self.note, self.history, self.diagnosis, self.state_is_good),
+            (
+                self.failures,
+                state,
+                self.note,
+                self.history,
+                self.diagnosis,
+                self.state_is_good,
+                batches,
+                self.checkpoint,
+            ),
         )
 
 
@@ -190,7 +229,9 @@ def _where(failure: Failure) -> str:
     return f"process {failure.process_index}{host}"
 
 
-def _rebuild(failures, state, note, history, diagnosis, state_is_good=True):
+def _rebuild(
+    failures, state, note, history, diagnosis, state_is_good=True, batches=(), checkpoint=None
+):
     from jaxstep.state import from_host
 
     return TrainingWorkerError(
@@ -200,6 +241,8 @@ def _rebuild(failures, state, note, history, diagnosis, state_is_good=True):
         history=history,
         diagnosis=diagnosis,
         state_is_good=state_is_good,
+        batches=[from_host(b) for b in batches],
+        checkpoint=checkpoint,
     )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +23,7 @@ from jaxstep.health import HealthTable
 from jaxstep.health import Status
 from jaxstep.history import History
 from jaxstep.history import scalar_aux
+from jaxstep.recovery import Run
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
 from jaxstep.step import TrainStep
@@ -40,13 +43,17 @@ class _Pending(NamedTuple):
 def fit(
     step: TrainStep,
     state: TrainState,
-    batches: Iterable[Any],
+    batches: Iterable[Any] | Callable[[int], Iterable[Any]],
     *,
     num_steps: int | None = None,
     history: History | None = None,
     callbacks: Sequence[Any] = (),
     diagnose: bool = False,
     step_timeout: float | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    keep: int | None = 3,
+    resume: bool = False,
 ) -> TrainState:
     """Trains ``state`` on ``batches`` and returns the final state.
 
@@ -57,7 +64,11 @@ def fit(
     Args:
       step: from :func:`jaxstep.make_train_step`.
       state: from ``step.init`` (donated: use the returned state, not this one).
-      batches: an iterable of global batches.
+      batches: an iterable of global batches, or a callable ``start -> iterable`` (asked
+        for the batches from the data position: the checkpoint's on resume, else
+        ``state.step``), or a checkpointable iterator (``get_state``/``set_state``, e.g.
+        a ``grain.DataLoader``'s). A sequence resumes by index; any other iterable
+        resumes from wherever it stands (see docs/checkpoints.md).
       num_steps: stop after this many steps (default: when ``batches`` runs out).
       history: a :class:`History` to append each finished step to.
       callbacks: objects with optional ``on_fit_start(step, history)``,
@@ -71,6 +82,15 @@ def fit(
         ``HUNG`` error; the Python stacks go to the ``jaxstep`` logger first. Adds one
         host callback per device and step. Keep it well under 40 s on CPU, where XLA
         aborts a stuck collective.
+      checkpoint_dir: where to write checkpoints (an orbax ``CheckpointManager``
+        root) and, on a failure, the emergency save (``error.checkpoint``).
+      checkpoint_every: save the state every this many steps, from a writer thread,
+        once that step's replica check has passed (so it must be a multiple of the
+        step's ``divergence_every``); None: only emergency saves.
+      keep: how many periodic checkpoints to keep (None: all).
+      resume: restore the latest verified checkpoint of ``checkpoint_dir`` (if any)
+        instead of ``state``, which then only gives the expected structure, and go
+        on from its data position.
 
     Returns:
       The state after the last step.
@@ -78,7 +98,9 @@ def fit(
     Raises:
       TrainingWorkerError: a step failed (``raise`` policy), or too many steps in a
         row were skipped (``skip`` policy), or a replica diverged, or a step hung.
-        ``error.state`` is the last good state (None for a hang).
+        ``error.state`` is the last good state (None for a hang); ``error.batches``
+        the failing batch and every batch pulled after it, untrained, in order;
+        ``error.checkpoint`` the emergency save (with ``checkpoint_dir``).
       ValueError, TypeError: a batch was malformed; ``error.state`` holds the state
         before it, nothing lost.
     """
@@ -93,6 +115,15 @@ def fit(
             "devices span processes. The error still names the device and its rows; replay "
             "them on one host with make_train_step(..., devices=jax.local_devices())"
         )
+    state, source, run = Run.begin(
+        step,
+        state,
+        batches,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        keep=keep,
+        resume=resume,
+    )
     host = step.host_state(state)
     if bool(np.asarray(host.halted)):
         raise ValueError(
@@ -108,7 +139,7 @@ def fit(
             cb.on_fit_start(step, history)
     last_time = time.perf_counter()
 
-    def settle(pending: _Pending, current: TrainState) -> None:
+    def settle(pending: _Pending, current: TrainState, pulled: Sequence[Any] = ()) -> None:
         nonlocal next_step, last_time
         if watch_peers:  # never block where a lost peer would leave this process stuck
             distributed.wait_ready(pending.out.health, pending.number, step.devices)
@@ -124,6 +155,7 @@ def fit(
         metrics = scalar_aux(pending.out.aux, len(step.devices))
         history.append(table, metrics, examples / max(now - last_time, 1e-9))
         last_time = now
+        run.settled(table)
         for cb in callbacks:
             if hasattr(cb, "on_step_end"):
                 cb.on_step_end(table)
@@ -133,6 +165,8 @@ def fit(
                 from jaxstep.diagnose import diagnose as replay
 
                 error = error.with_diagnosis(replay(step, error, pending.batch))
+            # Nothing pulled is lost: the failing batch and those after it, untrained.
+            error = run.failed(error, [pending.batch, *pulled])
             for cb in callbacks:
                 if hasattr(cb, "on_failure"):
                     cb.on_failure(error)
@@ -145,7 +179,8 @@ def fit(
     last: StepOutput | None = None  # the newest dispatched step
     try:
         # islice: never pull a batch that will not be trained on (an iterator is shared).
-        for count, batch in enumerate(itertools.islice(batches, num_steps)):
+        for count, batch in enumerate(itertools.islice(source, num_steps)):
+            run.before(state)
             try:
                 if watcher is not None:
                     state, out = watcher.run(state, batch, next_step)
@@ -153,18 +188,19 @@ def fit(
                     state, out = step.dispatch(state, batch)
                 last = out
             except (ValueError, TypeError) as err:
-                if pending is not None:
-                    settle(pending, state)  # a failure of the previous step comes first
+                if pending is not None:  # a failure of the previous step comes first
+                    settle(pending, state, [batch])
                 err.state = state  # type: ignore[union-attr]
                 err.add_note("the state before this batch is in error.state; nothing was lost")
                 raise
             except TrainingWorkerError as err:  # a hung step: the callbacks hear of it too
+                hung = run.failed(err, [batch])
                 for cb in callbacks:
                     if hasattr(cb, "on_failure"):
-                        cb.on_failure(err)
-                raise
+                        cb.on_failure(hung)
+                raise hung from None
             if pending is not None:
-                settle(pending, state)
+                settle(pending, state, [batch])
             pending = _Pending(out, batch, first_step + count)
             if watcher is not None:  # the step has finished: settle it now
                 settle(pending, state)
@@ -176,6 +212,7 @@ def fit(
             # Leave no collective half done: a peer that is still in it would abort.
             distributed.finish_in_flight(last.health, err)
         raise
+    run.close()  # waits for the last write
     for cb in callbacks:
         if hasattr(cb, "on_fit_end"):
             cb.on_fit_end(history)

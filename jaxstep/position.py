@@ -1,0 +1,194 @@
+"""The data position: :func:`jaxstep.fit` pulls its batches through a :class:`Source`
+that counts them, so a checkpoint records which batch comes next and a resume starts
+exactly there.
+
+``batches`` may be, from the most to the least exact on resume:
+
+- a callable ``start -> iterable``: fit asks for the batches from the data position;
+- a checkpointable iterator (``get_state()`` / ``set_state(state)``, e.g. the iterator
+  of a ``grain.DataLoader``), or an iterable whose iterator is one: its state is saved
+  before the next batch and set again on resume;
+- a sequence (a list of batches): resumed by index;
+- any other iterable: it works, but a resume takes batches from wherever the iterator
+  stands (a one-time warning says so when checkpointing).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections.abc
+import dataclasses
+import itertools
+import warnings
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+
+CALLABLE = "callable"
+CHECKPOINTABLE = "checkpointable"
+SEQUENCE = "sequence"
+ITERATOR = "iterator"
+#: kinds whose resume is exact
+EXACT = (CALLABLE, CHECKPOINTABLE, SEQUENCE)
+
+_warned_plain = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """Where the data stands before a batch.
+
+    Attributes:
+      index: batches that came before it, counted from the start of the data.
+      kind: how the source resumes (``callable``, ``checkpointable``, ``sequence``,
+        ``iterator``).
+      iterator_state: a checkpointable iterator's ``get_state()`` before that batch.
+    """
+
+    index: int
+    kind: str
+    iterator_state: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        state = self.iterator_state
+        if isinstance(state, bytes):  # grain's iterators return JSON as bytes
+            state = {"base64": base64.b64encode(state).decode("ascii")}
+        return {"index": self.index, "kind": self.kind, "iterator_state": state}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Position:
+        state = data.get("iterator_state")
+        if isinstance(state, dict) and set(state) == {"base64"}:
+            state = base64.b64decode(state["base64"])
+        return cls(int(data["index"]), str(data["kind"]), state)
+
+
+def _checkpointable(obj: Any) -> bool:
+    return callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None))
+
+
+class Source(Iterator[Any]):
+    """An iterator over ``fit``'s batches that knows its data position.
+
+    Args:
+      batches: see the module docstring.
+      start: the position of the first batch to pull. For a callable it is passed
+        as ``batches(start.index)``; a checkpointable iterator is set to
+        ``start.iterator_state``; a sequence is indexed from ``start.index``.
+      resuming: ``start`` comes from a checkpoint; a source that yields nothing
+        there is then an error (the data is shorter than the run that saved it).
+      checkpointing: warn (once) when ``batches`` cannot resume exactly.
+    """
+
+    def __init__(
+        self,
+        batches: Any,
+        start: Position | int = 0,
+        *,
+        resuming: bool = False,
+        checkpointing: bool = False,
+    ):
+        if isinstance(start, int):
+            start = Position(start, "")
+        self.start = start.index
+        self.count = 0  # batches pulled through this source
+        self._resuming = resuming and start.index > 0
+        self._marks: dict[int, Any] = {}
+        self._watch: Callable[[int], bool] | None = None
+        if is_callable_source(batches):
+            self.kind = CALLABLE
+            self._it = iter(batches(start.index))
+        elif isinstance(batches, collections.abc.Sequence) and not isinstance(batches, str):
+            self.kind = SEQUENCE
+            if start.index > len(batches):
+                raise ValueError(
+                    f"the data position {start.index} is past the end of batches, which "
+                    f"holds {len(batches)} batches: resume with the data the checkpoint was "
+                    "made with (or a longer one), or start over (resume=False)"
+                )
+            self._it = itertools.islice(batches, start.index, None)
+        else:
+            if not _iterable(batches):
+                raise TypeError(
+                    f"batches must be an iterable of batches or a callable start -> "
+                    f"iterable, got {type(batches).__name__}"
+                )
+            self._it = batches if _checkpointable(batches) else iter(batches)
+            self.kind = CHECKPOINTABLE if _checkpointable(self._it) else ITERATOR
+            if self.kind == CHECKPOINTABLE and start.iterator_state is not None:
+                self._it.set_state(start.iterator_state)
+            elif self.kind == CHECKPOINTABLE and resuming and start.index > 0:
+                warnings.warn(
+                    f"resuming at data position {start.index}, but the checkpoint holds no "
+                    "iterator state (it was made with another kind of batches): the "
+                    "iterator goes on from wherever it stands",
+                    stacklevel=3,
+                )
+        if self.kind == ITERATOR and resuming and start.index > 0:
+            warnings.warn(
+                f"resuming at data position {start.index} with a plain iterator: its "
+                "batches are taken from wherever it stands, not from that position. For an "
+                "exact resume pass a callable start -> iterable, a sequence, or a "
+                "checkpointable iterator (e.g. a grain.DataLoader's)",
+                stacklevel=3,
+            )
+        elif self.kind == ITERATOR and checkpointing:
+            _warn_plain_once()
+
+    @property
+    def exact(self) -> bool:
+        """Whether a checkpoint of this source resumes at exactly the next batch."""
+        return self.kind in EXACT
+
+    def watch(self, before: Callable[[int], bool]) -> None:
+        """Record the iterator's state before pulling batch ``count`` (counted in this
+        source) whenever ``before(count)``: cheap for the other batches."""
+        self._watch = before if self.kind == CHECKPOINTABLE else None
+
+    def position(self, count: int | None = None) -> Position:
+        """The position before this source's ``count``-th batch (default: the next)."""
+        count = self.count if count is None else count
+        state = self._marks.get(count)
+        if state is None and self.kind == CHECKPOINTABLE and count == self.count:
+            state = self._it.get_state()
+        return Position(self.start + count, self.kind, state)
+
+    def __next__(self) -> Any:
+        if self._watch is not None and self._watch(self.count):
+            # Keep the last few marks: a checkpoint is saved a step or two after its mark.
+            self._marks = {k: v for k, v in self._marks.items() if k >= self.count - 4}
+            self._marks[self.count] = self._it.get_state()
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            if self._resuming and self.count == 0:
+                raise ValueError(
+                    f"the data position {self.start} is past the end of batches: it "
+                    f"yielded no batch from there. Resume with the data the checkpoint "
+                    "was made with (or a longer one), or start over (resume=False)"
+                ) from None
+            raise
+        self.count += 1
+        return batch
+
+
+def is_callable_source(batches: Any) -> bool:
+    """Whether ``batches`` is a callable ``start -> iterable`` (not itself iterable)."""
+    return callable(batches) and not _checkpointable(batches) and not _iterable(batches)
+
+
+def _iterable(obj: Any) -> bool:
+    return hasattr(obj, "__iter__") or hasattr(obj, "__next__")
+
+
+def _warn_plain_once() -> None:
+    global _warned_plain
+    if not _warned_plain:
+        _warned_plain = True
+        warnings.warn(
+            "checkpointing with a plain iterator of batches: a checkpoint records how many "
+            "batches were used, but resuming cannot skip to that position. For an exact "
+            "resume pass a callable start -> iterable, a sequence, or a checkpointable "
+            "iterator (e.g. a grain.DataLoader's)",
+            stacklevel=4,
+        )
