@@ -88,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", metavar="PNG", help="save the gradient-norm heatmap and losses")
     demo.add_argument("--jsonl", metavar="PATH", help="write per-step metrics as JSON lines")
     demo.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files")
+    demo.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where a failure saves the last good state, the failing batch and a report "
+        "(default with --inject: a new temporary directory)",
+    )
     doctor = sub.add_parser(
         "doctor",
         help="list the devices, compare their results bitwise, time an all-reduce",

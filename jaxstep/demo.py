@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import math
 import re
+import tempfile
 from typing import Any
 
 #: Exit codes of ``jaxstep`` (documented in ``jaxstep --help``).
@@ -168,6 +169,11 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
     options: dict[str, Any] = {"history": history, "callbacks": callbacks, "diagnose": True}
     if inj is not None and inj.kind == "stall":
         options["step_timeout"] = STEP_TIMEOUT
+    checkpoint_dir = getattr(args, "checkpoint_dir", None)
+    if checkpoint_dir is None and inj is not None and inj.kind != "stall":
+        checkpoint_dir = tempfile.mkdtemp(prefix="jaxstep-demo-")
+    if checkpoint_dir is not None:  # the emergency save on a failure goes there
+        options["checkpoint_dir"] = checkpoint_dir
     # The hang watchdog logs every Python stack: right for a job's log, noise here.
     quiet = logging.NullHandler()
     logging.getLogger("jaxstep").addHandler(quiet)
