@@ -131,7 +131,6 @@ class TrainStep:
             "model_state": [],
         }
         self._info: Any = None
-        self._traced: set[Any] = set()  # batch shapes the program was traced for
         self._params_def: Any = None
         self._state_sig: Any = None
         self._last_state: Any = None
@@ -222,17 +221,13 @@ class TrainStep:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
         else:
             fn = self._compiled[(False, replicas)]
-        if self._batch_key not in self._traced:  # a new shape traces: say what went wrong
-            try:
-                state, out, self._extras = fn(state, placed, self._extras)
-            except Exception as err:
-                hint = validate.presplit_hint(err, batch, len(self.devices))
-                if hint is None:
-                    raise
-                raise hint from err
-            self._traced.add(self._batch_key)
-        else:
+        try:  # free when nothing is raised (Python 3.11): no per-shape bookkeeping needed
             state, out, self._extras = fn(state, placed, self._extras)
+        except Exception as err:  # tracing a new shape failed: say if it looks pre-split
+            hint = validate.presplit_hint(err, batch, len(self.devices))
+            if hint is None:
+                raise
+            raise hint from err
         self._last_state, self._next_step = state, number + 1
         if out.info is not self._info:
             self._learn(out.info)
