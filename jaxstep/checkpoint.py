@@ -9,25 +9,28 @@ write. Layout of a checkpoint directory (one orbax ``CheckpointManager`` root)::
     <dir>/<step>/state/   the state's leaves (numpy, one replica, PRNG keys as key data)
     <dir>/<step>/meta/    JSON: verified, data position, leaf names, devices, backend, ...
     <dir>/emergency/step_<k>/<k>/{state,batch,meta,report}/   one per failure
+    <dir>/emergency/step_<k>/process_<i>/   several processes: each one's rows, report
+
+With several processes (``jax.distributed``) one process writes each checkpoint and
+every process restores it; see :mod:`jaxstep.coordination`. ``checkpoint_dir`` must
+then be storage every process sees (a bucket, a shared file system).
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import logging
 import os
-import pickle
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from jaxstep import coordination
+from jaxstep.layout import Layout
+from jaxstep.layout import local_copy
 from jaxstep.position import Position
 from jaxstep.state import TrainState
 
@@ -47,85 +50,15 @@ def _ocp() -> Any:
     return orbax.checkpoint
 
 
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+def as_path(directory: str | os.PathLike[str]) -> Any:
+    """A checkpoint location: a local path (made absolute), or for a URL such as
+    ``gs://bucket/run`` an ``etils.epath.Path``, which is what orbax itself writes to."""
+    text = os.fspath(directory)
+    if "://" in text:
+        from etils import epath
 
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """What a saved pytree looks like: leaf names (``keystr``), shapes and dtypes as one
-    device holds them, the PRNG implementation of key leaves, and its tree structure."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    keys: dict[int, str]
-    treedef: Any
-
-    @classmethod
-    def of(cls, tree: Any, *, stacked: bool = False) -> Layout:
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        leaves = [x for _, x in with_paths]
-        return cls(
-            names=tuple(jax.tree_util.keystr(p) for p, _ in with_paths),
-            shapes=tuple(tuple(np.shape(x))[1 if stacked else 0 :] for x in leaves),
-            dtypes=tuple(str(x.dtype) for x in leaves),
-            keys={i: str(jax.random.key_impl(x)) for i, x in enumerate(leaves) if _is_key(x)},
-            treedef=treedef,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "names": list(self.names),
-            "shapes": [list(s) for s in self.shapes],
-            "dtypes": list(self.dtypes),
-            "keys": {str(i): impl for i, impl in self.keys.items()},
-            "treedef": base64.b64encode(pickle.dumps(self.treedef)).decode("ascii"),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Layout:
-        try:
-            treedef = pickle.loads(base64.b64decode(data["treedef"]))
-        except Exception as err:  # a class it names was renamed or removed
-            treedef = err
-        return cls(
-            names=tuple(data["names"]),
-            shapes=tuple(tuple(s) for s in data["shapes"]),
-            dtypes=tuple(data["dtypes"]),
-            keys={int(i): impl for i, impl in data["keys"].items()},
-            treedef=treedef,
-        )
-
-    def build(self, leaves: Sequence[Any], treedef: Any = None) -> Any:
-        """The tree from host leaves (key data wrapped back into typed keys)."""
-        treedef = self.treedef if treedef is None else treedef
-        if isinstance(treedef, Exception):
-            raise ValueError(
-                f"cannot rebuild the saved tree structure ({treedef}); restore it through "
-                "fit(..., resume=True) with a state of the same structure"
-            )
-        leaves = [
-            jax.random.wrap_key_data(jnp.asarray(x), impl=self.keys[i]) if i in self.keys else x
-            for i, x in enumerate(leaves)
-        ]
-        return jax.tree.unflatten(treedef, leaves)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _copy(leaves: list[jax.Array], stacked: bool) -> list[jax.Array]:
-    out = []
-    for x in leaves:
-        x = x[0] if stacked else x
-        out.append(jax.random.key_data(x) if _is_key(x) else jnp.copy(x))
-    return out
-
-
-def local_copy(tree: Any, *, stacked: bool) -> list[jax.Array]:
-    """A fresh copy of the first local device's replica of every leaf, on that device
-    (PRNG keys as key data; ``stacked``: leaves carry pmap's device axis). Dispatched,
-    not waited for, and unaffected by a later donation of ``tree``."""
-    return _copy([x.addressable_data(0) for x in jax.tree.leaves(tree)], stacked)
+        return epath.Path(text)
+    return Path(text).absolute()
 
 
 class Store:
@@ -136,10 +69,22 @@ class Store:
     def __init__(
         self, directory: str | os.PathLike[str], *, keep: int | None = None, create: bool = False
     ):
-        self.directory = Path(directory).absolute()
+        self.directory = as_path(directory)
         ocp = _ocp()
+        extra: dict[str, Any] = {}
+        if jax.process_count() > 1:
+            # One process writes each checkpoint (the state is replicated) and every
+            # process reads: each manager acts for its own process alone, so no orbax
+            # barrier ever waits for a peer (one that is lost would leave it hanging).
+            me = jax.process_index()
+            extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+                primary_host=me, active_processes={me}
+            )
+            if create:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                create = False
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=create, enable_async_checkpointing=False
+            max_to_keep=keep, create=create, enable_async_checkpointing=False, **extra
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
@@ -187,7 +132,7 @@ class Store:
 
 
 def _open(directory: str | os.PathLike[str]) -> Store:
-    path = Path(directory)
+    path = as_path(directory)
     if not path.exists():
         raise FileNotFoundError(
             f"no checkpoint directory at {str(path)!r}; pass the checkpoint_dir that "
@@ -196,7 +141,7 @@ def _open(directory: str | os.PathLike[str]) -> Store:
     if not path.is_dir():
         raise NotADirectoryError(f"checkpoint_dir {str(path)!r} is a file, not a directory")
     try:
-        os.listdir(path)
+        list(path.iterdir())
     except OSError as err:
         raise OSError(f"cannot read checkpoint directory {str(path)!r}: {err.strerror}") from err
     return Store(path)
@@ -214,7 +159,12 @@ class Loaded:
 
     @property
     def position(self) -> Position | None:
+        """This process's data position (each process of a multi-process run has its
+        own; they were all saved)."""
+        by_process = self.meta.get("data_by_process")
         data = self.meta.get("data")
+        if by_process is not None:
+            data = by_process.get(str(jax.process_index()), data)
         return None if data is None else Position.from_json(data)
 
 
@@ -243,6 +193,12 @@ def _load(store: Store, at: int | None) -> Loaded:
         raise ValueError(
             f"no checkpoint of step {at} in {str(store.directory)!r}; it holds steps {steps}"
             + (f" (and unfinished writes {half}, never read)" if half else "")
+        )
+    if not steps and any(store.directory.glob("process_*")):
+        raise _NoState(
+            f"the emergency save {store.directory} holds no state (the devices hung or a "
+            "process was lost, and it could not be read): restore the latest verified "
+            "checkpoint of the run instead"
         )
     if not steps:
         raise ValueError(
@@ -430,4 +386,5 @@ def restore(step: Any, checkpoint_dir: str | os.PathLike[str], *, at: int | None
       2
     """
     loaded = load(checkpoint_dir, at=at)
+    coordination.agree_on_restore(checkpoint_dir, loaded.meta.get("step"), step.devices)
     return step.place_state(conform(step, loaded))

@@ -178,7 +178,8 @@ class TrainingWorkerError(RuntimeError):
                 "itertools.chain(error.batches, rest)) loses none"
             )
         if self.checkpoint is not None:
-            lines.append(f"emergency save (state, failing batch, this report): {self.checkpoint}")
+            held = "state, failing batch" if self.state is not None else "failing batch"
+            lines.append(f"emergency save ({held}, this report): {self.checkpoint}")
         return "\n".join(lines)
 
     def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:

@@ -141,14 +141,19 @@ def fit(
 
     def settle(pending: _Pending, current: TrainState, pulled: Sequence[Any] = ()) -> None:
         nonlocal next_step, last_time
-        if watch_peers:  # never block where a lost peer would leave this process stuck
-            distributed.wait_ready(pending.out.health, pending.number, step.devices)
         try:
+            if watch_peers:  # never block where a lost peer would leave this process stuck
+                distributed.wait_ready(pending.out.health, pending.number, step.devices)
             table = step.table(pending.out)
+        except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
+            raise hung(err, [pending.batch, *pulled]) from None
         except Exception as err:  # a collective failed: a lost peer is the likely cause
             if not watch_peers:
                 raise
-            raise distributed.lost_after(err, pending.number, step.devices) from err
+            lost = distributed.lost_after(err, pending.number, step.devices)
+            if isinstance(lost, TrainingWorkerError):
+                raise hung(lost, [pending.batch, *pulled]) from err
+            raise lost from err
         next_step = table.step + 1
         now = time.perf_counter()
         examples = len(step.devices) * _rows_per_device(step, pending.batch)
@@ -172,6 +177,14 @@ def fit(
                     cb.on_failure(error)
             raise error
 
+    def hung(err: TrainingWorkerError, batches: Sequence[Any]) -> TrainingWorkerError:
+        """A hang or a lost peer: the emergency save, and the callbacks hear of it."""
+        err = run.failed(err, batches)
+        for cb in callbacks:
+            if hasattr(cb, "on_failure"):
+                cb.on_failure(err)
+        return err
+
     pending: _Pending | None = None
     watch_peers = distributed.spans_processes(step.devices) and distributed.watch() is not None
     first_step = next_step
@@ -193,12 +206,8 @@ def fit(
                 err.state = state  # type: ignore[union-attr]
                 err.add_note("the state before this batch is in error.state; nothing was lost")
                 raise
-            except TrainingWorkerError as err:  # a hung step: the callbacks hear of it too
-                hung = run.failed(err, [batch])
-                for cb in callbacks:
-                    if hasattr(cb, "on_failure"):
-                        cb.on_failure(hung)
-                raise hung from None
+            except TrainingWorkerError as err:  # a hung step
+                raise hung(err, [batch]) from None
             if pending is not None:
                 settle(pending, state, [batch])
             pending = _Pending(out, batch, first_step + count)

@@ -19,22 +19,23 @@ import socket
 import time
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxstep.checkpoint import EMERGENCY
+from jaxstep import coordination
+from jaxstep import emergency
 from jaxstep.checkpoint import FORMAT
-from jaxstep.checkpoint import Layout
 from jaxstep.checkpoint import Store
+from jaxstep.checkpoint import as_path
 from jaxstep.checkpoint import conform
 from jaxstep.checkpoint import load
-from jaxstep.checkpoint import local_copy
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import HealthTable
 from jaxstep.health import Status
+from jaxstep.layout import Layout
+from jaxstep.layout import local_copy
 from jaxstep.position import Position
 from jaxstep.position import Source
 from jaxstep.position import is_callable_source
@@ -46,6 +47,9 @@ _UNVERIFIED = int(Status.DIVERGED | Status.PARAM_NONFINITE)
 # Failures whose err.state cannot be trusted as the run's state: name a checkpoint.
 _NAME_CHECKPOINT = Status.HUNG | Status.DIVERGED
 _DRAIN_TIMEOUT = 120.0  # seconds to let queued writes finish on the failure path
+# Seconds the writer waits for a peer's data position: published before the step ran,
+# so a missing one means a lost peer (the checkpoint is then not written).
+_GATHER_TIMEOUT = 20.0
 
 
 @dataclasses.dataclass
@@ -76,6 +80,11 @@ class Run:
         self.every = every
         self.source = source
         self.number = first  # the step number of the next state dispatched
+        # Several processes: each publishes its data position for every checkpoint;
+        # one (the writer) writes (see jaxstep.coordination).
+        self.processes = coordination.processes(step.devices)
+        self.writer = coordination.is_writer(step.devices)
+        self._key = coordination.new_run() if len(self.processes) > 1 else None
         self._snap: _Snapshot | None = None
         self._layout: Layout | None = None
         self._done = set(store.steps()) if store is not None else set()
@@ -110,8 +119,12 @@ class Run:
         position, resuming = None, False
         if resume:
             assert checkpoint_dir is not None
-            if _has_checkpoint(checkpoint_dir):
-                loaded = load(checkpoint_dir)
+            loaded = load(checkpoint_dir) if _has_checkpoint(checkpoint_dir) else None
+            coordination.agree_on_restore(
+                checkpoint_dir, None if loaded is None else loaded.meta["step"], step.devices
+            )
+            if loaded is not None:
+                _check_positions(loaded, step.devices)
                 state = step.place_state(conform(step, loaded, template=state))
                 position, resuming = loaded.position, True
                 log.info("resumed from %s (data position %s)", loaded.path, position)
@@ -153,6 +166,11 @@ class Run:
             self._layout = Layout.of(state, stacked=self.step.stacked)
         # The batch for this step was pulled just before: the position is before it.
         position = self.source.position(self.source.count - 1)
+        if self._key is not None:  # published before the step runs: the writer reads
+            # it once the step's collective finished, so it is there by then
+            coordination.publish(f"{self._key}{number}", position.to_json())
+            if not self.writer:
+                return
         self._snap = _Snapshot(number, local_copy(state, stacked=self.step.stacked), position)
 
     def settled(self, table: HealthTable) -> None:
@@ -174,6 +192,13 @@ class Run:
         assert self.store is not None and self._layout is not None
         leaves = jax.device_get(snap.leaves)
         meta = self._meta(snap.number, verified=True)
+        if self._key is not None:  # every process's own data position
+            key = f"{self._key}{snap.number}"
+            meta["data_by_process"] = {
+                str(p): pos
+                for p, pos in coordination.gather(key, self.processes, _GATHER_TIMEOUT).items()
+            }
+            coordination.forget(key, self.processes)
         meta.update(
             data=snap.position.to_json(),
             exact_resume=self.source.exact,
@@ -220,7 +245,14 @@ class Run:
         assert self.store is not None
         note = error.note
         try:
-            path = self._emergency(error, len(error.batches))
+            path = emergency.save(
+                self.store.directory,
+                error,
+                meta=self._meta(error.step, verified=False),
+                failing=self.source.position(self.source.count - len(error.batches)),
+                stacked=self.step.stacked,
+                devices=self.step.devices,
+            )
         except Exception as err:  # never hide the failure behind a failed save
             log.exception("the emergency save failed")
             return error.replace(note=_join(note, f"the emergency save failed: {err!r}"))
@@ -235,36 +267,6 @@ class Run:
                 else f"no verified checkpoint in {str(where)!r} yet",
             )
         return error.replace(checkpoint=path, note=note)
-
-    def _emergency(self, error: TrainingWorkerError, pulled: int) -> str:
-        assert self.store is not None
-        base = self.store.directory / EMERGENCY
-        path, i = base / f"step_{error.step}", 2
-        while path.exists():
-            path, i = base / f"step_{error.step}-{i}", i + 1
-        items: dict[str, Any] = {}
-        meta = self._meta(error.step, verified=False)
-        if error.state is not None:
-            items["state"] = jax.device_get(local_copy(error.state, stacked=self.step.stacked))
-            meta["layout"] = Layout.of(error.state, stacked=self.step.stacked).to_json()
-        if error.batches:
-            batch = jax.device_get(error.batches[0])
-            items["batch"] = [np.asarray(x) for x in jax.tree.leaves(batch)]
-            meta["batch_layout"] = Layout.of(batch).to_json()
-        failing = self.source.position(self.source.count - pulled)
-        meta.update(
-            kind=EMERGENCY,
-            items=sorted(items),
-            state_is_good=error.state_is_good,
-            data={"index": failing.index, "kind": failing.kind},
-        )
-        store = Store(path, create=True)
-        try:
-            store.save(error.step, {**items, "meta": meta})
-        finally:
-            store.close()
-        (path / "report.json").write_text(json.dumps(report(error), indent=2))
-        return str(path)
 
     def close(self) -> None:
         """Waits for the queued writes (a while) and releases the writer; a write still
@@ -294,6 +296,29 @@ def _validate(step: Any, directory: Any, every: int | None, keep: int | None, re
         raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
     if resume and directory is None:
         raise ValueError("resume=True needs checkpoint_dir=... to resume from")
+    among = coordination.processes(step.devices)
+    if directory is not None and len(among) > 1 and among[0] != 0:
+        raise ValueError(
+            f"checkpoint_dir with a step on the devices of processes {among} only: process "
+            "0 writes the checkpoints (orbax writes host arrays from process 0), so the "
+            "step's devices must include process 0's"
+        )
+
+
+def _check_positions(loaded: Any, devices: Any) -> None:
+    """A checkpoint of another process count resumes only when its data positions do
+    not depend on the process (a callable source: the position is the step)."""
+    saved = loaded.meta.get("data_by_process")
+    count = len(coordination.processes(devices))
+    if saved is None or len(saved) == count:
+        return
+    if len({json.dumps(v, sort_keys=True) for v in saved.values()}) > 1:
+        raise ValueError(
+            f"checkpoint {loaded.path} was written by {len(saved)} processes, each at its "
+            f"own data position ({saved}), and this run has {count}: the positions cannot "
+            f"be mapped. Resume it with {len(saved)} processes, or feed batches from a "
+            "callable source (batch = source(step)), whose position is the step"
+        )
 
 
 def _multiple(every: int, check: int | None) -> int:
@@ -301,7 +326,7 @@ def _multiple(every: int, check: int | None) -> int:
 
 
 def _has_checkpoint(directory: str | os.PathLike[str]) -> bool:
-    path = Path(directory)
+    path = as_path(directory)
     return path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
 
 
@@ -314,54 +339,3 @@ def _report_failed_write(future: concurrent.futures.Future[None]) -> None:
     if err is not None:
         log.error("a checkpoint write failed (training goes on): %r", err)
         warnings.warn(f"a checkpoint write failed (training goes on): {err!r}", stacklevel=1)
-
-
-def report(error: TrainingWorkerError) -> dict[str, Any]:
-    """The error as JSON-able data: :func:`jaxstep.reports.build`'s report (device,
-    process, host, step, status, leaf, reason, every failing device, the message and
-    traceback) with the diagnosis, whether the state is good, and the batches held."""
-    from jaxstep import reports
-
-    out = reports.build(
-        error, process_index=jax.process_index(), root_cause=True, root_cause_process=None
-    )
-    diagnosis = error.diagnosis
-    if dataclasses.is_dataclass(diagnosis) and not isinstance(diagnosis, type):
-        diagnosis = dataclasses.asdict(diagnosis)
-    elif diagnosis is not None:
-        diagnosis = str(diagnosis)
-    out.update(
-        diagnosis=diagnosis,
-        state_is_good=error.state_is_good,
-        microbatch=error.microbatch,
-        batches_pulled_untrained=len(error.batches),
-    )
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Emergency:
-    """An emergency save read back: the failing batch and the error report (the state
-    comes back with :func:`jaxstep.restore`)."""
-
-    step: int
-    batch: Any
-    report: dict[str, Any]
-
-
-def read_emergency(path: str | os.PathLike[str]) -> Emergency:
-    """Reads the batch and report of an emergency save (``error.checkpoint``)."""
-    store = Store(path) if Path(path).is_dir() else None
-    if store is None or not store.steps():
-        raise FileNotFoundError(f"no emergency save at {str(path)!r}")
-    try:
-        number = store.steps()[-1]
-        meta = store.read(number)[0]
-        batch = None
-        if "batch" in meta.get("items", ()):
-            leaves = store.read(number, "batch")[1]["batch"]
-            batch = Layout.from_json(meta["batch_layout"]).build(leaves)
-    finally:
-        store.close()
-    report = json.loads((Path(path) / "report.json").read_text())
-    return Emergency(number, batch, report)

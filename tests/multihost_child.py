@@ -6,8 +6,10 @@ Every process builds the same global batches and passes its own rows. MODE:
 ``nan`` (a NaN in the input chunk of process 1's second device at step 3),
 ``kill`` (process 1 SIGKILLs itself after step 2), ``raise`` (a Python error on
 process 1 alone after step 2, jax#11987), ``stall`` (process 1's second device stalls
-at step 3, ``step_timeout``). Each process prints one line
-``RESULT {json}`` with what it saw.
+at step 3, ``step_timeout``), ``resume`` (resume from the checkpoints of an earlier
+run, train to the end, and process 0 saves the parameters). With a checkpoint
+directory (second argument) the run checkpoints every 2 steps. Each process prints one
+line ``RESULT {json}`` with what it saw.
 """
 
 import json
@@ -48,11 +50,13 @@ def error_fields(err):
         "status": int(err.status),
         "ids": [f.device_id for f in err.failures],
         "message": str(err),
+        "note": err.note,
+        "checkpoint": err.checkpoint,
     }
 
 
 @distributed.record
-def main(mode: str) -> None:
+def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None = None) -> None:
     devices = jax.devices()
     target = [d for d in devices if d.process_index == 1][1]  # id 2049 on this JAX
     faults, kwargs = [], {}
@@ -61,7 +65,9 @@ def main(mode: str) -> None:
     elif mode == "stall":
         faults = [Fault("stall", device_id=target.id, step=AT, seconds=300)]
         kwargs = {"step_timeout": 6.0}
-    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults)
+    if checkpoint_dir is not None:
+        kwargs.update(checkpoint_dir=checkpoint_dir, checkpoint_every=2, resume=mode == "resume")
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults, divergence_every=2)
     state = step.init(init_params())
     batches = [distributed.local_batch(b, devices) for b in make_batches(STEPS)]
     rejected = {}
@@ -92,17 +98,23 @@ def main(mode: str) -> None:
 
     start = time.monotonic()
     try:
-        jaxstep.fit(step, state, batches, callbacks=[Kill()], **kwargs)
+        state = jaxstep.fit(step, state, batches, callbacks=[Kill()], **kwargs)
     except jaxstep.TrainingWorkerError as err:
         fields = error_fields(err)
         fields.update(target=target.id, rejected=rejected)
         fields["held"] = [d.id for d in devices if d.process_index == 1]
         result(seconds=time.monotonic() - start, **fields)
         raise
-    result(raised=False, seconds=time.monotonic() - start)
+    if save_params and jax.process_index() == 0:
+        import numpy as np
+
+        params = step.local_copy(step.host_state(state).params, 0)
+        flat = jax.tree_util.tree_leaves_with_path(params)
+        np.savez(save_params, **{jax.tree_util.keystr(k): v for k, v in flat})
+    result(raised=False, seconds=time.monotonic() - start, step=int(state.step.addressable_data(0)))
 
 
 if __name__ == "__main__":
     # Before any computation; not at import (pytest imports this file for doctests).
     distributed.initialize(lost_timeout=float(os.environ.get("CHILD_LOST_TIMEOUT", "6")))
-    main(sys.argv[1])
+    main(*sys.argv[1:])

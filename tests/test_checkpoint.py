@@ -16,7 +16,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.recovery import read_emergency
+from jaxstep.emergency import read_emergency
 from jaxstep.testing import corrupt_replica
 from jaxstep.testing import replicas
 from tests.models import init_params

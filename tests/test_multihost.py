@@ -1,5 +1,7 @@
 """Two processes x four fake CPU devices under ``python -m jaxstep.launch``: one verdict
-on every process, a lost process named, error reports, and ``scripts/tpu_vm/train.py``.
+on every process, a lost process named, error reports, checkpoints written by one
+process with every process's data position (an emergency save even after a peer is
+lost, a resume on two processes), and ``scripts/tpu_vm/train.py``.
 
 Process start-up costs seconds on a small machine, so the four jobs start together
 (one module fixture) and each test waits for its own; every job has a hard timeout.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import jaxstep
@@ -29,6 +32,7 @@ CHILD = ROOT / "tests" / "multihost_child.py"
 TRAIN = ROOT / "scripts" / "tpu_vm" / "train.py"
 LOST_TIMEOUT = 6.0  # the children's lost_timeout (CHILD_LOST_TIMEOUT)
 JOB_TIMEOUT = 240  # seconds for one job, start-up and compile included
+CKPT = ("nan", "kill")  # the jobs that checkpoint
 TRAIN_ARGS = ["--steps", "4", "--per-device", "4", "--hidden", "16", "--log-every", "1"]
 
 pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
@@ -85,14 +89,23 @@ class Job:
 def jobs(tmp_path_factory):
     base = tmp_path_factory.mktemp("multihost")
     modes = ("nan", "kill", "raise", "stall")
-    started = {mode: Job([str(CHILD), mode], base / mode) for mode in modes}
+    # nan and kill checkpoint every 2 steps into a directory the two processes share.
+    started = {
+        mode: Job([str(CHILD), mode, *([str(base / f"ckpt-{mode}")] * (mode in CKPT))], base / mode)
+        for mode in modes
+    }
+    started["base"] = base  # type: ignore[assignment]
     started["train"] = Job(
-        [str(TRAIN), *TRAIN_ARGS, "--save-params", str(base / "params.npz")], base / "train"
+        [
+            *(str(TRAIN), *TRAIN_ARGS, "--save-params", str(base / "params.npz")),
+            *("--checkpoint-dir", str(base / "ckpt-train"), "--checkpoint-every", "2"),
+        ],
+        base / "train",
     )
     started["train"].params_path = base / "params.npz"  # type: ignore[attr-defined]
     yield started
     for job in started.values():
-        if job.proc.poll() is None:
+        if isinstance(job, Job) and job.proc.poll() is None:
             job.proc.kill()
             job.proc.communicate()
 
@@ -226,11 +239,103 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
     assert sorted(saved.files) == sorted(flat)
     for name, value in flat.items():
         np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    # fit's verified checkpoints, written once with both processes' data positions.
+    where = jobs["base"] / "ckpt-train"
+    assert sorted(p.name for p in where.iterdir()) == ["0", "2"]
+    meta = json.loads((where / "2" / "meta" / "metadata").read_text())
+    assert meta["verified"] and sorted(meta["data_by_process"]) == ["0", "1"]
     # Training moved the weights, so agreeing is not agreeing on the initial values.
     _, first = train.build(train.parse(TRAIN_ARGS), jax.devices())
     start = step.local_copy(first.params, 0)
     pairs = zip(jax.tree.leaves(start), jax.tree.leaves(here), strict=True)
     assert not all(np.allclose(a, b) for a, b in pairs)
+
+
+# ------------------------------------------------------------ checkpoints
+def _reference(steps: int):
+    """This process, 8 devices: the children's step trained on the first ``steps``
+    global batches (what both processes together computed)."""
+    from tests.models import init_params
+    from tests.models import loss_fn
+    from tests.models import make_batches
+
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), divergence_every=2)
+    state = jaxstep.fit(step, step.init(init_params()), make_batches(8)[:steps])
+    return step, state
+
+
+def _assert_params_close(step, a, b):
+    pa, pb = (step.local_copy(step.host_state(s).params, 0) for s in (a, b))
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_of_two_processes_hold_every_position_and_restore_on_one(jobs):
+    from jaxstep.emergency import read_emergency
+    from tests.models import make_batches
+
+    job = jobs["nan"].wait()
+    where = jobs["base"] / "ckpt-nan"
+    res = job.results()
+    # Verified checkpoints at 0 and 2, each written once (by process 0), complete.
+    assert sorted(p.name for p in where.iterdir()) == ["0", "2", "emergency"], job.tail()
+    meta = json.loads((where / "2" / "meta" / "metadata").read_text())
+    assert meta["verified"] and meta["process_count"] == 2 and meta["step"] == 2
+    assert {p: d["index"] for p, d in meta["data_by_process"].items()} == {"0": 2, "1": 2}
+    # Any device count restores it: here one process of 8 devices.
+    step, two = _reference(2)
+    _assert_params_close(step, jaxstep.restore(step, where), two)
+    # The emergency save: one path for both processes (the same message), the state
+    # written once, each process's own rows of the failing batch and its report.
+    path = res[0]["checkpoint"]
+    assert path == res[1]["checkpoint"] == str(where / "emergency" / "step_3")
+    half = len(jax.tree.leaves(make_batches(8)[3])[0]) // 2
+    for p, rows in ((0, slice(None, half)), (1, slice(half, None))):
+        saved = read_emergency(path, process=p)
+        assert saved.step == 3
+        for got, want in zip(
+            jax.tree.leaves(saved.batch), jax.tree.leaves(make_batches(8)[3]), strict=True
+        ):
+            np.testing.assert_array_equal(got, want[rows])
+        assert saved.report["process_index"] == p and saved.report["device_id"] == res[1]["target"]
+        assert saved.report["root_cause"] is (p == 1)
+    _, three = _reference(3)
+    _assert_params_close(step, jaxstep.restore(step, path), three)
+
+
+def test_lost_process_still_gets_an_emergency_save_and_two_processes_resume(jobs):
+    from jaxstep.emergency import read_emergency
+    from tests.models import make_batches
+
+    job = jobs["kill"].wait()
+    where = jobs["base"] / "ckpt-kill"
+    survivor = job.results()[0]
+    # Process 1 is gone: process 0 alone saves its rows and names the checkpoint.
+    assert survivor["checkpoint"] == str(where / "emergency" / "step_4"), job.tail()
+    assert f"the latest verified checkpoint is step 2 ({where / '2'})" in survivor["note"]
+    saved = read_emergency(survivor["checkpoint"], process=0)
+    half = len(jax.tree.leaves(make_batches(8)[4])[0]) // 2
+    for got, want in zip(
+        jax.tree.leaves(saved.batch), jax.tree.leaves(make_batches(8)[4]), strict=True
+    ):
+        np.testing.assert_array_equal(got, want[:half])
+    with pytest.raises(ValueError, match="holds no state"):
+        jaxstep.restore(
+            jaxstep.make_train_step(lambda p, b: 0.0, optax.sgd(0.1)), survivor["checkpoint"]
+        )
+    # Both processes resume from step 2 (each at its own data position) and finish:
+    # the same parameters as one uninterrupted run.
+    params = jobs["base"] / "resumed.npz"
+    resumed = Job([str(CHILD), "resume", str(where), str(params)], jobs["base"] / "resume").wait()
+    assert resumed.proc.returncode == 0, resumed.tail()
+    assert {p: r["step"] for p, r in resumed.results().items()} == {0: 8, 1: 8}
+    step, full = _reference(8)
+    saved_params = np.load(params)
+    here = step.local_copy(step.host_state(full).params, 0)
+    for key, value in jax.tree_util.tree_leaves_with_path(here):
+        np.testing.assert_allclose(
+            saved_params[jax.tree_util.keystr(key)], value, rtol=1e-5, atol=1e-6
+        )
 
 
 # ------------------------------------------------ in-process pieces (fast, no jobs)

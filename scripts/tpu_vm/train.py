@@ -18,6 +18,7 @@ JSON error report to ``--error-dir`` (or ``$JAXSTEP_ERROR_DIR``), the root cause
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -84,6 +85,7 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
     import optax
 
     import jaxstep
+    from jaxstep.monitors import DEFAULT_DIVERGENCE_EVERY
 
     model = make_model(args.hidden)
 
@@ -94,7 +96,11 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
     faults = []
     if args.fault_step >= 0:
         faults = [jaxstep.testing.Fault("input", device_id=args.fault_device, step=args.fault_step)]
-    step = jaxstep.make_train_step(loss_fn, optax.adam(args.lr), devices=devices, faults=faults)
+    # Checkpoints are taken from states whose replicas were compared.
+    every = math.gcd(DEFAULT_DIVERGENCE_EVERY, args.checkpoint_every)
+    step = jaxstep.make_train_step(
+        loss_fn, optax.adam(args.lr), devices=devices, faults=faults, divergence_every=every
+    )
     params = model.init(jax.random.key(0), jnp.zeros((1, IMAGE)))["params"]
     return step, step.init(params)
 
@@ -112,27 +118,19 @@ def batches(args: argparse.Namespace, devices: list[Any], start: int, stop: int)
 
 
 def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[Any, Any]:
-    """Trains ``args.steps`` steps (checkpointing every ``--checkpoint-every``); returns
-    (step, final state)."""
+    """Trains to step ``args.steps`` and returns (step, final state).
+
+    With ``--checkpoint-dir``, ``fit`` writes a verified checkpoint every
+    ``--checkpoint-every`` steps (process 0 writes the one replica, every process's data
+    position goes with it) and, on a failure, the emergency save; ``--resume`` goes on
+    from the newest verified checkpoint, every process at its own position.
+    """
     import jax
 
     import jaxstep
 
     devices = list(jax.devices() if devices is None else devices)
     step, state = build(args, devices)
-    manager = None
-    first = 0
-    if args.checkpoint_dir:
-        import orbax.checkpoint as ocp
-
-        manager = ocp.CheckpointManager(
-            args.checkpoint_dir, options=ocp.CheckpointManagerOptions(max_to_keep=3)
-        )
-        if args.resume and manager.latest_step() is not None:
-            first = int(manager.latest_step())
-            saved = manager.restore(first, args=ocp.args.StandardRestore(_saved(step, state)))
-            state = state.replace(**saved)
-            log(f"resumed from {args.checkpoint_dir} at step {first}")
     start = time.perf_counter()
 
     class Progress:
@@ -143,31 +141,18 @@ def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[A
                     f"{time.perf_counter() - start:.1f}s"
                 )
 
-    every = args.checkpoint_every if manager is not None else args.steps
-    at = first
-    while at < args.steps:
-        stop = min(args.steps, at + every)
-        state = jaxstep.fit(
-            step,
-            state,
-            batches(args, devices, at, stop),
-            callbacks=[Progress()],
-            step_timeout=args.step_timeout,
-        )
-        at = stop
-        if manager is not None:
-            import orbax.checkpoint as ocp
-
-            manager.save(at, args=ocp.args.StandardSave(_saved(step, state)))
-    if manager is not None:
-        manager.wait_until_finished()
+    state = jaxstep.fit(
+        step,
+        state,
+        # A callable source: batch i for step i, so a resumed run reads the same rows.
+        lambda first: batches(args, devices, first, args.steps),
+        callbacks=[Progress()],
+        step_timeout=args.step_timeout,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
+        resume=args.resume,
+    )
     return step, state
-
-
-def _saved(step: Any, state: Any) -> dict[str, Any]:
-    """What a checkpoint holds (every process takes part in writing it)."""
-    host = step.host_state(state)
-    return {"step": host.step, "params": host.params, "opt_state": host.opt_state}
 
 
 def log(text: str) -> None:
