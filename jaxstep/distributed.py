@@ -3,10 +3,11 @@ host names, error reports, and the watchdog that names a lost process.
 
 Every process runs the same program; a step's devices span all of them, and each
 process passes only the rows of the chunks whose devices it holds, in the step's
-device order (:func:`local_rows`). The health table is global, so every process
-reaches the same verdict inside the step and raises the same error. Processes meet
-in the coordination service of ``jax.distributed`` (on process 0), whose key-value
-store carries host names, heartbeats and the root-cause claim.
+device order (:func:`local_rows`, from :mod:`jaxstep.rows`). The health table is
+global, so every process reaches the same verdict inside the step and raises the same
+error. Processes meet in the coordination service of ``jax.distributed`` (on
+process 0), whose key-value store carries host names, heartbeats and the root-cause
+claim.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import NoReturn
 from typing import TypeVar
 
 import jax
-import numpy as np
 
 from jaxstep import reports
 from jaxstep.errors import Failure
@@ -35,6 +35,12 @@ from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import Status
 from jaxstep.heartbeats import KEY
 from jaxstep.heartbeats import Monitor
+from jaxstep.rows import local_batch as local_batch
+from jaxstep.rows import local_positions as local_positions
+from jaxstep.rows import local_rows as local_rows
+from jaxstep.rows import local_rows_per_device as local_rows_per_device
+from jaxstep.rows import place_local_batch as place_local_batch
+from jaxstep.rows import spans_processes as spans_processes
 
 log = logging.getLogger("jaxstep")
 
@@ -156,85 +162,6 @@ def _lost_timeout(value: float | None) -> float:
     return float(value)
 
 
-# ------------------------------------------------------------------------ layout
-def local_positions(devices: Sequence[jax.Device]) -> list[int]:
-    """Positions (in the step's device order) of the devices this process holds."""
-    me = jax.process_index()
-    return [i for i, d in enumerate(devices) if d.process_index == me]
-
-
-def local_rows(devices: Sequence[jax.Device], global_batch_size: int) -> np.ndarray:
-    """The rows of the global batch this process passes, in the order it passes them.
-
-    Chunk ``i`` of a global batch of ``global_batch_size`` rows runs on
-    ``devices[i]``; a process passes the chunks of its own devices, in device order,
-    concatenated. With devices ``[0, 1, 2, 3, 2048, ..., 2051]`` process 0 passes
-    rows ``0 .. B/2-1`` and process 1 the rest.
-
-    Example: ``local_batch = jax.tree.map(lambda x: x[local_rows(step.devices,
-    len(x))], global_batch)`` (every process reading the same global batch).
-    """
-    n = len(devices)
-    if global_batch_size % n:
-        raise ValueError(
-            f"global batch size {global_batch_size} does not divide by the {n} devices"
-        )
-    size = global_batch_size // n
-    return np.concatenate(
-        [np.arange(i * size, (i + 1) * size) for i in local_positions(devices)]
-        or [np.zeros((0,), np.int64)]
-    )
-
-
-def local_batch(batch: Any, devices: Sequence[jax.Device]) -> Any:
-    """This process's rows of a global host batch (see :func:`local_rows`)."""
-    return jax.tree.map(lambda x: np.asarray(x)[local_rows(devices, len(x))], batch)
-
-
-def spans_processes(devices: Sequence[jax.Device]) -> bool:
-    """True when ``devices`` belong to more than one process: batches are then local."""
-    return len({d.process_index for d in devices}) > 1
-
-
-def place_local_batch(
-    batch: Any,
-    devices: Sequence[jax.Device],
-    sharding: Any,
-    positions: Sequence[int] | None = None,
-) -> Any:
-    """The global batch array built from this process's rows (see :func:`local_rows`):
-    chunk j of the local rows goes to the j-th local device in the step's order. One
-    transfer per local device, no communication between processes. ``positions``:
-    ``local_positions(devices)``, when the caller keeps it (O(local devices) per call)."""
-    positions = local_positions(devices) if positions is None else positions
-    n_local, n = len(positions), len(devices)
-
-    def one(x: Any) -> jax.Array:
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x  # placed already
-        x = np.asarray(x)
-        size = x.shape[0] // n_local
-        shards = [
-            jax.device_put(x[j * size : (j + 1) * size], devices[p])
-            for j, p in enumerate(positions)
-        ]
-        return jax.make_array_from_single_device_arrays((size * n, *x.shape[1:]), sharding, shards)
-
-    return jax.tree.map(one, batch)
-
-
-def local_rows_per_device(batch: Any, devices: Sequence[jax.Device]) -> int:
-    """Rows per device of a batch as this process passes it: its own rows when the
-    devices span processes, else (or for a placed global array) the whole batch."""
-    first = jax.tree.leaves(batch)[0]
-    size = int(first.shape[0])
-    if spans_processes(devices) and not (
-        isinstance(first, jax.Array) and not first.is_fully_addressable
-    ):
-        return size // len(local_positions(devices))
-    return size // len(devices)
-
-
 @functools.cache
 def _host_info(process_index: int) -> dict[str, Any]:
     client = _client()
@@ -345,33 +272,6 @@ def lost_error(
         "checkpoint"
     )
     return TrainingWorkerError(failures, state=None, note=note)
-
-
-def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[set[int], list[int]]:
-    """After a step timed out: publishes which of this process's device positions
-    finished their local part of ``step``, and reads the others'.
-
-    Returns:
-      (every position that finished, on any process; processes that did not report
-      within ``wait_s`` seconds).
-    """
-    client = _client()
-    me = jax.process_index()
-    done = set(local)
-    if client is None:
-        return done, []
-    client.key_value_set(f"{_KEY}beats/{step}/{me}", json.dumps(sorted(local)), True)
-    silent = []
-    deadline = time.monotonic() + wait_s
-    for p in range(jax.process_count()):
-        if p == me:
-            continue
-        left = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            done |= set(json.loads(client.blocking_key_value_get(f"{_KEY}beats/{step}/{p}", left)))
-        except Exception:
-            silent.append(p)
-    return done, silent
 
 
 def log_stacks(why: str) -> None:

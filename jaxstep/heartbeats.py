@@ -6,10 +6,14 @@ process. Used by :mod:`jaxstep.distributed`."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
+
+import jax
 
 log = logging.getLogger("jaxstep")
 
@@ -115,3 +119,32 @@ class Monitor:
             if process not in self._lost:
                 log.error("jaxstep: process %d is lost: %s", process, why)
                 self._lost[process] = why
+
+
+def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[set[int], list[int]]:
+    """After a step timed out: publishes which of this process's device positions
+    finished their local part of ``step``, and reads the others'.
+
+    Returns:
+      (every position that finished, on any process; processes that did not report
+      within ``wait_s`` seconds).
+    """
+    from jax._src import distributed as _distributed  # no public handle to the client
+
+    client = _distributed.global_state.client
+    me = jax.process_index()
+    done = set(local)
+    if client is None:
+        return done, []
+    client.key_value_set(f"{KEY}beats/{step}/{me}", json.dumps(sorted(local)), True)
+    silent = []
+    deadline = time.monotonic() + wait_s
+    for p in range(jax.process_count()):
+        if p == me:
+            continue
+        left = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            done |= set(json.loads(client.blocking_key_value_get(f"{KEY}beats/{step}/{p}", left)))
+        except Exception:
+            silent.append(p)
+    return done, silent

@@ -12,6 +12,7 @@ import traceback
 from typing import Any
 
 from jaxstep import distributed
+from jaxstep import heartbeats
 from jaxstep.errors import Failure
 from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import Status
@@ -63,7 +64,7 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
     if many:
         # Each process saw only its own devices' heartbeats: pool them, so every
         # process names the same devices.
-        done, _ = distributed.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
+        done, _ = heartbeats.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
     late = [i for i in range(len(step.devices)) if i not in done]
     where = "before reaching the first collective"
     if not late:  # every device reached the collective: the hang is in or after it
