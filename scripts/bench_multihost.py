@@ -10,6 +10,11 @@ per-round ratios.
 
     .venv/bin/python scripts/bench_multihost.py                 # both layouts, a table
     .venv/bin/python scripts/bench_multihost.py --json bench_multihost.json
+    .venv/bin/python scripts/bench_multihost.py --checkpoint-every 10   # + checkpoint cost
+
+``--checkpoint-every N`` also times ``jaxstep.fit`` with checkpoints every N steps
+against ``fit`` without, in each layout (process 0 writes, every process's data
+position is published through the coordination service).
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -117,28 +124,47 @@ def child(args: argparse.Namespace) -> None:
         np.asarray(prev.addressable_data(0))
         return (time.perf_counter() - start) / steps
 
+    every = args.checkpoint_every
+    checked = jaxstep.make_train_step(loss_fn, opt, divergence_every=every) if every else None
+    fit_state = checked.init(jax.tree.map(jnp.asarray, params)) if checked else None
+
+    def run_fit(steps: int, checkpoint: bool) -> float:
+        nonlocal fit_state
+        assert checked is not None
+        kwargs: dict[str, Any] = {}
+        if checkpoint:
+            kwargs = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": every}
+        start = time.perf_counter()
+        fit_state = jaxstep.fit(checked, fit_state, [placed] * steps, **kwargs)
+        return (time.perf_counter() - start) / steps
+
     run_jaxstep(3)  # compile and warm up
     run_hand(3)
-    times: dict[str, list[float]] = {"jaxstep": [], "hand": []}
+    if every:
+        run_fit(every, True)
+        run_fit(every, False)
+    times: dict[str, list[float]] = {"jaxstep": [], "hand": [], "fit": [], "fit_ckpt": []}
     for _ in range(args.rounds):
         times["jaxstep"].append(run_jaxstep(args.block))
         times["hand"].append(run_hand(args.block))
+        if every:
+            times["fit_ckpt"].append(run_fit(args.block, True))
+            times["fit"].append(run_fit(args.block, False))
     if jax.process_index() == 0:
-        ratios = [a / b for a, b in zip(times["jaxstep"], times["hand"], strict=True)]
-        print(
-            "BENCH "
-            + json.dumps(
+        result = {"processes": jax.process_count(), "devices": n}
+        for name, (a, b) in {"": ("jaxstep", "hand"), "ckpt_": ("fit_ckpt", "fit")}.items():
+            if not times[a]:
+                continue
+            ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+            result.update(
                 {
-                    "processes": jax.process_count(),
-                    "devices": n,
-                    "hand_ms": 1e3 * float(np.median(times["hand"])),
-                    "jaxstep_ms": 1e3 * float(np.median(times["jaxstep"])),
-                    "ratio": float(np.median(ratios)),
-                    "ratio_iqr": [float(q) for q in np.percentile(ratios, [25, 75])],
+                    f"{b}_ms": 1e3 * float(np.median(times[b])),
+                    f"{a}_ms": 1e3 * float(np.median(times[a])),
+                    f"{name}ratio": float(np.median(ratios)),
+                    f"{name}ratio_iqr": [float(q) for q in np.percentile(ratios, [25, 75])],
                 }
-            ),
-            flush=True,
-        )
+            )
+        print("BENCH " + json.dumps(result), flush=True)
 
 
 def run_layout(args: argparse.Namespace, processes: int) -> dict[str, Any]:
@@ -162,6 +188,8 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     return [
         *("--sizes", args.sizes, "--per-device", str(args.per_device)),
         *("--rounds", str(args.rounds), "--block", str(args.block)),
+        *("--checkpoint-every", str(args.checkpoint_every)),
+        *("--checkpoint-dir", str(args.checkpoint_dir)),
     ]
 
 
@@ -171,14 +199,19 @@ def main() -> None:
     p.add_argument("--per-device", type=int, default=64)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--block", type=int, default=10, help="steps per variant and round")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also time fit's checkpoints")
+    p.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args)
         return
-    one = run_layout(args, 1)
-    two = run_layout(args, 2)
+    with tempfile.TemporaryDirectory() as where:
+        args.checkpoint_dir = args.checkpoint_dir or where
+        one = run_layout(args, 1)
+        shutil.rmtree(where, ignore_errors=True)
+        two = run_layout(args, 2)
     print(f"MLP {args.sizes}, {args.per_device} per device, 8 devices in all, CPU")
     print(f"{'layout':>8} {'hand ms':>9} {'jaxstep ms':>11} {'jaxstep/hand':>13} {'IQR':>13}")
     for name, r in (("1x8", one), ("2x4", two)):
@@ -188,6 +221,14 @@ def main() -> None:
         f"2x4 / 1x8: hand {two['hand_ms'] / one['hand_ms']:.2f}x, "
         f"jaxstep {two['jaxstep_ms'] / one['jaxstep_ms']:.2f}x (gloo between processes)"
     )
+    if args.checkpoint_every:
+        print(f"fit with checkpoints every {args.checkpoint_every} steps / fit without:")
+        for name, r in (("1x8", one), ("2x4", two)):
+            iqr = f"{r['ckpt_ratio_iqr'][0]:.2f}-{r['ckpt_ratio_iqr'][1]:.2f}"
+            print(
+                f"{name:>8} {r['fit_ms']:9.2f} ms {r['fit_ckpt_ms']:9.2f} ms "
+                f"{r['ckpt_ratio']:6.3f}x (IQR {iqr})"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"1x8": one, "2x4": two, "args": vars(args)}))
 
