@@ -297,11 +297,11 @@ def _validate(step: Any, directory: Any, every: int | None, keep: int | None, re
     if resume and directory is None:
         raise ValueError("resume=True needs checkpoint_dir=... to resume from")
     among = coordination.processes(step.devices)
-    if directory is not None and len(among) > 1 and among[0] != 0:
+    if directory is not None and jax.process_count() > 1 and 0 not in among:
         raise ValueError(
-            f"checkpoint_dir with a step on the devices of processes {among} only: process "
-            "0 writes the checkpoints (orbax writes host arrays from process 0), so the "
-            "step's devices must include process 0's"
+            f"checkpoint_dir with a step on the devices of process(es) {among} only: process "
+            "0 writes the checkpoints (orbax writes host arrays from process 0 alone), so "
+            "the step's devices must include process 0's (the default, jax.devices())"
         )
 
 
