@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep import distributed
 from jaxstep.state import StepOutput
+from jaxstep.state import from_host
 from jaxstep.state import map_host
 
 AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
@@ -44,6 +45,7 @@ class Backend(Protocol):
     def place_batch(self, batch: Any) -> Any: ...
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
     def host_table(self, health: jax.Array) -> np.ndarray: ...
+    def first_copy(self, tree: Any) -> Any: ...
     def unstack(self, tree: Any) -> Any: ...
     def local_copy(self, tree: Any, position: int) -> Any: ...
 
@@ -128,6 +130,10 @@ class ShardMapBackend:
     def host_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))
 
+    def first_copy(self, tree: Any) -> Any:
+        """Numpy of the first addressable copy of every leaf (one read each)."""
+        return map_host(lambda x: np.asarray(x.addressable_data(0)), tree)
+
     def unstack(self, tree: Any) -> Any:
         return tree
 
@@ -181,11 +187,36 @@ class PmapBackend:
     def host_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))[0]
 
+    def first_copy(self, tree: Any) -> Any:
+        """Numpy of the first addressable copy of every leaf, without the device axis."""
+        return map_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
+
     def unstack(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: x[0], tree)
+        """The first addressable device's copy of every leaf, without the device axis,
+        on that device. Read from the shard and put back: ``x[0]`` compiled a program
+        per leaf shape (~2 s per call on a large state); this compiles nothing."""
+
+        def one(x: Any) -> Any:
+            if not isinstance(x, jax.Array):
+                return np.asarray(x)[0]
+            shard = x.addressable_shards[0]
+            # a copy: the shard's buffer goes when a later step donates the state
+            host = map_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
+            return jax.device_put(from_host(host), shard.device)
+
+        return jax.tree.map(one, tree)
 
     def local_copy(self, tree: Any, position: int) -> Any:
-        return map_host(lambda x: np.asarray(x)[position], tree)
+        """The numpy copy of ``tree`` held by ``devices[position]``, read from that
+        device's shard alone (typed keys as :class:`jaxstep.state.HostKey`)."""
+        device = self.devices[position]
+
+        def read(x: Any) -> np.ndarray:
+            if not isinstance(x, jax.Array):
+                return np.asarray(x)[position]
+            return next(np.asarray(s.data)[0] for s in x.addressable_shards if s.device == device)
+
+        return map_host(read, tree)
 
 
 BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

@@ -124,15 +124,15 @@ def fit(
         keep=keep,
         resume=resume,
     )
-    host = step.host_state(state)
-    if bool(np.asarray(host.halted)):
+    halted, next_step = step.first_copy((state.halted, state.step))  # two small reads
+    if bool(halted):
         raise ValueError(
             "the state is halted by an earlier failure; resume from error.state (or "
             "step.clear_halt(state)) once the cause is fixed"
         )
     history = History() if history is None else history
     history.device_ids = [d.id for d in step.devices]
-    next_step = int(np.asarray(host.step))
+    next_step = int(next_step)
     step.heartbeats.clear()
     for cb in callbacks:
         if hasattr(cb, "on_fit_start"):

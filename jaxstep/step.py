@@ -271,7 +271,7 @@ class TrainStep:
         """``state.step`` without a device read for the state this step returned last."""
         if state is self._last_state:
             return self._next_step
-        return int(np.asarray(self.host_state(state).step))
+        return int(self.first_copy(state.step))
 
     def _replica_step(self, number: int) -> bool:
         return self.divergence_every is not None and number % self.divergence_every == 0
@@ -345,6 +345,12 @@ class TrainStep:
         """The same state with ``halted`` cleared, to resume from a failed step."""
         return self._clear_halt(state)
 
+    def first_copy(self, tree: Any) -> Any:
+        """The numpy copy of ``tree`` held by this process's first device of the step
+        (a small read: e.g. ``step.first_copy(state.step)``); typed keys come as
+        :class:`jaxstep.state.HostKey`."""
+        return self._backend.first_copy(tree)
+
     def host_state(self, state: TrainState) -> TrainState:
         """One device's copy of the state, as on a single device (drops pmap's axis)."""
         return self._backend.unstack(state)
@@ -391,13 +397,13 @@ class TrainStep:
         if self._state_sig is None:
             # The first state: from init, or one this step did not build (a resume
             # from a checkpoint or another step). Learn its leaf names and shape.
+            # (names only: the structure is the same with pmap's device axis)
             self._params_def = jax.tree.structure(state.params)
-            host = self.host_state(state)
-            self.names["params"] = _keystrs(host.params)
-            self.names["model_state"] = _keystrs(host.model_state, "model_state")
+            self.names["params"] = _keystrs(state.params)
+            self.names["model_state"] = _keystrs(state.model_state, "model_state")
             self.names["state"] = (
-                _keystrs(host.params, "params")
-                + _keystrs(host.opt_state, "opt_state")
+                _keystrs(state.params, "params")
+                + _keystrs(state.opt_state, "opt_state")
                 + self.names["model_state"]
             )
             self._faults.validate({"grad": self.names["params"], "param": self.names["params"]})
