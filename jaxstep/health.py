@@ -191,6 +191,19 @@ def column(table: jax.Array, name: str) -> jax.Array:
     return col
 
 
+# How each column is decoded on the host: per-device arrays, or one step-wide value.
+_KINDS = tuple(
+    "float"
+    if name in FLOAT_COLUMNS
+    else "int"
+    if name in ("step", "consecutive_skips")
+    else "bool"
+    if name in ("halted", "skipped", "failed")
+    else "array"
+    for name in COLUMNS
+)
+
+
 class HealthTable(NamedTuple):
     """A step's health table, decoded on the host. Row i is ``devices[i]`` of the step."""
 
@@ -212,20 +225,23 @@ class HealthTable(NamedTuple):
 
     @classmethod
     def from_array(cls, table: np.ndarray) -> HealthTable:
+        # Read once per step by fit: a few microseconds, no per-column dispatch.
         table = np.asarray(table, np.int32)
-        fields: dict[str, Any] = {}
-        for name in COLUMNS:
-            col = table[:, COL[name]]
-            if name in FLOAT_COLUMNS:
-                fields[name] = col.view(np.float32)
-            elif name in ("step", "consecutive_skips"):
-                fields[name] = int(col[0])
-            elif name in ("halted", "skipped", "failed"):
-                fields[name] = bool(col[0])
-            else:
-                fields[name] = col
-        return cls(**fields)
+        columns, first = table.T, table[0].tolist()
+        return cls._make(
+            [
+                columns[i].view(np.float32)
+                if kind == "float"
+                else first[i]
+                if kind == "int"
+                else bool(first[i])
+                if kind == "bool"
+                else columns[i]
+                for i, kind in enumerate(_KINDS)
+            ]
+        )
 
     @property
     def mean_loss(self) -> float:
-        return float(np.mean(self.loss))
+        # np.mean's value (float32 sum, then divided) without its overhead (~15 us)
+        return float(np.add.reduce(self.loss) / self.loss.size)

@@ -30,7 +30,10 @@ from jaxstep.step import TrainStep
 from jaxstep.watchdog import Watcher
 
 
-def _rows_per_device(step: TrainStep, batch: Any) -> int:
+def _rows_per_device(step: TrainStep, batch: Any, many: bool | None = None) -> int:
+    """``many``: whether the step's devices span processes, when the caller knows."""
+    if many is False:  # the whole batch is here: no per-step walk over the devices
+        return int(jax.tree.leaves(batch)[0].shape[0]) // len(step.devices)
     return distributed.local_rows_per_device(batch, step.devices)
 
 
@@ -151,7 +154,7 @@ def fit(
             raise distributed.lost_after(err, pending.number, step.devices) from err
         next_step = table.step + 1
         now = time.perf_counter()
-        examples = len(step.devices) * _rows_per_device(step, pending.batch)
+        examples = len(step.devices) * _rows_per_device(step, pending.batch, many)
         metrics = scalar_aux(pending.out.aux, len(step.devices))
         history.append(table, metrics, examples / max(now - last_time, 1e-9))
         last_time = now
@@ -173,7 +176,8 @@ def fit(
             raise error
 
     pending: _Pending | None = None
-    watch_peers = distributed.spans_processes(step.devices) and distributed.watch() is not None
+    many = distributed.spans_processes(step.devices)
+    watch_peers = many and distributed.watch() is not None
     first_step = next_step
     watcher = Watcher(step, step_timeout) if step_timeout is not None else None
     last: StepOutput | None = None  # the newest dispatched step
