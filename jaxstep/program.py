@@ -123,6 +123,12 @@ def body(
         (status & ~int(Status.OVERFLOW)) != 0,
         (status & int(Status.OVERFLOW)) != 0,
         (status & halting) != 0,
+        # The state's halted flag and step (from the first device, in exact 16-bit
+        # halves), read here, before the all-reduce, and not after: XLA then updates
+        # their donated buffers in place instead of copying them first.
+        state.halted,
+        jnp.where(index == 0, state.step // 65536, 0),
+        jnp.where(index == 0, state.step % 65536, 0),
     ]
     sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
     floats = _floats(work.model_state)
@@ -133,7 +139,13 @@ def body(
     width = len(COLUMNS) + len(summed)
     rows_ = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
-    seen = Seen(failed=counts[0] > 0, overflow=counts[1] > 0, halt=counts[2] > 0)
+    seen = Seen(
+        failed=counts[0] > 0,
+        overflow=counts[1] > 0,
+        halt=counts[2] > 0,
+        halted=counts[3] > 0,
+        step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
+    )
     rest = gathered[:, width:]
     status = rows_[:, COL["status"]].astype(jnp.int32)
     columns: dict[str, jax.Array] = {}  # the table's columns changed after the gather
@@ -150,7 +162,16 @@ def body(
     # 5.-8. the verdict, the same on every device, and the update it allows.
     losses = rows_[:, COL["loss"]]
     new_state, status, columns = update(
-        program, state, losses, status, seen, columns, grad_sums, model_state, ctx, index
+        program,
+        state,
+        losses,
+        status,
+        seen,
+        columns,
+        grad_sums,
+        model_state,
+        ctx,
+        index,
     )
     table = health.to_table(rows_, {**columns, "status": status})
     metrics = {"loss": jnp.mean(losses)}
@@ -166,20 +187,24 @@ def halting_status(program: Program) -> Status:
 
 
 class Seen(NamedTuple):
-    """Whether any device failed, overflowed or must halt this step. Counted in the
-    all-reduce for the status set before it (no reduction over the table); the few
-    optional checks that set status after it add theirs with :meth:`add`."""
+    """Step-wide facts, taken from the all-reduce: whether any device failed,
+    overflowed or must halt (counted there for the status set before it, so the
+    verdict needs no reduction over the table; the few optional checks that set
+    status after it add theirs with :meth:`add`), and the state's ``halted`` flag and
+    ``step`` as they were before the step."""
 
     failed: jax.Array
     overflow: jax.Array
     halt: jax.Array
+    halted: jax.Array
+    step: jax.Array
 
     def add(self, bits: jax.Array, halting: int) -> Seen:
         """With every device's ``bits`` (``(n,)`` Status bits) added."""
-        return Seen(
-            self.failed | jnp.any((bits & ~int(Status.OVERFLOW)) != 0),
-            self.overflow | jnp.any((bits & int(Status.OVERFLOW)) != 0),
-            self.halt | jnp.any((bits & halting) != 0),
+        return self._replace(
+            failed=self.failed | jnp.any((bits & ~int(Status.OVERFLOW)) != 0),
+            overflow=self.overflow | jnp.any((bits & int(Status.OVERFLOW)) != 0),
+            halt=self.halt | jnp.any((bits & halting) != 0),
         )
 
 
@@ -256,7 +281,11 @@ def update(
 
 
 def verdict(
-    program: Program, state: TrainState, losses: jax.Array, status: jax.Array, seen: Seen
+    program: Program,
+    state: TrainState,
+    losses: jax.Array,
+    status: jax.Array,
+    seen: Seen,
 ) -> tuple[jax.Array, jax.Array, dict[str, Any], dict[str, jax.Array]]:
     """(every device's status, ok to update, the new state's other fields, the
     step-wide verdict columns of the table). ``seen``: what ``status`` holds, step-wide
@@ -277,25 +306,25 @@ def verdict(
         halt_now = must_halt
         if limit is not None:
             halt_now |= failed & (state.consecutive_skips + 1 >= limit)
-        skipped = failed & ~halt_now & ~state.halted
+        skipped = failed & ~halt_now & ~seen.halted
     else:
         halt_now = failed
         skipped = jnp.array(False)
-    rescaled = overflow & ~failed & ~state.halted  # skipped on every device, not a failure
-    ok = ~failed & ~overflow & ~state.halted
-    halted = state.halted | halt_now
+    rescaled = overflow & ~failed & ~seen.halted  # skipped on every device, not a failure
+    ok = ~failed & ~overflow & ~seen.halted
+    halted = seen.halted | halt_now
     if spike is not None:
         monitor = {"spike": spike.update(state.monitor["spike"], losses, ok)}
     consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
     columns = {
-        "step": state.step,
+        "step": seen.step,
         "halted": halted,
         "skipped": skipped | rescaled,
         "consecutive_skips": consecutive,
         "failed": failed,
     }
     fields = {
-        "step": state.step + (ok | skipped | rescaled),
+        "step": seen.step + (ok | skipped | rescaled),
         "halted": halted,
         "consecutive_skips": consecutive,
         "total_skips": state.total_skips + skipped,
