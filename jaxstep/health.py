@@ -227,10 +227,10 @@ class HealthTable(NamedTuple):
     def from_array(cls, table: np.ndarray) -> HealthTable:
         # Read once per step by fit: a few microseconds, no per-column dispatch.
         table = np.asarray(table, np.int32)
-        columns, first = table.T, table[0].tolist()
+        columns, floats, first = table.T, table.view(np.float32).T, table[0].tolist()
         return cls._make(
             [
-                columns[i].view(np.float32)
+                floats[i]
                 if kind == "float"
                 else first[i]
                 if kind == "int"

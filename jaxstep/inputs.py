@@ -117,8 +117,9 @@ class Inputs:
                 "made it"
             )
 
-    def check_batch(self, batch: Any) -> None:
-        """Validates a batch of a new structure or shape (one flatten otherwise).
+    def check_batch(self, batch: Any) -> list[Any]:
+        """Validates a batch of a new structure or shape (one flatten otherwise);
+        returns its leaves.
 
         Raises:
           ValueError, TypeError: the batch does not split over the devices, or its
@@ -128,7 +129,7 @@ class Inputs:
         # Hot path: the same structure and shapes as the last good batch need no walk.
         key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
         if key == self._batch_key:
-            return
+            return leaves
         n, what = self._feeding_devices(leaves[0] if leaves else None)
         validate.batch(batch, n, self.microbatches, what)
         if self._batch_def is None:
@@ -141,6 +142,7 @@ class Inputs:
                 f"one is {treedef}; every batch must have the same pytree structure"
             )
         self._batch_key = key
+        return leaves
 
     def _feeding_devices(self, first: Any) -> tuple[int, str]:
         """How many devices this process's batch is split over, and what to call them."""

@@ -205,9 +205,9 @@ class TrainStep:
         if presplit:
             batch = self.join(batch)
         self._check_state(state)
-        self._inputs.check_batch(batch)
+        leaves = self._inputs.check_batch(batch)
         number = self._step_number(state)
-        placed = self._backend.place_batch(batch)
+        placed = self._backend.place_batch(batch, leaves)
         replicas = self._replica_step(number)
         if heartbeat:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
