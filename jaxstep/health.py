@@ -45,7 +45,8 @@ COLUMNS: tuple[str, ...] = (
     "model_state_leaf",  # index of the first non-finite new model-state leaf, or -1
     "microbatch",  # the first failing micro-batch, or -1
     "loss",  # local loss (float32 bits)
-    "grad_norm",  # local gradient norm, before averaging (float32 bits)
+    "grad_norm",  # local gradient norm, before averaging (float32 bits; the gathered
+    # rows hold its square, the table its root)
     "step",  # state.step the step started from
     "halted",  # 1 if the state is halted after this step
     "skipped",  # 1 if this step's update was discarded (skip policy)
@@ -172,6 +173,9 @@ def to_table(rows: jax.Array, overrides: dict[str, Any]) -> jax.Array:
     tiny model)."""
     col = jnp.arange(len(COLUMNS), dtype=jnp.int32)[None, :]
     is_float = jnp.asarray([name in FLOAT_COLUMNS for name in COLUMNS])[None, :]
+    # The rows carry the gradient's sum of squares; its root is taken here, in this
+    # pass, rather than before the all-reduce, where it was a kernel of its own.
+    rows = jnp.where(col == COL["grad_norm"], jnp.sqrt(rows), rows)
     table = jnp.where(
         is_float, jax.lax.bitcast_convert_type(rows, jnp.int32), rows.astype(jnp.int32)
     )

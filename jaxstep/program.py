@@ -93,7 +93,7 @@ def body(
         "microbatch": microbatch,
         "check": health.first_true(work.check_failed),
         "loss": work.loss,
-        "grad_norm": jnp.sqrt(jnp.sum(squares)),
+        "grad_norm": jnp.sum(squares),  # squared: health.to_table takes the root
     }
     prints = None
     if replicas:
