@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep import distributed
 from jaxstep.state import StepOutput
+from jaxstep.state import from_host
 from jaxstep.state import map_host
 
 AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
@@ -41,9 +42,10 @@ class Backend(Protocol):
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
     def place_state(self, state: Any) -> Any: ...
-    def place_batch(self, batch: Any) -> Any: ...
+    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any: ...
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
     def host_table(self, health: jax.Array) -> np.ndarray: ...
+    def first_copy(self, tree: Any) -> Any: ...
     def unstack(self, tree: Any) -> Any: ...
     def local_copy(self, tree: Any, position: int) -> Any: ...
 
@@ -66,7 +68,7 @@ class ShardMapBackend:
         self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(axis_name))
-        self._equivalent: dict[tuple[Any, int], bool] = {}
+        self._equivalent: dict[tuple[int, int], tuple[Any, bool]] = {}
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         axis = self.axis
@@ -102,9 +104,13 @@ class ShardMapBackend:
     def place_state(self, state: Any) -> Any:
         return jax.device_put(state, self.replicated)
 
-    def place_batch(self, batch: Any) -> Any:
-        leaves = jax.tree.leaves(batch)
-        if all(isinstance(x, jax.Array) and self._is_split(x) for x in leaves):
+    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any:
+        """``leaves``: ``jax.tree.leaves(batch)``, when the caller has them."""
+        leaves = jax.tree.leaves(batch) if leaves is None else leaves
+        for x in leaves:
+            if not (isinstance(x, jax.Array) and self._is_split(x)):
+                break
+        else:
             return batch  # already where it belongs: no device_put (~0.7 ms of host time)
         if self._local is not None:
             return distributed.place_local_batch(batch, self.devices, self.split, self._local)
@@ -112,12 +118,18 @@ class ShardMapBackend:
 
     def _is_split(self, x: jax.Array) -> bool:
         """Whether ``x`` is split like ``self.split`` (any mesh axis name), cached per
-        sharding: a batch placed by the user's own mesh needs no ``device_put``."""
-        key = (x.sharding, x.ndim)
-        same = self._equivalent.get(key)
-        if same is None:
-            same = self._equivalent[key] = x.sharding.is_equivalent_to(self.split, x.ndim)
-        return same
+        sharding object: a batch placed by the user's own mesh needs no ``device_put``.
+        Keyed by identity (hashing a sharding costs more than the rest of the check);
+        the entry holds the sharding, so its id is not reused while cached."""
+        sharding = x.sharding
+        key = (id(sharding), x.ndim)
+        entry = self._equivalent.get(key)
+        if entry is None or entry[0] is not sharding:
+            entry = self._equivalent[key] = (
+                sharding,
+                sharding.is_equivalent_to(self.split, x.ndim),
+            )
+        return entry[1]
 
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
         return {
@@ -127,6 +139,10 @@ class ShardMapBackend:
 
     def host_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))
+
+    def first_copy(self, tree: Any) -> Any:
+        """Numpy of the first addressable copy of every leaf (one read each)."""
+        return map_host(lambda x: np.asarray(x.addressable_data(0)), tree)
 
     def unstack(self, tree: Any) -> Any:
         return tree
@@ -168,7 +184,7 @@ class PmapBackend:
     def place_state(self, state: Any) -> Any:
         return self._replicate(np.arange(len(self.devices)), state)
 
-    def place_batch(self, batch: Any) -> Any:
+    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any:
         n = len(self.devices)
         return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
@@ -181,11 +197,36 @@ class PmapBackend:
     def host_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))[0]
 
+    def first_copy(self, tree: Any) -> Any:
+        """Numpy of the first addressable copy of every leaf, without the device axis."""
+        return map_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
+
     def unstack(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: x[0], tree)
+        """The first addressable device's copy of every leaf, without the device axis,
+        on that device. Read from the shard and put back: ``x[0]`` compiled a program
+        per leaf shape (~2 s per call on a large state); this compiles nothing."""
+
+        def one(x: Any) -> Any:
+            if not isinstance(x, jax.Array):
+                return np.asarray(x)[0]
+            shard = x.addressable_shards[0]
+            # a copy: the shard's buffer goes when a later step donates the state
+            host = map_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
+            return jax.device_put(from_host(host), shard.device)
+
+        return jax.tree.map(one, tree)
 
     def local_copy(self, tree: Any, position: int) -> Any:
-        return map_host(lambda x: np.asarray(x)[position], tree)
+        """The numpy copy of ``tree`` held by ``devices[position]``, read from that
+        device's shard alone (typed keys as :class:`jaxstep.state.HostKey`)."""
+        device = self.devices[position]
+
+        def read(x: Any) -> np.ndarray:
+            if not isinstance(x, jax.Array):
+                return np.asarray(x)[position]
+            return next(np.asarray(s.data)[0] for s in x.addressable_shards if s.device == device)
+
+        return map_host(read, tree)
 
 
 BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

@@ -135,7 +135,7 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
         )
         examples = tuple(step.failing_examples(error.state, batch, sorted(chunks_then), error.step))
         return Diagnosis("data", evidence, examples, tuple(replays))
-    if set(moved) == set(same) and step.host_state(error.state).rng is not None:
+    if set(moved) == set(same) and error.state.rng is not None:
         evidence = (
             f"fails again on replay on device(s) {[ids[i] for i in same]}, and again there "
             "with other rows; but random keys are folded with the device's position, so a "

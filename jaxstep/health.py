@@ -45,7 +45,8 @@ COLUMNS: tuple[str, ...] = (
     "model_state_leaf",  # index of the first non-finite new model-state leaf, or -1
     "microbatch",  # the first failing micro-batch, or -1
     "loss",  # local loss (float32 bits)
-    "grad_norm",  # local gradient norm, before averaging (float32 bits)
+    "grad_norm",  # local gradient norm, before averaging (float32 bits; the gathered
+    # rows hold its square, the table its root)
     "step",  # state.step the step started from
     "halted",  # 1 if the state is halted after this step
     "skipped",  # 1 if this step's update was discarded (skip policy)
@@ -60,11 +61,42 @@ def _floats(leaves: Sequence[jax.Array]) -> list[tuple[int, jax.Array]]:
     return [(i, x) for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def first_true(flags: jax.Array) -> jax.Array:
-    """Index of the first True in a 1-d bool array, or -1."""
-    if flags.shape[0] == 0:
+# Up to this many flags, "first True" is a chain of scalar selects: elementwise, so
+# XLA fuses it into whatever consumes it. ``argmax`` over a stacked vector is a
+# concatenate and two reductions, each a kernel of its own (three of the ~20 kernels
+# the checks added to the tiny benchmark model's step).
+_CHAIN = 64
+
+
+def first_true(
+    flags: jax.Array | Sequence[jax.Array], labels: Sequence[int] | None = None
+) -> jax.Array:
+    """Index of the first True among 1-d bool ``flags`` (an array or a list of
+    scalars), or -1; with ``labels``, ``labels[index]`` instead of the index."""
+    count = len(flags) if isinstance(flags, Sequence) else flags.shape[0]
+    labels = range(count) if labels is None else labels
+    if count == 0:
         return jnp.array(-1, jnp.int32)
-    return jnp.where(jnp.any(flags), jnp.argmax(flags), -1).astype(jnp.int32)
+    if count > _CHAIN:
+        stacked = jnp.stack(list(flags)) if isinstance(flags, Sequence) else flags
+        first = jnp.asarray(labels, jnp.int32)[jnp.argmax(stacked)]
+        return jnp.where(jnp.any(stacked), first, -1).astype(jnp.int32)
+    first = jnp.array(-1, jnp.int32)
+    for i in reversed(range(count)):
+        first = jnp.where(flags[i], jnp.int32(labels[i]), first)
+    return first
+
+
+def any_true(flags: jax.Array | Sequence[jax.Array]) -> jax.Array:
+    """Whether any of 1-d bool ``flags`` is True (a chain of ``|`` up to a few dozen
+    flags, so it fuses into its consumer)."""
+    count = len(flags) if isinstance(flags, Sequence) else flags.shape[0]
+    if count > _CHAIN:
+        return jnp.any(jnp.stack(list(flags)) if isinstance(flags, Sequence) else flags)
+    found = jnp.array(False)
+    for i in range(count):
+        found = found | flags[i]
+    return found
 
 
 def first_nonfinite(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -77,9 +109,8 @@ def first_nonfinite(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
     floats = _floats(leaves)
     if not floats:
         return jnp.array(False), jnp.array(-1, jnp.int32)
-    bad = jnp.stack([~jnp.isfinite(jnp.sum(x * jnp.zeros((), x.dtype))) for _, x in floats])
-    first = jnp.asarray([i for i, _ in floats], jnp.int32)[jnp.argmax(bad)]
-    return jnp.any(bad), jnp.where(jnp.any(bad), first, -1).astype(jnp.int32)
+    bad = [~jnp.isfinite(jnp.sum(x * jnp.zeros((), x.dtype))) for _, x in floats]
+    return any_true(bad), first_true(bad, [i for i, _ in floats])
 
 
 def leaf_sum_of_squares(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -101,13 +132,37 @@ def leaf_sum_of_squares(leaves: Sequence[jax.Array]) -> jax.Array:
     )
 
 
-def pack_row(values: dict[str, Any]) -> jax.Array:
-    """Packs one device's health fields (missing ones are 0) into a float32 row.
+def onehot_rows(
+    values: dict[str, Any],
+    index: jax.Array,
+    n: int,
+    summed: Sequence[Any] = (),
+    extra: jax.Array | None = None,
+) -> jax.Array:
+    """This device's contribution to the health all-reduce, ``(n, len(COLUMNS) +
+    len(summed) + len(extra))`` float32: its health fields (missing ones are 0) in
+    row ``index`` of the first columns and zeros elsewhere, so the psum over the
+    devices gathers every device's row; then ``summed``, the same in every row, so
+    the psum adds them up over the devices; then ``extra``, one-hot like the fields.
 
-    float32, so the row can ride in the gradient all-reduce: every integer field is
-    below 2**24 and exact, and a psum of one-hot rows adds only zeros to it.
+    float32, so it can ride in the gradient all-reduce: every integer field is below
+    2**24 and exact, and the one-hot rows add only zeros to it. Built as one
+    elementwise select over the column index (no stack of scalars), so XLA makes it
+    a single kernel together with the scalar checks feeding it.
     """
-    return jnp.stack([jnp.asarray(values.get(name, 0)).astype(jnp.float32) for name in COLUMNS])
+    width = len(COLUMNS) + len(summed)
+    # numpy constants, not iotas: XLA:CPU gives an iota a kernel of its own
+    col = np.broadcast_to(np.arange(width, dtype=np.int32)[None, :], (n, width))
+    row = np.broadcast_to(np.arange(n, dtype=np.int32)[:, None], (n, width))
+    cells = jnp.zeros((n, width), jnp.float32)
+    fields = [values.get(name, 0) for name in COLUMNS] + list(summed)
+    for c, value in enumerate(fields):
+        cells = jnp.where(col == c, jnp.asarray(value).astype(jnp.float32), cells)
+    rows = jnp.where((row == index) | (col >= len(COLUMNS)), cells, 0.0)
+    if extra is None:
+        return rows
+    mine = jnp.arange(n)[:, None] == index
+    return jnp.concatenate([rows, jnp.where(mine, extra.astype(jnp.float32)[None, :], 0.0)], 1)
 
 
 def to_table(rows: jax.Array, overrides: dict[str, Any]) -> jax.Array:
@@ -118,6 +173,9 @@ def to_table(rows: jax.Array, overrides: dict[str, Any]) -> jax.Array:
     tiny model)."""
     col = jnp.arange(len(COLUMNS), dtype=jnp.int32)[None, :]
     is_float = jnp.asarray([name in FLOAT_COLUMNS for name in COLUMNS])[None, :]
+    # The rows carry the gradient's sum of squares; its root is taken here, in this
+    # pass, rather than before the all-reduce, where it was a kernel of its own.
+    rows = jnp.where(col == COL["grad_norm"], jnp.sqrt(rows), rows)
     table = jnp.where(
         is_float, jax.lax.bitcast_convert_type(rows, jnp.int32), rows.astype(jnp.int32)
     )
@@ -135,6 +193,19 @@ def column(table: jax.Array, name: str) -> jax.Array:
     if name in FLOAT_COLUMNS:
         return jax.lax.bitcast_convert_type(col, jnp.float32)
     return col
+
+
+# How each column is decoded on the host: per-device arrays, or one step-wide value.
+_KINDS = tuple(
+    "float"
+    if name in FLOAT_COLUMNS
+    else "int"
+    if name in ("step", "consecutive_skips")
+    else "bool"
+    if name in ("halted", "skipped", "failed")
+    else "array"
+    for name in COLUMNS
+)
 
 
 class HealthTable(NamedTuple):
@@ -158,20 +229,23 @@ class HealthTable(NamedTuple):
 
     @classmethod
     def from_array(cls, table: np.ndarray) -> HealthTable:
+        # Read once per step by fit: a few microseconds, no per-column dispatch.
         table = np.asarray(table, np.int32)
-        fields: dict[str, Any] = {}
-        for name in COLUMNS:
-            col = table[:, COL[name]]
-            if name in FLOAT_COLUMNS:
-                fields[name] = col.view(np.float32)
-            elif name in ("step", "consecutive_skips"):
-                fields[name] = int(col[0])
-            elif name in ("halted", "skipped", "failed"):
-                fields[name] = bool(col[0])
-            else:
-                fields[name] = col
-        return cls(**fields)
+        columns, floats, first = table.T, table.view(np.float32).T, table[0].tolist()
+        return cls._make(
+            [
+                floats[i]
+                if kind == "float"
+                else first[i]
+                if kind == "int"
+                else bool(first[i])
+                if kind == "bool"
+                else columns[i]
+                for i, kind in enumerate(_KINDS)
+            ]
+        )
 
     @property
     def mean_loss(self) -> float:
-        return float(np.mean(self.loss))
+        # np.mean's value (float32 sum, then divided) without its overhead (~15 us)
+        return float(np.add.reduce(self.loss) / self.loss.size)

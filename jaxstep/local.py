@@ -98,7 +98,7 @@ def local(
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
     squares = health.leaf_sum_of_squares(jax.tree.leaves(grads))
-    grad_bad = jnp.any(~jnp.isfinite(squares))
+    grad_bad = health.any_true(~jnp.isfinite(squares))
     ms_bad, ms_leaf = health.first_nonfinite(jax.tree.leaves(new_ms))
     check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
     # With a loss scale, non-finite gradients from a finite input and loss are an
@@ -112,7 +112,7 @@ def local(
         | jnp.where(jnp.isfinite(value), 0, int(Status.LOSS_NONFINITE))
         | jnp.where(grad_bad, grad_flag, 0)
         | jnp.where(ms_bad, int(Status.MODEL_STATE_NONFINITE), 0)
-        | jnp.where(jnp.any(check_failed), int(Status.CHECK_FAILED), 0)
+        | jnp.where(health.any_true(check_failed), int(Status.CHECK_FAILED), 0)
     ).astype(jnp.int32)
     work = Local(grads, new_ms, status, in_leaf, squares, ms_leaf, check_failed, value, aux)
     return work, tuple(checks)

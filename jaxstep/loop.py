@@ -30,7 +30,10 @@ from jaxstep.step import TrainStep
 from jaxstep.watchdog import Watcher
 
 
-def _rows_per_device(step: TrainStep, batch: Any) -> int:
+def _rows_per_device(step: TrainStep, batch: Any, many: bool | None = None) -> int:
+    """``many``: whether the step's devices span processes, when the caller knows."""
+    if many is False:  # the whole batch is here: no per-step walk over the devices
+        return int(jax.tree.leaves(batch)[0].shape[0]) // len(step.devices)
     return distributed.local_rows_per_device(batch, step.devices)
 
 
@@ -124,15 +127,15 @@ def fit(
         keep=keep,
         resume=resume,
     )
-    host = step.host_state(state)
-    if bool(np.asarray(host.halted)):
+    halted, next_step = step.first_copy((state.halted, state.step))  # two small reads
+    if bool(halted):
         raise ValueError(
             "the state is halted by an earlier failure; resume from error.state (or "
             "step.clear_halt(state)) once the cause is fixed"
         )
     history = History() if history is None else history
     history.device_ids = [d.id for d in step.devices]
-    next_step = int(np.asarray(host.step))
+    next_step = int(next_step)
     step.heartbeats.clear()
     for cb in callbacks:
         if hasattr(cb, "on_fit_start"):
@@ -156,7 +159,7 @@ def fit(
             raise lost from err
         next_step = table.step + 1
         now = time.perf_counter()
-        examples = len(step.devices) * _rows_per_device(step, pending.batch)
+        examples = len(step.devices) * _rows_per_device(step, pending.batch, many)
         metrics = scalar_aux(pending.out.aux, len(step.devices))
         history.append(table, metrics, examples / max(now - last_time, 1e-9))
         last_time = now
@@ -186,7 +189,8 @@ def fit(
         return err
 
     pending: _Pending | None = None
-    watch_peers = distributed.spans_processes(step.devices) and distributed.watch() is not None
+    many = distributed.spans_processes(step.devices)
+    watch_peers = many and distributed.watch() is not None
     first_step = next_step
     watcher = Watcher(step, step_timeout) if step_timeout is not None else None
     last: StepOutput | None = None  # the newest dispatched step

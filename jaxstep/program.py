@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,7 @@ def body(
         "microbatch": microbatch,
         "check": health.first_true(work.check_failed),
         "loss": work.loss,
-        "grad_norm": jnp.sqrt(jnp.sum(squares)),
+        "grad_norm": jnp.sum(squares),  # squared: health.to_table takes the root
     }
     prints = None
     if replicas:
@@ -109,27 +110,50 @@ def body(
     row["status"] = status
 
     # 4. the first collective: the health rows (one-hot, so the sum is a gather),
-    # the float model state, the fingerprints and the fault flags ride in the
-    # gradients' all-reduce.
-    parts = [health.pack_row(row)]
+    # the count of devices failing or halting so far (summed: the verdict needs no
+    # reduction over the table), the float model state, the fingerprints and the
+    # fault flags ride in the gradients' all-reduce.
+    extra = []
     if prints is not None:
-        parts.append(monitors.split16(prints))
+        extra.append(monitors.split16(prints))
     if ctx is not None:
-        parts.append(program.faults.fire_flags(ctx).astype(jnp.float32))
-    mine = (jnp.arange(n) == index)[:, None]
+        extra.append(program.faults.fire_flags(ctx).astype(jnp.float32))
+    halting = int(halting_status(program))
+    summed = [
+        (status & ~int(Status.OVERFLOW)) != 0,
+        (status & int(Status.OVERFLOW)) != 0,
+        (status & halting) != 0,
+        # The state's halted flag and step (from the first device, in exact 16-bit
+        # halves), read here, before the all-reduce, and not after: XLA then updates
+        # their donated buffers in place instead of copying them first.
+        state.halted,
+        jnp.where(index == 0, state.step // 65536, 0),
+        jnp.where(index == 0, state.step % 65536, 0),
+    ]
+    sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
     floats = _floats(work.model_state)
-    grads, floats, gathered = jax.lax.psum(
-        (grads, floats, jnp.where(mine, jnp.concatenate(parts), 0)), axis
-    )
-    grads = jax.tree.map(lambda g: g / n, grads)
+    # The gradients stay summed here: the division by n happens inside the update,
+    # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
+    grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), axis)
     model_state = _with_floats(work.model_state, jax.tree.map(lambda x: x / n, floats))
+    width = len(COLUMNS) + len(summed)
     rows_ = gathered[:, : len(COLUMNS)]  # every device's row, as packed
-    rest = gathered[:, len(COLUMNS) :]
+    counts = gathered[0, len(COLUMNS) : width]
+    seen = Seen(
+        failed=counts[0] > 0,
+        overflow=counts[1] > 0,
+        halt=counts[2] > 0,
+        halted=counts[3] > 0,
+        step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
+    )
+    rest = gathered[:, width:]
     status = rows_[:, COL["status"]].astype(jnp.int32)
     columns: dict[str, jax.Array] = {}  # the table's columns changed after the gather
     if prints is not None:
         diverged, first = monitors.minority(monitors.join16(rest[:, : 2 * prints.shape[0]]))
-        status |= jnp.where(diverged, int(Status.DIVERGED), 0)
+        added = jnp.where(diverged, int(Status.DIVERGED), 0)
+        status |= added
+        seen = seen.add(added, halting)
         columns["diverged_leaf"] = first
     if ctx is not None:
         fired = jnp.any(rest[:, rest.shape[1] - len(program.faults.faults) :] > 0, axis=0)
@@ -138,12 +162,50 @@ def body(
     # 5.-8. the verdict, the same on every device, and the update it allows.
     losses = rows_[:, COL["loss"]]
     new_state, status, columns = update(
-        program, state, losses, status, columns, grads, model_state, ctx, mine
+        program,
+        state,
+        losses,
+        status,
+        seen,
+        columns,
+        grad_sums,
+        model_state,
+        ctx,
+        index,
     )
     table = health.to_table(rows_, {**columns, "status": status})
     metrics = {"loss": jnp.mean(losses)}
     info = StepInfo(checks=check_names)
     return new_state, StepOutput(metrics=metrics, health=table, aux=work.aux, info=info), extras
+
+
+def halting_status(program: Program) -> Status:
+    """Failures that halt under either policy: skipping cannot repair a diverged
+    replica, nor parameters that are already non-finite (found by the periodic
+    check; ``verify_update`` never commits them)."""
+    return ALWAYS_HALT if program.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
+
+
+class Seen(NamedTuple):
+    """Step-wide facts, taken from the all-reduce: whether any device failed,
+    overflowed or must halt (counted there for the status set before it, so the
+    verdict needs no reduction over the table; the few optional checks that set
+    status after it add theirs with :meth:`add`), and the state's ``halted`` flag and
+    ``step`` as they were before the step."""
+
+    failed: jax.Array
+    overflow: jax.Array
+    halt: jax.Array
+    halted: jax.Array
+    step: jax.Array
+
+    def add(self, bits: jax.Array, halting: int) -> Seen:
+        """With every device's ``bits`` (``(n,)`` Status bits) added."""
+        return self._replace(
+            failed=self.failed | jnp.any((bits & ~int(Status.OVERFLOW)) != 0),
+            overflow=self.overflow | jnp.any((bits & int(Status.OVERFLOW)) != 0),
+            halt=self.halt | jnp.any((bits & halting) != 0),
+        )
 
 
 def _floats(tree: Any) -> list[jax.Array]:
@@ -170,20 +232,25 @@ def update(
     state: TrainState,
     losses: jax.Array,
     status: jax.Array,
+    seen: Seen,
     columns: dict[str, jax.Array],
-    grads: Any,
+    grad_sums: Any,
     model_state: Any,
     ctx: Context | None,
-    mine: jax.Array,
+    index: jax.Array,
 ) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
     """Decides, then updates. By default everything the verdict needs is known
     before the update, so a ``lax.cond`` skips it on failure: no second pass over
     the state and no extra memory. ``verify_update=True`` also checks the new
     parameters before committing them (one more pass, and a second collective).
-    Returns the new state, every device's status and the table columns to write."""
+    ``grad_sums`` are the gradients summed over the devices (divided here, inside the
+    optimizer's pass). Returns the new state, every device's status and the table
+    columns to write."""
+    n = program.n
 
     def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
         params, opt_state, _ = operands
+        grads = jax.tree.map(lambda g: g / n, grad_sums)
         updates, opt_state = program.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, model_state
 
@@ -193,13 +260,16 @@ def update(
         new = apply(old)
         checked = new[0] if ctx is None else program.faults.tree("param", new[0], ctx)
         leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
-        leaves = jax.lax.psum(jnp.where(mine[:, 0], leaf, 0), program.axis_name)
+        mine = jnp.arange(n) == index
+        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), program.axis_name)
         # After a bad gradient every replica's update is bad too: that is the
         # gradient's fault, so parameters are blamed only when nothing else failed.
-        bad = (leaves >= 0) & jnp.all(status == 0)
+        bad = (leaves >= 0) & ~seen.failed & ~seen.overflow
         columns["param_leaf"] = jnp.where(bad, leaves, -1)
-        status = status | jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
-    status, ok, fields, verdict_columns = verdict(program, state, losses, status)
+        added = jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
+        status = status | added
+        seen = seen.add(added, int(halting_status(program)))
+    status, ok, fields, verdict_columns = verdict(program, state, losses, status, seen)
     if program.verify_update:
         params, opt_state, model_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     else:
@@ -211,48 +281,50 @@ def update(
 
 
 def verdict(
-    program: Program, state: TrainState, losses: jax.Array, status: jax.Array
+    program: Program,
+    state: TrainState,
+    losses: jax.Array,
+    status: jax.Array,
+    seen: Seen,
 ) -> tuple[jax.Array, jax.Array, dict[str, Any], dict[str, jax.Array]]:
     """(every device's status, ok to update, the new state's other fields, the
-    step-wide verdict columns of the table)."""
+    step-wide verdict columns of the table). ``seen``: what ``status`` holds, step-wide
+    (failed, overflow, must halt)."""
     monitor = state.monitor
     spike = program.loss_spike
     if spike is not None:
         spiked = spike.check(state.monitor["spike"], losses) & (status == 0)
-        status = status | jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
-    overflow = jnp.any((status & int(Status.OVERFLOW)) != 0)
-    failed = jnp.any((status & ~int(Status.OVERFLOW)) != 0)
+        added = jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
+        status = status | added
+        seen = seen.add(added, int(halting_status(program)))
+    overflow, failed, must_halt = seen.overflow, seen.failed, seen.halt
     scaler = program.loss_scale
     if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
         failed |= overflow & scaler.at_minimum(state.loss_scale)
-    # Skipping cannot repair a diverged replica, nor parameters that are already
-    # non-finite (found by the periodic check; verify_update never commits them).
-    halting = ALWAYS_HALT if program.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
-    must_halt = jnp.any((status & int(halting)) != 0)
     if program.on_failure == "skip":
         limit = program.max_consecutive_skips
         halt_now = must_halt
         if limit is not None:
             halt_now |= failed & (state.consecutive_skips + 1 >= limit)
-        skipped = failed & ~halt_now & ~state.halted
+        skipped = failed & ~halt_now & ~seen.halted
     else:
         halt_now = failed
         skipped = jnp.array(False)
-    rescaled = overflow & ~failed & ~state.halted  # skipped on every device, not a failure
-    ok = ~failed & ~overflow & ~state.halted
-    halted = state.halted | halt_now
+    rescaled = overflow & ~failed & ~seen.halted  # skipped on every device, not a failure
+    ok = ~failed & ~overflow & ~seen.halted
+    halted = seen.halted | halt_now
     if spike is not None:
         monitor = {"spike": spike.update(state.monitor["spike"], losses, ok)}
     consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
     columns = {
-        "step": state.step,
+        "step": seen.step,
         "halted": halted,
         "skipped": skipped | rescaled,
         "consecutive_skips": consecutive,
         "failed": failed,
     }
     fields = {
-        "step": state.step + (ok | skipped | rescaled),
+        "step": seen.step + (ok | skipped | rescaled),
         "halted": halted,
         "consecutive_skips": consecutive,
         "total_skips": state.total_skips + skipped,

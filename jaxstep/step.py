@@ -29,8 +29,9 @@ from jaxstep.errors import Failure
 from jaxstep.errors import failures_from_table
 from jaxstep.faults import Fault
 from jaxstep.faults import Injector
-from jaxstep.faults import float_leaves
 from jaxstep.health import HealthTable
+from jaxstep.inputs import Inputs
+from jaxstep.inputs import join
 from jaxstep.monitors import LossSpike
 from jaxstep.scaling import DynamicLossScale
 from jaxstep.state import StepOutput
@@ -38,10 +39,6 @@ from jaxstep.state import TrainState
 from jaxstep.state import from_host
 
 POLICIES = ("raise", "skip")
-
-
-def _keystrs(tree: Any, prefix: str = "") -> list[str]:
-    return [prefix + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 class TrainStep:
@@ -121,21 +118,16 @@ class TrainStep:
         self._examples: Any = None  # the per-example health pass, compiled on first use
         #: device position -> last step whose local part it finished (heartbeat mode).
         self.heartbeats: dict[int, int] = {}
-        # Leaf names: params and state at init, input on the first batch, checks from
-        # the first output's StepInfo.
-        self.names: dict[str, list[str]] = {
-            "params": [],
-            "input": [],
-            "checks": [],
-            "state": [],
-            "model_state": [],
-        }
+        # The state and batch it takes, and their leaf names (``names``).
+        self._inputs = Inputs(
+            self.devices,
+            microbatches,
+            self._faults,
+            f"{backend} backend, loss_spike={'on' if loss_spike else 'off'}",
+        )
+        self.names = self._inputs.names
         self._info: Any = None
-        self._params_def: Any = None
-        self._state_sig: Any = None
         self._last_state: Any = None
-        self._batch_def: Any = None
-        self._batch_key: Any = None
 
     @property
     def stacked(self) -> bool:
@@ -168,7 +160,7 @@ class TrainStep:
         params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         opt_state = self.optimizer.init(params)
         n = len(self.devices)
-        self._state_sig = None  # _check_state below learns the new state's names and shape
+        self._inputs.forget_state()  # _check_state below learns the new state's names and shape
         # Distinct arrays for every leaf: a donated buffer may appear only once.
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -213,9 +205,9 @@ class TrainStep:
         if presplit:
             batch = self.join(batch)
         self._check_state(state)
-        self._check_batch(batch)
+        leaves = self._inputs.check_batch(batch)
         number = self._step_number(state)
-        placed = self._backend.place_batch(batch)
+        placed = self._backend.place_batch(batch, leaves)
         replicas = self._replica_step(number)
         if heartbeat:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
@@ -235,21 +227,12 @@ class TrainStep:
 
     def join(self, batch: Any) -> Any:
         """A pre-split ``(n_devices, per_device, ...)`` batch as the global batch."""
-        n = len(self.devices)
-        for path, x in jax.tree_util.tree_leaves_with_path(batch):
-            shape: tuple[int, ...] = tuple(getattr(x, "shape", ()))
-            if len(shape) < 2 or shape[0] != n:
-                raise ValueError(
-                    f"presplit=True, but batch leaf {jax.tree_util.keystr(path) or 'batch'} "
-                    f"has shape {tuple(shape)}; a pre-split leaf is (n_devices={n}, "
-                    "per_device, ...)"
-                )
-        return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), batch)
+        return join(batch, len(self.devices))
 
     def _learn(self, info: Any) -> None:
         """What the program returned about itself (once per compiled program)."""
         self._info = info
-        self.names["checks"] = list(info.checks)
+        self._inputs.learn_checks(info.checks)
 
     def compile(
         self, state: TrainState, batch: Any, *, heartbeat: bool = False, replicas: bool = False
@@ -258,7 +241,7 @@ class TrainStep:
         keep compile time out of a timeout or to read ``memory_analysis()``.
         ``replicas=True``: the variant that runs every ``divergence_every``-th step."""
         self._check_state(state)
-        self._check_batch(batch)
+        self._inputs.check_batch(batch)
         leaves = jax.tree.leaves((state, batch))
         key = (heartbeat, replicas, *((x.shape, str(x.dtype)) for x in leaves))
         if key not in self._aot:
@@ -271,7 +254,7 @@ class TrainStep:
         """``state.step`` without a device read for the state this step returned last."""
         if state is self._last_state:
             return self._next_step
-        return int(np.asarray(self.host_state(state).step))
+        return int(self.first_copy(state.step))
 
     def _replica_step(self, number: int) -> bool:
         return self.divergence_every is not None and number % self.divergence_every == 0
@@ -283,7 +266,7 @@ class TrainStep:
         % n`` of ``batch`` on ``devices[i]``. Used by :func:`jaxstep.diagnose`."""
         n = len(self.devices)
         self._check_state(state)
-        self._check_batch(batch)
+        self._inputs.check_batch(batch)
         order = (np.arange(n) + rotation) % n
         size = jax.tree.leaves(batch)[0].shape[0] // n  # checked just above
         rows = (order[:, None] * size + np.arange(size)[None, :]).reshape(-1)
@@ -317,7 +300,7 @@ class TrainStep:
                 return jax.vmap(alone, axis_name=axis)(lone)[0]
 
             self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
-        self._check_batch(batch)
+        self._inputs.check_batch(batch)
         host = from_host(self.local_copy(state, 0))
         host = dataclasses.replace(host, step=jnp.asarray(step, jnp.int32))
         size = jax.tree.leaves(batch)[0].shape[0] // len(self.devices)
@@ -344,6 +327,12 @@ class TrainStep:
     def clear_halt(self, state: TrainState) -> TrainState:
         """The same state with ``halted`` cleared, to resume from a failed step."""
         return self._clear_halt(state)
+
+    def first_copy(self, tree: Any) -> Any:
+        """The numpy copy of ``tree`` held by this process's first device of the step
+        (a small read: e.g. ``step.first_copy(state.step)``); typed keys come as
+        :class:`jaxstep.state.HostKey`."""
+        return self._backend.first_copy(tree)
 
     def host_state(self, state: TrainState) -> TrainState:
         """One device's copy of the state, as on a single device (drops pmap's axis)."""
@@ -379,71 +368,8 @@ class TrainStep:
         return self._backend.place_extras(values, self._split)
 
     def _check_state(self, state: Any) -> None:
-        if state is self._last_state:
-            return  # the state this step returned last: nothing to check
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"expected a jaxstep.TrainState, got {type(state).__name__}; build the "
-                "first one with step.init(params)"
-            )
-        leaves, treedef = jax.tree.flatten(state)
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
-        if self._state_sig is None:
-            # The first state: from init, or one this step did not build (a resume
-            # from a checkpoint or another step). Learn its leaf names and shape.
-            self._params_def = jax.tree.structure(state.params)
-            host = self.host_state(state)
-            self.names["params"] = _keystrs(host.params)
-            self.names["model_state"] = _keystrs(host.model_state, "model_state")
-            self.names["state"] = (
-                _keystrs(host.params, "params")
-                + _keystrs(host.opt_state, "opt_state")
-                + self.names["model_state"]
-            )
-            self._faults.validate({"grad": self.names["params"], "param": self.names["params"]})
-            self._state_sig = (treedef, shapes)
-        elif (treedef, shapes) != self._state_sig:
-            want_def, want_shapes = self._state_sig
-            if treedef != want_def:
-                what = f"its structure differs: expected {want_def}, got {treedef}"
-            else:
-                i = next(
-                    i for i, (a, b) in enumerate(zip(shapes, want_shapes, strict=True)) if a != b
-                )
-                what = f"leaf {i} has shape/dtype {shapes[i]}, expected {want_shapes[i]}"
-            raise ValueError(
-                f"this state does not fit this step ({self.backend} backend, "
-                f"loss_spike={'on' if self.loss_spike else 'off'}): {what}; build the state "
-                "with this step's init, or the step with the options of the one that made it"
-            )
-
-    def _check_batch(self, batch: Any) -> None:
-        leaves, treedef = jax.tree.flatten(batch)
-        # Hot path: the same structure and shapes as the last good batch need no walk.
-        key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
-        if key == self._batch_key:
-            return
-        n, what = self._feeding_devices(batch)
-        validate.batch(batch, n, self.microbatches, what)
-        if self._batch_def is None:
-            self._faults.validate({"input": float_leaves(batch)})
-            self._batch_def = treedef
-            self.names["input"] = _keystrs(batch)
-        elif treedef != self._batch_def:
-            raise ValueError(
-                f"batch structure changed: the first batch was {self._batch_def}, this "
-                f"one is {treedef}; every batch must have the same pytree structure"
-            )
-        self._batch_key = key
-
-    def _feeding_devices(self, batch: Any) -> tuple[int, str]:
-        """How many devices this process's batch is split over, and what to call them."""
-        first = jax.tree.leaves(batch)[0]
-        if not distributed.spans_processes(self.devices) or (
-            isinstance(first, jax.Array) and not first.is_fully_addressable
-        ):
-            return len(self.devices), "devices"
-        return len(distributed.local_positions(self.devices)), "devices of this process"
+        if state is not self._last_state:  # the state this step returned last: checked
+            self._inputs.check_state(state)
 
     def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
         self.heartbeats[int(index)] = int(step)

@@ -46,6 +46,7 @@ import jaxstep  # noqa: E402
 NEW_CHECKS = hasattr(jaxstep, "LossSpike")  # make_train_step(divergence_every=, loss_spike=)
 IN_FLIGHT = 2  # wait for step t-1 before dispatching t+1: ~45 queued steps deadlock CPU
 BASELINE, DEFAULT = "shard_map (baseline)", "jaxstep shard_map"
+PROGRAM = "jaxstep program alone"  # `jaxstep divergence off`, its compiled program called directly
 
 
 # ------------------------------------------------------------------ models
@@ -224,6 +225,21 @@ class Setup:
         group = group or ("optional" if optional else "jaxstep")
         return Variant(name, run, state, self.batches, lower, group)
 
+    def program_alone(self, name: str) -> Variant:
+        """The default jaxstep step's compiled program called directly (``step.compile``),
+        without the step's host work (batch check, placement, step count): the step's
+        time minus this one is jaxstep's host time, this one minus the baseline's is
+        the program's own kernels."""
+        step = jaxstep.make_train_step(self.model.loss_fn, self.adam, divergence_every=None)
+        state, batch = step.init(self.params), self.batches[0]
+        compiled = step.compile(state, batch)
+
+        def run(s: Any, b: Any) -> tuple[Any, jax.Array]:
+            s, out, _ = compiled(s, b, {})
+            return s, out.metrics["loss"]
+
+        return Variant(name, run, state, self.batches, lambda: step.lower(state, batch), "other")
+
 
 def host_isnan_scan(out: tuple) -> tuple:
     """What users do by hand: pull every output to the host and look for NaN."""
@@ -257,6 +273,8 @@ def build_variants(setup: Setup) -> list[Variant]:
             setup.jaxstep("jaxstep loss_spike", optional=True, **spike),
             setup.jaxstep("jaxstep verify_update", optional=True, verify_update=True),
         ]
+    if NEW_CHECKS:  # to split the default step's cost into host time and program
+        variants.append(setup.program_alone(PROGRAM))
     variants += [  # features, not checks: their price, not part of the check goals
         setup.jaxstep("jaxstep microbatches=4", group="feature", microbatches=4),
         setup.jaxstep("jaxstep loss_scale", group="feature", loss_scale=jaxstep.DynamicLossScale()),
@@ -358,6 +376,9 @@ def bench_steps(variants: list[Variant], args: argparse.Namespace, hlo: str | No
             ("jaxstep divergence_every=1", DEFAULT),
             ("jaxstep loss_spike", DEFAULT),
             ("jaxstep verify_update", DEFAULT),
+            # the default step's cost, split: host work, then the program's own kernels
+            ("jaxstep divergence off", PROGRAM),
+            (PROGRAM, BASELINE),
             *pairs,
         ]
     costs = {f"{a} / {b}": quartiles(times[a] / times[b]) for a, b in pairs}
