@@ -25,15 +25,10 @@ from typing import Any
 import jax
 
 from jaxstep.heartbeats import KEY
+from jaxstep.heartbeats import client as _client
 
 _KEY = f"{KEY}ckpt/"
 _runs = itertools.count()
-
-
-def _client() -> Any:
-    from jax._src import distributed as _distributed  # no public handle to the client
-
-    return _distributed.global_state.client
 
 
 def processes(devices: Sequence[jax.Device]) -> list[int]:
@@ -41,7 +36,7 @@ def processes(devices: Sequence[jax.Device]) -> list[int]:
     return sorted({int(d.process_index) for d in devices})
 
 
-def is_writer(devices: Sequence[jax.Device]) -> bool:
+def is_writer() -> bool:
     """True on the process that writes the checkpoints: process 0 (orbax writes host
     arrays from process 0 only)."""
     return jax.process_index() == 0

@@ -35,6 +35,7 @@ from jaxstep.errors import TrainingWorkerError
 from jaxstep.health import Status
 from jaxstep.heartbeats import KEY
 from jaxstep.heartbeats import Monitor
+from jaxstep.heartbeats import client as _client
 from jaxstep.rows import local_batch as local_batch
 from jaxstep.rows import local_positions as local_positions
 from jaxstep.rows import local_rows as local_rows
@@ -55,13 +56,6 @@ ENV_LOST_TIMEOUT = "JAXSTEP_LOST_TIMEOUT"
 DEFAULT_LOST_TIMEOUT = 10.0
 _KEY = KEY
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _client() -> Any:
-    """The distributed runtime client, or None (single process, not initialised)."""
-    from jax._src import distributed as _distributed  # no public handle to the client
-
-    return _distributed.global_state.client
 
 
 def is_multiprocess() -> bool:

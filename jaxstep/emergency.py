@@ -48,7 +48,7 @@ def save(
     while (path / _part(me) if multi else path).exists():
         path, i = base / f"step_{error.step}-{i}", i + 1
     items: dict[str, Any] = {}
-    if error.state is not None and (not multi or me == 0):
+    if error.state is not None and (not multi or coordination.is_writer()):
         items["state"] = jax.device_get(local_copy(error.state, stacked=stacked))
         meta["layout"] = Layout.of(error.state, stacked=stacked).to_json()
     batch = jax.tree.map(_local_rows, error.batches[0]) if error.batches else None

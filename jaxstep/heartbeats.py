@@ -18,6 +18,15 @@ import jax
 log = logging.getLogger("jaxstep")
 
 KEY = "jaxstep/"  # every key jaxstep sets in the store starts with this
+
+
+def client() -> Any:
+    """The distributed runtime client, or None (single process, not initialised)."""
+    from jax._src import distributed as _distributed  # no public handle to the client
+
+    return _distributed.global_state.client
+
+
 _NEVER_BEAT = 3  # a process that never beat gets this many timeouts to start
 
 
@@ -129,14 +138,12 @@ def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[se
       (every position that finished, on any process; processes that did not report
       within ``wait_s`` seconds).
     """
-    from jax._src import distributed as _distributed  # no public handle to the client
-
-    client = _distributed.global_state.client
+    store = client()
     me = jax.process_index()
     done = set(local)
-    if client is None:
+    if store is None:
         return done, []
-    client.key_value_set(f"{KEY}beats/{step}/{me}", json.dumps(sorted(local)), True)
+    store.key_value_set(f"{KEY}beats/{step}/{me}", json.dumps(sorted(local)), True)
     silent = []
     deadline = time.monotonic() + wait_s
     for p in range(jax.process_count()):
@@ -144,7 +151,7 @@ def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[se
             continue
         left = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            done |= set(json.loads(client.blocking_key_value_get(f"{KEY}beats/{step}/{p}", left)))
+            done |= set(json.loads(store.blocking_key_value_get(f"{KEY}beats/{step}/{p}", left)))
         except Exception:
             silent.append(p)
     return done, silent

@@ -83,7 +83,7 @@ class Run:
         # Several processes: each publishes its data position for every checkpoint;
         # one (the writer) writes (see jaxstep.coordination).
         self.processes = coordination.processes(step.devices)
-        self.writer = coordination.is_writer(step.devices)
+        self.writer = coordination.is_writer()
         self._key = coordination.new_run() if len(self.processes) > 1 else None
         self._snap: _Snapshot | None = None
         self._layout: Layout | None = None

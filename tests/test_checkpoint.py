@@ -397,25 +397,18 @@ def test_model_state_and_loss_scale_are_saved_with_the_rest(backend, tmp_path):
 
 def test_a_checkpoint_of_several_processes_resumes_on_one_only_when_positions_agree(tmp_path):
     # What two processes wrote (meta["data_by_process"]), read back by one process.
-    step = _step("shard_map")
-    jaxstep.fit(
-        step,
-        step.init(init_params()),
-        make_batches(3),
-        checkpoint_dir=tmp_path,
-        checkpoint_every=EVERY,
-    )
-    path = tmp_path / "2" / "meta" / "metadata"
+    step = _three_checkpoints(tmp_path)
+    path = tmp_path / "4" / "meta" / "metadata"
     meta = json.loads(path.read_text())
-    at_2 = meta["data"]
-    meta["data_by_process"] = {"0": at_2, "1": {**at_2, "index": 5}}
+    at_4 = meta["data"]
+    meta["data_by_process"] = {"0": at_4, "1": {**at_4, "index": 5}}
     path.write_text(json.dumps(meta))
     again = step.init(init_params())
     with pytest.raises(ValueError, match=r"written by 2 processes, each at its own data"):
         jaxstep.fit(step, again, make_batches(9), checkpoint_dir=tmp_path, resume=True)
     assert int(jax.device_get(again.step)) == 0  # refused before anything ran
     # Positions that agree (a callable source's always do: the step): it resumes.
-    meta["data_by_process"] = {"0": at_2, "1": at_2}
+    meta["data_by_process"] = {"0": at_4, "1": at_4}
     path.write_text(json.dumps(meta))
-    state = jaxstep.fit(step, again, make_batches(4), checkpoint_dir=tmp_path, resume=True)
-    assert int(jax.device_get(step.host_state(state).step)) == 4
+    state = jaxstep.fit(step, again, make_batches(6), checkpoint_dir=tmp_path, resume=True)
+    assert int(jax.device_get(step.host_state(state).step)) == 6
