@@ -27,9 +27,18 @@ class Callback(Protocol):
     def on_fit_end(self, history: History) -> None: ...
 
 
+# History fields filled from the health tables, decoded when first read.
+_DECODED = frozenset({"step", "loss", "device_loss", "device_grad_norm", "status", "skipped"})
+
+
 @dataclasses.dataclass
 class History:
-    """Per-step record of a run, one entry per finished step, for reading or plotting."""
+    """Per-step record of a run, one entry per finished step, for reading or plotting.
+
+    The fields from the health tables (``step``, ``loss``, the per-device lists,
+    ``skipped``) are filled from the appended tables when one of them is first read,
+    all at once: :func:`fit`'s loop does no per-step decoding.
+    """
 
     device_ids: list[int] = dataclasses.field(default_factory=list)
     step: list[int] = dataclasses.field(default_factory=list)
@@ -43,6 +52,15 @@ class History:
     #: global examples over the wall time since the previous step finished (the first
     #: step's includes compiling)
     examples_per_sec: list[float] = dataclasses.field(default_factory=list)
+    # tables appended but not decoded yet, oldest first
+    _tables: list[HealthTable] = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _DECODED and object.__getattribute__(self, "_tables"):
+            object.__getattribute__(self, "_decode")()
+        return object.__getattribute__(self, name)
 
     def append(
         self,
@@ -50,17 +68,31 @@ class History:
         metrics: dict[str, float] | None = None,
         examples_per_sec: float = float("nan"),
     ) -> None:
-        self.step.append(table.step)
-        self.loss.append(table.mean_loss)
-        self.device_loss.append(table.loss)
-        self.device_grad_norm.append(table.grad_norm)
-        self.status.append(table.status)
-        self.skipped.append(table.skipped)
-        self.metrics.append(dict(metrics or {}))
-        self.examples_per_sec.append(float(examples_per_sec))
+        """Adds a finished step (what :func:`fit` calls once per step): its table is
+        kept as it is and decoded into the fields above when one is first read."""
+        fields = object.__getattribute__(self, "__dict__")  # once: fit calls this each step
+        fields["_tables"].append(table)
+        fields["metrics"].append(dict(metrics) if metrics else {})
+        fields["examples_per_sec"].append(float(examples_per_sec))
+
+    def _decode(self) -> None:
+        waiting: list[HealthTable] = object.__getattribute__(self, "_tables")
+        if not waiting:
+            return
+        tables = waiting.copy()
+        waiting.clear()  # first: the fields read below are then decoded
+        losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
+        # np.mean's value for each step: the float32 sum over the devices, then divided
+        means = np.add.reduce(losses, axis=1) / losses.shape[1]
+        self.step.extend(t.step for t in tables)
+        self.loss.extend(means.tolist())
+        self.device_loss.extend(t.loss for t in tables)
+        self.device_grad_norm.extend(t.grad_norm for t in tables)
+        self.status.extend(t.status for t in tables)
+        self.skipped.extend(t.skipped for t in tables)
 
     def __len__(self) -> int:
-        return len(self.step)
+        return len(self.metrics)
 
     def as_arrays(self) -> dict[str, np.ndarray]:
         """Every field as an array: per-device ones are ``(steps, devices)``."""

@@ -67,6 +67,8 @@ class Inputs:
         self._state_sig: Any = None
         self._batch_def: Any = None
         self._batch_key: Any = None
+        #: rows per device of the last batch checked (as this process passes it)
+        self.rows_per_device = 0
 
     def forget_state(self) -> None:
         """The next state checked is learned afresh (a new ``init``)."""
@@ -142,6 +144,7 @@ class Inputs:
                 f"one is {treedef}; every batch must have the same pytree structure"
             )
         self._batch_key = key
+        self.rows_per_device = int(leaves[0].shape[0]) // n
         return leaves
 
     def _feeding_devices(self, first: Any) -> tuple[int, str]:

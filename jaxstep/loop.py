@@ -30,17 +30,11 @@ from jaxstep.step import TrainStep
 from jaxstep.watchdog import Watcher
 
 
-def _rows_per_device(step: TrainStep, batch: Any, many: bool | None = None) -> int:
-    """``many``: whether the step's devices span processes, when the caller knows."""
-    if many is False:  # the whole batch is here: no per-step walk over the devices
-        return int(jax.tree.leaves(batch)[0].shape[0]) // len(step.devices)
-    return distributed.local_rows_per_device(batch, step.devices)
-
-
 class _Pending(NamedTuple):
     out: StepOutput
     batch: Any
     number: int  # the step it runs (as counted from the state fit started with)
+    rows: int  # rows per device of its batch, as this process passed it
 
 
 def fit(
@@ -157,16 +151,15 @@ def fit(
             if isinstance(lost, TrainingWorkerError):
                 raise hung(lost, [pending.batch, *pulled]) from err
             raise lost from err
-        next_step = table.step + 1
         now = time.perf_counter()
-        examples = len(step.devices) * _rows_per_device(step, pending.batch, many)
-        metrics = scalar_aux(pending.out.aux, len(step.devices))
-        history.append(table, metrics, examples / max(now - last_time, 1e-9))
+        metrics = {} if pending.out.aux is None else scalar_aux(pending.out.aux, n)
+        history.append(table, metrics, n * pending.rows / max(now - last_time, 1e-9))
         last_time = now
-        run.settled(table)
-        for cb in callbacks:
-            if hasattr(cb, "on_step_end"):
-                cb.on_step_end(table)
+        next_step = table.step + 1
+        if run.waiting:
+            run.settled(table)
+        for cb in step_end:
+            cb.on_step_end(table)
         if table.failed and table.halted:
             error = _failure(step, table, pending, current, history)
             if diagnose:
@@ -189,6 +182,8 @@ def fit(
         return err
 
     pending: _Pending | None = None
+    n = len(step.devices)
+    step_end = [cb for cb in callbacks if hasattr(cb, "on_step_end")]
     many = distributed.spans_processes(step.devices)
     watch_peers = many and distributed.watch() is not None
     first_step = next_step
@@ -214,7 +209,7 @@ def fit(
                 raise hung(err, [batch]) from None
             if pending is not None:
                 settle(pending, state, [batch])
-            pending = _Pending(out, batch, first_step + count)
+            pending = _Pending(out, batch, first_step + count, step.rows_per_device)
             if watcher is not None:  # the step has finished: settle it now
                 settle(pending, state)
                 pending = None
@@ -235,7 +230,7 @@ def fit(
 def _failure(
     step: TrainStep, table: HealthTable, pending: _Pending, current: TrainState, history: History
 ) -> TrainingWorkerError:
-    failures = step.failures(table, _rows_per_device(step, pending.batch))
+    failures = step.failures(table, pending.rows)
     note = None
     bad = {f.device_id for f in failures}
     here = jax.process_index()  # a healthy copy this process can read

@@ -173,6 +173,11 @@ class Run:
                 return
         self._snap = _Snapshot(number, local_copy(state, stacked=self.step.stacked), position)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a snapshot waits for its step's health table (:meth:`settled`)."""
+        return self._snap is not None
+
     def settled(self, table: HealthTable) -> None:
         """Called with each step's health table: a snapshot whose replica check passed
         goes to the writer thread."""

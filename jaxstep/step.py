@@ -316,6 +316,11 @@ class TrainStep:
         """Reads a step's health table on the host (waits for that step)."""
         return HealthTable.from_array(self._backend.host_table(out.health))
 
+    @property
+    def rows_per_device(self) -> int:
+        """Rows per device of the batch dispatched last, as this process passed it."""
+        return self._inputs.rows_per_device
+
     def failures(self, table: HealthTable, rows_per_device: int | None = None) -> list[Failure]:
         """The failing devices of a step, in device order."""
         # One host needs no host name in every message; many do.
