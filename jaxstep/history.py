@@ -81,11 +81,13 @@ class History:
             return
         tables = waiting.copy()
         waiting.clear()  # first: the fields read below are then decoded
-        losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
-        # np.mean's value for each step: the float32 sum over the devices, then divided
-        means = np.add.reduce(losses, axis=1) / losses.shape[1]
+        if len(tables) == 1:  # read after every step (a callback): no stacking
+            self.loss.append(tables[0].mean_loss)
+        else:
+            losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
+            # np.mean's value for each step: the float32 sum over the devices, divided
+            self.loss.extend((np.add.reduce(losses, axis=1) / losses.shape[1]).tolist())
         self.step.extend(t.step for t in tables)
-        self.loss.extend(means.tolist())
         self.device_loss.extend(t.loss for t in tables)
         self.device_grad_norm.extend(t.grad_norm for t in tables)
         self.status.extend(t.status for t in tables)

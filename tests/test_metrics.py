@@ -81,6 +81,52 @@ def test_history_gets_the_aux_scalars_and_examples_per_second(run):
     assert rates.shape == (STEPS,) and np.all(np.isfinite(rates)) and np.all(rates > 0)
 
 
+class _Tables:
+    """Keeps every step's table (a callback that does not read the history)."""
+
+    def __init__(self):
+        self.tables = []
+
+    def on_step_end(self, table):
+        self.tables.append(table)
+
+
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_history_decoded_when_read_matches_every_table_in_order(backend):
+    """The history keeps tables and decodes them when read: read between two fits
+    and after, it holds each step's fields in order, as the tables say."""
+    bad = jax.devices()[4].id
+    step = jaxstep.make_train_step(
+        loss_with_checks,
+        optax.adam(1e-2),
+        backend=backend,
+        has_aux=True,
+        on_failure="skip",
+        divergence_every=None,
+        faults=[Fault("grad", device_id=bad, step=BAD_STEP, leaf="['dense2']['kernel']")],
+    )
+    history, seen = jaxstep.History(), _Tables()
+    batches = make_batches(STEPS)
+    state = jaxstep.fit(
+        step, step.init(init_params()), batches[:2], history=history, callbacks=[seen]
+    )
+    assert history.step == [0, 1]  # read: the first two decoded
+    jaxstep.fit(step, state, batches[2:], history=history, callbacks=[seen])
+    assert len(history) == STEPS and len(seen.tables) == STEPS
+    assert history.step == list(range(STEPS))
+    assert history.skipped == [i == BAD_STEP for i in range(STEPS)]
+    for i, table in enumerate(seen.tables):
+        assert history.loss[i] == float(np.mean(table.loss))
+        np.testing.assert_array_equal(history.device_loss[i], table.loss)
+        np.testing.assert_array_equal(history.device_grad_norm[i], table.grad_norm)
+        np.testing.assert_array_equal(history.status[i], table.status)
+    position = [d.id for d in jax.devices()].index(bad)
+    assert history.status[BAD_STEP][position] == jaxstep.Status.GRAD_NONFINITE
+    assert np.count_nonzero(history.status[BAD_STEP]) == 1  # no healthy device blamed
+    arrays = history.as_arrays()
+    assert arrays["device_loss"].shape == (STEPS, len(jax.devices()))
+
+
 def test_jsonl_has_one_line_per_step_with_every_device_and_the_aux_metrics(run):
     path, history, batches, bad = run["jsonl"], run["history"], run["batches"], run["bad"]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
