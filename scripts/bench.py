@@ -1,12 +1,13 @@
 """Benchmark: what jaxstep's checks cost against hand-written data-parallel steps.
 
 All variants run in one process on the same batches, interleaved in rounds (A B C ...
-A B C ...) so machine noise hits them alike; each round times a block of steps per
-variant (never more than two steps in flight). A ratio is a variant's time over the
-baseline's time in the same round; tables show the median and interquartile range of
-those per-round ratios. Baseline: a hand-written ``jax.shard_map`` step (mean gradient
-via pmean, params ``P()``, batch ``P('x')``, state donated). Every step gets its batch
-already on the devices (split over them; pre-reshaped for the hand-written pmap step).
+C A B ..., a shuffled order each round, fixed seed) so machine noise hits them alike;
+each round times a block of steps per variant (never more than two steps in flight).
+A ratio is a variant's time over the baseline's time in the same round; tables show
+the median and interquartile range of those per-round ratios. Baseline: a
+hand-written ``jax.shard_map`` step (mean gradient via pmean, params ``P()``, batch
+``P('x')``, state donated). Every step gets its batch already on the devices (split
+over them; pre-reshaped for the hand-written pmap step).
 See BENCHMARKS.md.
 
     .venv/bin/python scripts/bench.py --quick
@@ -336,11 +337,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def interleave(loops: dict[str, Callable[[], float]], rounds: int) -> dict[str, np.ndarray]:
-    """Runs every loop once per round, in turn (A B C A B C ...)."""
+    """Runs every loop once per round (A B C, then C A B, ...): each round in its own
+    order, shuffled with a fixed seed, so that no variant always runs right after the
+    same one (whose threads and caches it would inherit in every round)."""
     times: dict[str, list[float]] = {name: [] for name in loops}
+    order = np.random.default_rng(0)
+    names = list(loops)
     for _ in range(rounds):
-        for name, loop in loops.items():
-            times[name].append(loop())
+        for i in order.permutation(len(names)):
+            times[names[i]].append(loops[names[i]]())
     return {name: np.asarray(t) for name, t in times.items()}
 
 
