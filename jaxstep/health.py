@@ -113,23 +113,50 @@ def first_nonfinite(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
     return any_true(bad), first_true(bad, [i for i, _ in floats])
 
 
-def leaf_sum_of_squares(leaves: Sequence[jax.Array]) -> jax.Array:
-    """(len(leaves),) float32: each leaf's sum of squares (0 for integer leaves).
+# Leaves up to this many elements share one reduction kernel (`gradient_health`).
+# Its loop runs at ~1.4 ns an element on XLA:CPU, where a leaf's own sum costs a
+# kernel or three (a 512-element sum is split in three), a few microseconds each;
+# a large leaf's own sum is vectorized and split over threads, ~5x faster an element.
+SHARED_BELOW = 4096
 
-    One reduction per leaf gives both the gradient norm and the finiteness check: a
-    leaf's sum is non-finite when the leaf holds NaN or Inf (or when its squares
-    overflow float32, |g| > ~1e19, a gradient no run survives either).
+
+def gradient_health(leaves: Sequence[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Returns (the float32 sum of squares of every float leaf, the index of the first
+    non-finite leaf or -1), in few kernels.
+
+    The sum gives the gradient norm and the finiteness check: it is non-finite when a
+    leaf holds NaN or Inf (or when the squares overflow float32, |g| > ~1e19, a
+    gradient no run survives either; then a leaf is named only if its own squares
+    overflow). A large leaf is non-finite when its own sum is; the small leaves (up
+    to ``SHARED_BELOW`` elements) share one variadic reduction over their
+    concatenation, which adds up their squares and takes the smallest index of a
+    non-finite square alongside (float labels: an int32 ``min`` in the same reduction
+    was ~20x slower on XLA:CPU).
     """
-    if not leaves:
-        return jnp.zeros((0,), jnp.float32)
-    return jnp.stack(
-        [
-            jnp.sum(jnp.square(x.astype(jnp.float32)))
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-            else jnp.zeros((), jnp.float32)
-            for x in leaves
-        ]
-    )
+    floats = [(i, jnp.square(x.astype(jnp.float32))) for i, x in _floats(leaves)]
+    large = [(i, jnp.sum(x)) for i, x in floats if x.size > SHARED_BELOW]
+    small = [(i, jnp.ravel(x)) for i, x in floats if x.size <= SHARED_BELOW]
+    total = sum((s for _, s in large), jnp.zeros((), jnp.float32))
+    first = first_true([~jnp.isfinite(s) for _, s in large], [i for i, _ in large])
+    if small:
+        none = float(len(leaves))  # above every index: the min when nothing is bad
+
+        def combine(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> Any:
+            return a[0] + b[0], jnp.minimum(a[1], b[1])
+
+        shared, label = jax.lax.reduce(
+            (
+                jnp.concatenate([x for _, x in small]),
+                jnp.concatenate([jnp.where(jnp.isfinite(x), none, float(i)) for i, x in small]),
+            ),
+            (jnp.float32(0), jnp.float32(none)),
+            combine,
+            (0,),
+        )
+        total = total + shared
+        label = label.astype(jnp.int32)
+        first = jnp.where((label < len(leaves)) & ((first < 0) | (label < first)), label, first)
+    return total, first
 
 
 def onehot_rows(
