@@ -84,7 +84,6 @@ def local(
     collective. Returns the work and the names of the user checks."""
     if ctx is not None:
         batch = program.faults.input(batch, ctx)
-    in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))
     scale = None if state.loss_scale is None else state.loss_scale.scale
 
     def loss_fn(*args: Any) -> tuple[jax.Array, Any]:
@@ -98,8 +97,11 @@ def local(
         grads = jax.tree.map(lambda g: (g / scale.astype(g.dtype)).astype(g.dtype), grads)
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
-    squares, grad_leaf = health.gradient_health(jax.tree.leaves(grads))
-    grad_bad = ~jnp.isfinite(squares)
+    # the input is checked in the gradients' reduction: one kernel for both
+    squares, grad_leaf, in_leaf = health.gradient_health(
+        jax.tree.leaves(grads), jax.tree.leaves(batch)
+    )
+    in_bad, grad_bad = in_leaf >= 0, ~jnp.isfinite(squares)
     ms_bad, ms_leaf = health.first_nonfinite(jax.tree.leaves(new_ms))
     check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
     # With a loss scale, non-finite gradients from a finite input and loss are an

@@ -79,7 +79,7 @@ def body(
     if ctx is not None:
         grads = program.faults.tree("grad", grads, ctx)
         # an injected gradient fault is checked like a real one
-        injected, injected_leaf = health.gradient_health(jax.tree.leaves(grads))
+        injected, injected_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
         bad = ~jnp.isfinite(injected)
         squares = jnp.where(bad, injected + squares, squares)
         grad_leaf = jnp.where(

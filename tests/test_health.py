@@ -1,5 +1,6 @@
-"""The gradient check names the first non-finite leaf, whether the leaf is large
-(its own reduction) or small (one reduction shared with the other small leaves)."""
+"""The gradient and input checks name the first non-finite leaf, whether the leaf is
+large (its own reduction) or small (one reduction shared with the other small
+leaves)."""
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +20,17 @@ from tests.models import rows_of
 SHAPES = [(3,), (2, SHARED_BELOW // 2 + 1), (8,), (SHARED_BELOW + 1,), (2, 3)]
 
 
-def _leaves(bad: dict[int, float]) -> list[np.ndarray]:
+def _leaves(shapes: list[tuple[int, ...]], bad: dict[int, float]) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
     leaves = [np.arange(3, dtype=np.int32)]
-    leaves += [rng.normal(size=s).astype(np.float32) for s in SHAPES[1:]]
+    leaves += [rng.normal(size=s).astype(np.float32) for s in shapes[1:]]
     for i, value in bad.items():
         leaves[i].reshape(-1)[-1] = value  # the last element: the end of its reduction
     return leaves
+
+
+def _sum_of_squares(leaves: list[np.ndarray]) -> float:
+    return sum(float(np.sum(x.astype(np.float64) ** 2)) for x in leaves[1:])
 
 
 @pytest.mark.parametrize(
@@ -45,19 +50,37 @@ def _leaves(bad: dict[int, float]) -> list[np.ndarray]:
     ],
 )
 def test_first_nonfinite_gradient_leaf_across_large_and_small_leaves(bad, first):
-    leaves = _leaves(bad)
-    total, leaf = jax.jit(gradient_health)(leaves)
+    leaves = _leaves(SHAPES, bad)
+    total, leaf, input_leaf = jax.jit(gradient_health)(leaves)
     assert int(leaf) == first
+    assert int(input_leaf) == -1
     if first < 0:
-        want = sum(float(np.sum(x.astype(np.float64) ** 2)) for x in leaves[1:])
-        assert float(total) == pytest.approx(want, rel=1e-5)
+        assert float(total) == pytest.approx(_sum_of_squares(leaves), rel=1e-5)
     else:
         assert not np.isfinite(float(total))
 
 
+# the inputs of a step: integer labels, a large and two small float leaves
+INPUTS = [(3,), (SHARED_BELOW + 1,), (4, 3), (5,)]
+
+
+@pytest.mark.parametrize(
+    "bad,first",
+    [({}, -1), ({1: np.nan}, 1), ({2: np.inf}, 2), ({3: np.nan}, 3), ({1: np.nan, 3: np.inf}, 1)],
+)
+@pytest.mark.parametrize("grad_bad", [{}, {2: np.nan}])
+def test_inputs_are_checked_in_the_same_reduction_apart_from_the_gradients(bad, first, grad_bad):
+    grads, inputs = _leaves(SHAPES, grad_bad), _leaves(INPUTS, bad)
+    total, leaf, input_leaf = jax.jit(gradient_health)(grads, inputs)
+    assert int(input_leaf) == first
+    assert int(leaf) == (2 if grad_bad else -1)
+    if not grad_bad:  # a bad input alone leaves the gradients' norm alone
+        assert float(total) == pytest.approx(_sum_of_squares(grads), rel=1e-5)
+
+
 def test_no_float_leaves_is_a_finite_zero():
-    total, leaf = gradient_health([np.arange(3, dtype=np.int32)])
-    assert float(total) == 0.0 and int(leaf) == -1
+    total, leaf, input_leaf = gradient_health([np.arange(3, dtype=np.int32)])
+    assert float(total) == 0.0 and int(leaf) == -1 and int(input_leaf) == -1
 
 
 def _loss(params, batch):
