@@ -155,12 +155,16 @@ def gradient_health(
         return total, grad_first, input_first
     none = float(max(len(grads), len(inputs)))  # above every index: nothing is bad
     flat = [(k, i, x) for k, group in enumerate(groups) for i, x in group]
-    # the gradients' squares (0 for the inputs' elements), then per group its labels
-    operands = [jnp.concatenate([x if k == 0 else jnp.zeros_like(x) for k, _, x in flat])]
+    # the gradients' squares (0 for the inputs' elements), then per group its labels,
+    # all float32 (also under jax_enable_x64, where Python floats become float64)
+    f32 = jnp.float32
+    operands = [jnp.concatenate([x if k == 0 else jnp.zeros(x.shape, f32) for k, _, x in flat])]
     for g, group in enumerate(groups):
         if group:
             labels = [
-                jnp.where(jnp.isfinite(x), none, float(i)) if k == g else jnp.full(x.shape, none)
+                jnp.where(jnp.isfinite(x), f32(none), f32(i))
+                if k == g
+                else jnp.full(x.shape, none, f32)
                 for k, i, x in flat
             ]
             operands.append(jnp.concatenate(labels))
@@ -168,7 +172,7 @@ def gradient_health(
     def combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         return (a[0] + b[0], *(jnp.minimum(x, y) for x, y in zip(a[1:], b[1:], strict=True)))
 
-    init = (jnp.float32(0), *[jnp.float32(none)] * (len(operands) - 1))
+    init = (f32(0), *[f32(none)] * (len(operands) - 1))
     shared, *labels = jax.lax.reduce(tuple(operands), init, combine, (0,))
     firsts = iter(labels)
     found = [next(firsts) if group else None for group in groups]

@@ -78,6 +78,18 @@ def test_inputs_are_checked_in_the_same_reduction_apart_from_the_gradients(bad, 
         assert float(total) == pytest.approx(_sum_of_squares(grads), rel=1e-5)
 
 
+def _wide(leaves: list[np.ndarray]) -> list[np.ndarray]:
+    return [x.astype(np.float64) if x.dtype == np.float32 else x for x in leaves]
+
+
+def test_float64_leaves_under_x64_are_checked_in_float32():
+    with jax.enable_x64(True):
+        grads, inputs = _wide(_leaves(SHAPES, {4: np.nan})), _wide(_leaves(INPUTS, {3: np.inf}))
+        total, leaf, input_leaf = jax.jit(gradient_health)(grads, inputs)
+        assert total.dtype == np.float32
+    assert (int(leaf), int(input_leaf)) == (4, 3)
+
+
 def test_no_float_leaves_is_a_finite_zero():
     total, leaf, input_leaf = gradient_health([np.arange(3, dtype=np.int32)])
     assert float(total) == 0.0 and int(leaf) == -1 and int(input_leaf) == -1
