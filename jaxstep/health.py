@@ -187,8 +187,12 @@ def _first_of(first: jax.Array, label: jax.Array | None, none: float) -> jax.Arr
     """The smaller of two leaf indices, either of which may be missing (-1, ``none``)."""
     if label is None:
         return first
-    index = label.astype(jnp.int32)
-    return jnp.where((label < none) & ((first < 0) | (index < first)), index, first)
+    return earliest(first, jnp.where(label < none, label, -1).astype(jnp.int32))
+
+
+def earliest(a: jax.Array, b: jax.Array) -> jax.Array:
+    """The smaller of two leaf indices, where -1 means none."""
+    return jnp.where((a < 0) | ((b >= 0) & (b < a)), b, a)
 
 
 def onehot_rows(

@@ -160,18 +160,15 @@ def microbatched(
     first = health.first_true(each.status != 0)
     pick = jnp.maximum(first, 0)
     at = lambda x: x[pick]  # noqa: E731  the first failing micro-batch's value
+    # the first failing micro-batch's finiteness; the norm is the mean gradient's
+    squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
     work = Local(
         grads=grads,
         model_state=model_state,
         status=at(each.status),
         input_leaf=at(each.input_leaf),
-        # the first failing micro-batch's finiteness; the norm is the mean gradient's
-        grad_squares=jnp.where(
-            jnp.isfinite(at(each.grad_squares)),
-            health.gradient_health(jax.tree.leaves(grads))[0],
-            jnp.inf,
-        ),
-        grad_leaf=at(each.grad_leaf),
+        grad_squares=jnp.where(jnp.isfinite(at(each.grad_squares)), squares, jnp.inf),
+        grad_leaf=health.earliest(at(each.grad_leaf), leaf),
         model_state_leaf=at(each.model_state_leaf),
         check_failed=at(each.check_failed),
         loss=jnp.mean(each.loss),

@@ -82,11 +82,7 @@ def body(
         injected, injected_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
         bad = ~jnp.isfinite(injected)
         squares = jnp.where(bad, injected + squares, squares)
-        grad_leaf = jnp.where(
-            (grad_leaf < 0) | ((injected_leaf >= 0) & (injected_leaf < grad_leaf)),
-            injected_leaf,
-            grad_leaf,
-        )
+        grad_leaf = health.earliest(grad_leaf, injected_leaf)
         status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
     row = {
         "input_leaf": work.input_leaf,
