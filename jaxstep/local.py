@@ -64,7 +64,8 @@ class Local(NamedTuple):
     model_state: Any  # the new model state, or None
     status: jax.Array  # Status bits
     input_leaf: jax.Array
-    grad_squares: jax.Array  # (n_param_leaves,) each leaf's sum of squares
+    grad_squares: jax.Array  # the sum of squares of every gradient leaf
+    grad_leaf: jax.Array  # the first non-finite gradient leaf, or -1
     model_state_leaf: jax.Array
     check_failed: jax.Array  # (n_checks,) bool
     loss: jax.Array
@@ -83,7 +84,6 @@ def local(
     collective. Returns the work and the names of the user checks."""
     if ctx is not None:
         batch = program.faults.input(batch, ctx)
-    in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))
     scale = None if state.loss_scale is None else state.loss_scale.scale
 
     def loss_fn(*args: Any) -> tuple[jax.Array, Any]:
@@ -97,8 +97,11 @@ def local(
         grads = jax.tree.map(lambda g: (g / scale.astype(g.dtype)).astype(g.dtype), grads)
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
-    squares = health.leaf_sum_of_squares(jax.tree.leaves(grads))
-    grad_bad = health.any_true(~jnp.isfinite(squares))
+    # the input is checked in the gradients' reduction: one kernel for both
+    squares, grad_leaf, in_leaf = health.gradient_health(
+        jax.tree.leaves(grads), jax.tree.leaves(batch)
+    )
+    in_bad, grad_bad = in_leaf >= 0, ~jnp.isfinite(squares)
     ms_bad, ms_leaf = health.first_nonfinite(jax.tree.leaves(new_ms))
     check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
     # With a loss scale, non-finite gradients from a finite input and loss are an
@@ -114,7 +117,9 @@ def local(
         | jnp.where(ms_bad, int(Status.MODEL_STATE_NONFINITE), 0)
         | jnp.where(health.any_true(check_failed), int(Status.CHECK_FAILED), 0)
     ).astype(jnp.int32)
-    work = Local(grads, new_ms, status, in_leaf, squares, ms_leaf, check_failed, value, aux)
+    work = Local(
+        grads, new_ms, status, in_leaf, squares, grad_leaf, ms_leaf, check_failed, value, aux
+    )
     return work, tuple(checks)
 
 
@@ -155,17 +160,15 @@ def microbatched(
     first = health.first_true(each.status != 0)
     pick = jnp.maximum(first, 0)
     at = lambda x: x[pick]  # noqa: E731  the first failing micro-batch's value
+    # the first failing micro-batch's finiteness; the norm is the mean gradient's
+    squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
     work = Local(
         grads=grads,
         model_state=model_state,
         status=at(each.status),
         input_leaf=at(each.input_leaf),
-        # the first failing micro-batch's finiteness; the norm is the mean gradient's
-        grad_squares=jnp.where(
-            jnp.isfinite(at(each.grad_squares)),
-            health.leaf_sum_of_squares(jax.tree.leaves(grads)),
-            jnp.inf,
-        ),
+        grad_squares=jnp.where(jnp.isfinite(at(each.grad_squares)), squares, jnp.inf),
+        grad_leaf=health.earliest(at(each.grad_leaf), leaf),
         model_state_leaf=at(each.model_state_leaf),
         check_failed=at(each.check_failed),
         loss=jnp.mean(each.loss),

@@ -74,26 +74,26 @@ def body(
     work, microbatch, check_names = microbatched(
         program, state, batch, key, ctx, program.microbatches
     )
-    grads, squares = work.grads, work.grad_squares
+    grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
     status = work.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
     if ctx is not None:
         grads = program.faults.tree("grad", grads, ctx)
         # an injected gradient fault is checked like a real one
-        injected = health.leaf_sum_of_squares(jax.tree.leaves(grads))
-        squares = jnp.where(jnp.isfinite(injected), squares, injected)
-        grad_flag = int(Status.GRAD_NONFINITE)
-        status |= jnp.where(jnp.any(~jnp.isfinite(injected)), grad_flag, 0)
-    grad_bad = ~jnp.isfinite(squares)
+        injected, injected_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
+        bad = ~jnp.isfinite(injected)
+        squares = jnp.where(bad, injected + squares, squares)
+        grad_leaf = health.earliest(grad_leaf, injected_leaf)
+        status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
     row = {
         "input_leaf": work.input_leaf,
-        "grad_leaf": health.first_true(grad_bad),
+        "grad_leaf": grad_leaf,
         "param_leaf": -1,
         "diverged_leaf": -1,
         "model_state_leaf": work.model_state_leaf,
         "microbatch": microbatch,
         "check": health.first_true(work.check_failed),
         "loss": work.loss,
-        "grad_norm": jnp.sum(squares),  # squared: health.to_table takes the root
+        "grad_norm": squares,  # squared: health.to_table takes the root
     }
     prints = None
     if replicas:
