@@ -22,8 +22,8 @@ STEPS = 6
 BAD_STEP = 3
 
 
-def _run(backend, callbacks, *, policy="skip"):
-    """Six steps; a NaN gradient on devices[4] at step 3 (skipped under ``skip``)."""
+def _step(backend, policy="skip"):
+    """(the step, the bad device's id): a NaN gradient on devices[4] at step 3."""
     bad = jax.devices()[4].id
     step = jaxstep.make_train_step(
         loss_with_checks,
@@ -34,6 +34,12 @@ def _run(backend, callbacks, *, policy="skip"):
         divergence_every=None,  # one program to compile: these tests are about the host
         faults=[Fault("grad", device_id=bad, step=BAD_STEP, leaf="['dense2']['kernel']")],
     )
+    return step, bad
+
+
+def _run(backend, callbacks, *, policy="skip"):
+    """Six steps; a NaN gradient on devices[4] at step 3 (skipped under ``skip``)."""
+    step, bad = _step(backend, policy)
     batches = make_batches(STEPS)
     history = jaxstep.History()
     error = None
@@ -95,16 +101,7 @@ class _Tables:
 def test_history_decoded_when_read_matches_every_table_in_order(backend):
     """The history keeps tables and decodes them when read: read between two fits
     and after, it holds each step's fields in order, as the tables say."""
-    bad = jax.devices()[4].id
-    step = jaxstep.make_train_step(
-        loss_with_checks,
-        optax.adam(1e-2),
-        backend=backend,
-        has_aux=True,
-        on_failure="skip",
-        divergence_every=None,
-        faults=[Fault("grad", device_id=bad, step=BAD_STEP, leaf="['dense2']['kernel']")],
-    )
+    step, bad = _step(backend)
     history, seen = jaxstep.History(), _Tables()
     batches = make_batches(STEPS)
     state = jaxstep.fit(
