@@ -598,22 +598,39 @@ def print_size(model: Model, res: dict[str, Any]) -> None:
         print(f"- {'met' if met else 'MISSED'} {goal}: {value}")
 
 
-def goals(res: dict[str, Any]) -> list[tuple[str, bool, str]]:
-    """The issue's goals (stated for the MLP, backend shard_map): measured, not asserted."""
-    steps = res["steps"]
+def goals(size: str, res: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """The issues' speed goals that apply to ``size`` (backend shard_map): measured
+    here, never asserted in a test. Issue 3 (the benchmark) stated its goals for the
+    MLP; issue 7 (the lean hot path) for the tiny MLP and the MLP."""
+    steps, fit = res["steps"], res["fit"]
     ratio = {name: r["ratio_q"][1] for name, r in steps.items()}
+    # fit's throughput over a loop by hand driving the same step (a bare for loop)
+    bare = fit["fit / hand loop, same step"][1]
+    out = [("issue 7: fit >= 0.98x a bare loop's throughput", bare >= 0.98, f"{bare:.3f}x")]
+    if size == "tiny":
+        hand = 1 / fit["fit / hand loop"][1]  # as a time ratio
+        out.append(("issue 7: fit <= 1.2x the hand loop's time", hand <= 1.2, f"{hand:.3f}x"))
+    if size != "mlp":
+        return out
     optional = [n for n, r in steps.items() if r["group"] == "optional" and "pmap" not in n]
     worst = max(optional, key=ratio.__getitem__)
     mine = [n for n, r in steps.items() if r["group"] != "hand" and n.startswith("jaxstep")]
     temp, temp_name = max((steps[n]["temp_ratio"] or 0.0, n) for n in mine if "pmap" not in n)
     speedup = ratio["checkify nan_checks"] / ratio[DEFAULT]
-    fit = res["fit"]["fit / hand loop"][1]
+    hand = fit["fit / hand loop"][1]
+    default = f"{ratio[DEFAULT]:.3f}x"
     return [
-        ("default checks <= 1.03x", ratio[DEFAULT] <= 1.03, f"{ratio[DEFAULT]:.3f}x"),
-        ("every optional check <= 1.10x", ratio[worst] <= 1.10, f"{worst} {ratio[worst]:.3f}x"),
-        ("fit >= 0.97x the hand loop", fit >= 0.97, f"{fit:.3f}x"),
-        ("temp memory <= 1.05x", temp <= 1.05, f"{temp_name} {temp:.2f}x"),
-        (">= 2x faster than checkify nan_checks", speedup >= 2, f"{speedup:.2f}x"),
+        ("issue 7: default checks <= 1.10x", ratio[DEFAULT] <= 1.10, default),
+        *out,
+        ("issue 3: default checks <= 1.03x", ratio[DEFAULT] <= 1.03, default),
+        (
+            "issue 3: every optional check <= 1.10x",
+            ratio[worst] <= 1.10,
+            f"{worst} {ratio[worst]:.3f}x",
+        ),
+        ("issue 3: fit >= 0.97x the hand loop", hand >= 0.97, f"{hand:.3f}x"),
+        ("issue 3: temp memory <= 1.05x", temp <= 1.05, f"{temp_name} {temp:.2f}x"),
+        ("issue 3: >= 2x faster than checkify nan_checks", speedup >= 2, f"{speedup:.2f}x"),
     ]
 
 
@@ -671,7 +688,7 @@ def main() -> None:
         res = bench_steps(build_variants(setup), args, hlo)
         res["fit"] = bench_fit(setup, args)
         res["host"] = bench_host(setup, args)
-        res["goals"] = goals(res)
+        res["goals"] = goals(size, res)
         print_size(setup.model, res)
         report["sizes"][size] = res
     if args.json:

@@ -1,0 +1,60 @@
+"""scripts/bench.py still runs against the library as it stands: one short round on the
+tiny MLP, in a subprocess (the bench sets its own 8 fake devices). Speed is measured
+there, never asserted here: this checks only that every variant ran and that every
+figure the README and BENCHMARKS.md quote is in the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--sizes", "tiny"]
+    cmd += ["--rounds", "1", "--steps", "1", "--warmup", "1", "--fit-steps", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [*cmd, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    tiny = report["sizes"]["tiny"]
+    steps = tiny["steps"]
+    expected = {
+        "shard_map (baseline)",
+        "pmap",
+        "jaxstep shard_map",
+        "jaxstep pmap",
+        "jaxstep program alone",
+        "checkify nan_checks",
+        "optax.apply_if_finite",
+    }
+    assert expected <= set(steps)
+    for name, r in steps.items():
+        assert r["ms_per_step"] > 0 and math.isfinite(r["ms_per_step"]), name
+        assert r["compile_s"] > 0, name
+    assert steps["shard_map (baseline)"]["ratio_q"] == [1.0, 1.0, 1.0]
+    assert set(tiny["host"]) == {
+        "hand dispatch",
+        "hand settle",
+        "jaxstep dispatch",
+        "jaxstep settle",
+    }
+    assert all(v > 0 for v in tiny["host"].values())
+    assert tiny["fit"]["jaxstep.fit, examples/s"] > 0
+    assert len(tiny["fit"]["fit / hand loop, same step"]) == 3  # quartiles
+    goals = [name for name, _, _ in tiny["goals"]]
+    assert goals == [
+        "issue 7: fit >= 0.98x a bare loop's throughput",
+        "issue 7: fit <= 1.2x the hand loop's time",
+    ]
+    # the printed report carries the same goals, each marked met or MISSED
+    for name, met, value in tiny["goals"]:
+        assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout
