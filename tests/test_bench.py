@@ -58,3 +58,22 @@ def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) ->
     # the printed report carries the same goals, each marked met or MISSED
     for name, met, value in tiny["goals"]:
         assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout
+
+
+def test_kernels_lists_the_kernels_of_both_steps() -> None:
+    cmd = [sys.executable, str(ROOT / "scripts" / "kernels.py"), "--size", "tiny"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [*cmd, "--steps", "2", "--top", "200"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {}
+    for line in run.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("event", "---"):
+            rows[cells[0]] = cells[1:]
+    # kernels common to both (the model's), and the update's lax.cond only in jaxstep's
+    assert any(all(x != "-" and float(x) > 0 for x in cells) for cells in rows.values())
+    (cond,) = [cells for name, cells in rows.items() if name.startswith("conditional")]
+    assert cond[0] == "-" and float(cond[1]) > 0
+    assert not any(name.startswith(("Rendezvous", "Wait")) for name in rows)  # waits left out
