@@ -91,6 +91,7 @@ def local(
         scaled = value if scale is None else value * scale.astype(value.dtype)
         return scaled, (value, aux)
 
+    validate.rng_for(program.loss_fn, key is not None)  # at trace time only
     args = (state.params, batch) if key is None else (state.params, batch, key)
     (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
     if scale is not None:

@@ -3,6 +3,8 @@ offending value and the fix, before anything runs."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +37,38 @@ def devices(devs: Sequence[Any] | None) -> list[jax.Device]:
 def positive_or_none(name: str, value: Any) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def rng_for(loss_fn: Callable[..., Any], has_key: bool) -> None:
+    """Refuses, when the step is traced (before it runs: the state is untouched), a
+    key that does not match ``loss_fn``'s signature: the step calls
+    ``loss_fn(params, batch, rng)`` when the state holds a key (``step.init(...,
+    rng=)``) and ``loss_fn(params, batch)`` when it does not; ``model_state`` always
+    goes by keyword. A signature Python cannot read, or one taking ``*args``, is not
+    checked."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    found = [p for p in sig.parameters.values() if p.name != "model_state"]
+    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in found):
+        return
+    positional = [p for p in found if p.kind in kinds]
+    required = [p for p in positional if p.default is inspect.Parameter.empty]
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    if not has_key and len(required) >= 3:
+        raise TypeError(
+            f"{name}{sig} takes a key ({required[2].name!r}) but the state holds none: "
+            "build it with step.init(params, rng=jax.random.key(0)) (every device and "
+            f"step then gets its own key), or give {required[2].name!r} a default"
+        )
+    if has_key and len(positional) < 3:
+        raise TypeError(
+            f"the state holds a key (step.init(..., rng=)) but {name}{sig} takes none: "
+            "the step calls loss_fn(params, batch, rng) when it holds one. Add the "
+            "parameter, or init without rng"
+        )
 
 
 def params(tree: Any) -> None:
@@ -174,7 +208,14 @@ def model_state(aux: Any, old: Any) -> tuple[Any, Any]:
     step has no model state and aux is returned as it is."""
     if old is None:
         return None, aux
-    if not (isinstance(aux, dict) and "model_state" in aux):
+    if isinstance(aux, dict) and "model_state" not in aux:
+        raise TypeError(
+            "the state holds a model_state, so loss_fn must return the new one in "
+            f"aux['model_state']; its aux has no 'model_state' key (keys: {sorted(aux)}). "
+            "Return it, e.g. {'model_state': updates['batch_stats'], ...}, or init the "
+            "state without model_state"
+        )
+    if not isinstance(aux, dict):
         raise TypeError(
             "the state holds a model_state, so loss_fn must return (loss, aux) with the new "
             "one in aux['model_state'] (build the step with has_aux=True); got aux of type "

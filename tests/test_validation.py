@@ -134,3 +134,49 @@ def test_state_from_elsewhere_is_rejected(backend):
     step.init(init_params())
     with pytest.raises(TypeError, match=r"jaxstep\.TrainState"):
         step({"params": init_params()}, make_batches(1)[0])
+
+
+def test_key_and_loss_signature_must_agree_before_the_step_runs(backend):
+    def with_key(params, batch, rng):
+        noise = jax.random.normal(rng, batch["x"].shape) * 0.0
+        return loss_fn(params, dict(batch, x=batch["x"] + noise))
+
+    batch = make_batches(1)[0]
+    step = _step(backend, with_key)
+    state = step.init(init_params())
+    with pytest.raises(TypeError, match=r"with_key\(params, batch, rng\) takes a key \('rng'\)"):
+        step(state, batch)
+    with pytest.raises(TypeError, match=r"step.init\(params, rng=jax.random.key\(0\)\)"):
+        jaxstep.fit(step, state, [batch])
+    _still_usable(step, step.init(init_params(), rng=jax.random.key(0)), batch)
+
+    plain = _step(backend)  # loss_fn(params, batch)
+    keyed = plain.init(init_params(), rng=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"holds a key .* but loss_fn\(params, batch\) takes none"):
+        plain(keyed, batch)
+    _still_usable(plain, plain.init(init_params()), batch)
+
+    def optional_key(params, batch, rng=None):  # a default: both ways are fine
+        return loss_fn(params, batch)
+
+    either = _step(backend, optional_key)
+    _still_usable(either, either.init(init_params()), batch)
+    either = _step(backend, optional_key)
+    _still_usable(either, either.init(init_params(), rng=jax.random.key(1)), batch)
+
+    def state_by_position(params, batch, model_state):  # model_state goes by keyword
+        return loss_fn(params, batch), {"model_state": model_state}
+
+    stateful = _step(backend, state_by_position, has_aux=True)
+    ms = {"count": jnp.zeros(())}
+    _still_usable(stateful, stateful.init(init_params(), model_state=ms), batch)
+
+
+def test_model_state_missing_from_a_dict_aux_names_its_keys(backend):
+    def forgets(params, batch, *, model_state):
+        return loss_fn(params, batch), {"acc": jnp.float32(1.0)}
+
+    step = _step(backend, forgets, has_aux=True)
+    state = step.init(init_params(), model_state={"count": jnp.zeros(())})
+    with pytest.raises(TypeError, match=r"aux has no 'model_state' key \(keys: \['acc'\]\)"):
+        step(state, make_batches(1)[0])
