@@ -38,8 +38,10 @@ _HINTS: dict[Status, str] = {
     ),
     Status.GRAD_NONFINITE: (
         "the loss was finite but a gradient was not: look for sqrt/log at 0 or overflow "
-        "in the layer that owns {leaf}; clipping (optax.clip_by_global_norm) does not "
-        "help against NaN"
+        "in the layer that owns {leaf}, or nearer the output: the leaf named is the first "
+        "non-finite one in the parameters' tree order, and a NaN that arises near the "
+        "output spreads, in the backward pass, to the gradients of every layer below it; "
+        "clipping (optax.clip_by_global_norm) does not help against NaN"
     ),
     Status.MODEL_STATE_NONFINITE: (
         "the new model state (e.g. BatchNorm statistics) of {leaf} was not finite on rows "
@@ -172,9 +174,14 @@ class TrainingWorkerError(RuntimeError):
                 "last checkpoint"
             )
         if self.batches:
+            after = len(self.batches) - 1
+            held = (
+                "the failing batch, untrained"
+                if after == 0
+                else f"the failing batch and the {after} pulled after it, untrained"
+            )
             lines.append(
-                f"error.batches holds the failing batch and the {len(self.batches) - 1} "
-                "pulled after it, untrained: fit(step, error.state, "
+                f"error.batches holds {held}: fit(step, error.state, "
                 "itertools.chain(error.batches, rest)) loses none"
             )
         if self.checkpoint is not None:

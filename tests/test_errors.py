@@ -47,6 +47,11 @@ def test_message_and_fields():
     )
     with pytest.raises(ValueError):
         TrainingWorkerError([])
+    # error.batches: the failing batch alone, or with the ones pulled after it
+    alone = str(TrainingWorkerError(failures, batches=["failing"]))
+    assert "error.batches holds the failing batch, untrained: fit(" in alone
+    two = str(TrainingWorkerError(failures, batches=["failing", "next"]))
+    assert "error.batches holds the failing batch and the 1 pulled after it, untrained" in two
 
 
 def test_error_from_a_run_pickles_with_its_fields(backend):
