@@ -8,6 +8,7 @@ chunks rotated onto other devices.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,12 +41,16 @@ class Diagnosis:
       examples: for ``"data"``: indices in the global batch of the examples that fail
         on their own (empty if none does alone).
       replays: ``(rotation, failing device ids)`` of each replay.
+      grad_leaves: for a non-finite gradient that comes back on replay: the gradient
+        leaves it reached on the first failing device, in tree order (the error names
+        only the first of them).
     """
 
     verdict: str
     evidence: tuple[str, ...]
     examples: tuple[int, ...] = ()
     replays: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    grad_leaves: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         text = f"{self.verdict}: " + "; ".join(self.evidence)
@@ -79,10 +84,8 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
                 "a healthy copy and pass)",
             ),
         )
-    n = len(step.devices)
     position = {d.id: i for i, d in enumerate(step.devices)}
     failed = tuple(sorted(position[f.device_id] for f in error.failures))
-    ids = [d.id for d in step.devices]
 
     # Follow the root cause only: when the model communicates (cross-device
     # BatchNorm), one device's bad input makes every device's loss non-finite, but
@@ -98,6 +101,24 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
         return tuple(int(i) for i in np.flatnonzero(hit))
 
     same = run(0)
+    found = _verdict(step, error, batch, failed, same, run)
+    if same and root == Status.GRAD_NONFINITE:
+        found = _with_grad_leaves(found, step, error, batch, failed[0] if failed else same[0])
+    return found
+
+
+def _verdict(
+    step: TrainStep,
+    error: TrainingWorkerError,
+    batch: Any,
+    failed: tuple[int, ...],
+    same: tuple[int, ...],
+    run: Callable[[int], tuple[int, ...]],
+) -> Diagnosis:
+    """The verdict once the replay in place (``same``: the devices that failed in it)
+    is known; rotates the chunks where that tells data from device."""
+    n = len(step.devices)
+    ids = [d.id for d in step.devices]
     replays = [(0, tuple(ids[i] for i in same))]
     if not same:
         evidence: tuple[str, ...] = (
@@ -155,3 +176,35 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
         "device alone explains it",
     )
     return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+
+
+def _with_grad_leaves(
+    found: Diagnosis, step: TrainStep, error: TrainingWorkerError, batch: Any, position: int
+) -> Diagnosis:
+    """``found`` with the gradient leaves the non-finite gradient reached on
+    ``devices[position]``: the error names the first in tree order, which is not
+    where a NaN that arose near the output started."""
+    assert error.state is not None  # checked by diagnose
+    bad = step.nonfinite_grad_leaves(error.state, batch, position, error.step)
+    names = step.names["params"]
+    device = step.devices[position].id
+    if not bad:  # e.g. it needs the other devices' rows (a collective in the model)
+        note = (
+            f"device {device}'s rows alone give finite gradients on replay: the non-finite "
+            "gradient needs the other devices' rows (a collective in the model)"
+        )
+    elif len(bad) == len(names):
+        note = (
+            f"on replay every gradient leaf is non-finite on device {device} ({len(bad)} of "
+            f"{len(names)}), as when the NaN arises at the output layer or in loss_fn's "
+            "backward pass: the leaf named above is only the first in tree order"
+        )
+    else:
+        finite = [name for name in names if name not in bad]
+        more = ", ..." if len(bad) > 4 else ""
+        note = (
+            f"on replay {len(bad)} of {len(names)} gradient leaves are non-finite on device "
+            f"{device} ({', '.join(bad[:4])}{more}); the other {len(finite)} stay finite: "
+            "the NaN reached only the layers that own these"
+        )
+    return dataclasses.replace(found, evidence=(*found.evidence, note), grad_leaves=tuple(bad))

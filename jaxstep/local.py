@@ -207,3 +207,29 @@ def example_failed(
         grads = program.faults.tree("grad", work.grads, ctx)
         bad |= health.first_nonfinite(jax.tree.leaves(grads))[0]
     return bad
+
+
+def grad_leaves_finite(
+    program: Program,
+    state: TrainState,
+    chunk_batch: Any,
+    device_id: jax.Array,
+    chunk: jax.Array,
+) -> jax.Array:
+    """Whether each gradient leaf (``(n_leaves,)`` bool, in tree order) is finite for
+    the rows of chunk ``chunk`` as device ``device_id`` ran them at ``state.step``
+    (the whole chunk in one pass, micro-batches or not; faults bound to that device
+    or to those rows fire): which layers a non-finite gradient reached, for the
+    replay diagnosis. Collectives in the model see a one-chunk axis (the caller binds
+    ``axis_name``)."""
+    rows = jax.tree.leaves(chunk_batch)[0].shape[0]
+    ctx = None
+    if program.faults:
+        fired = jnp.zeros(len(program.faults.faults), bool)
+        ctx = Context(state.step, device_id, chunk, jnp.arange(rows), fired)
+    key = None
+    if state.rng is not None:
+        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
+    work, _ = local(program, state, chunk_batch, key, state.model_state, ctx)
+    grads = work.grads if ctx is None else program.faults.tree("grad", work.grads, ctx)
+    return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])

@@ -33,6 +33,7 @@ from jaxstep.health import HealthTable
 from jaxstep.inputs import Inputs
 from jaxstep.inputs import join
 from jaxstep.monitors import LossSpike
+from jaxstep.passes import Passes
 from jaxstep.scaling import DynamicLossScale
 from jaxstep.state import StepOutput
 from jaxstep.state import TrainState
@@ -115,7 +116,7 @@ class TrainStep:
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
         self._aot: dict[Any, Any] = {}
-        self._examples: Any = None  # the per-example health pass, compiled on first use
+        self._passes = Passes(self.program, self.axis_name, len(self.devices))  # diagnosis
         #: device position -> last step whose local part it finished (heartbeat mode).
         self.heartbeats: dict[int, int] = {}
         # The state and batch it takes, and their leaf names (``names``).
@@ -289,28 +290,21 @@ class TrainStep:
         ``step``: the per-example health pass of the replay diagnosis. Runs on one
         device; ``axis_name`` is bound to a one-example axis, so a model that
         communicates (cross-device BatchNorm) sees each example alone."""
-        if self._examples is None:
-            program, axis = self.program, self.axis_name
-
-            def one(state: TrainState, example: Any, chunk: jax.Array, row: jax.Array) -> Any:
-                def alone(ex: Any) -> jax.Array:
-                    return local.example_failed(program, state, ex, chunk, row)
-
-                lone = jax.tree.map(lambda x: x[None], example)
-                return jax.vmap(alone, axis_name=axis)(lone)[0]
-
-            self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
         self._inputs.check_batch(batch)
-        host = from_host(self.local_copy(state, 0))
-        host = dataclasses.replace(host, step=jnp.asarray(step, jnp.int32))
-        size = jax.tree.leaves(batch)[0].shape[0] // len(self.devices)
-        found: list[int] = []
-        for c in chunks:
-            rows = slice(c * size, (c + 1) * size)
-            part = jax.tree.map(lambda x, rows=rows: np.asarray(x)[rows], batch)
-            flags = self._examples(host, part, jnp.int32(c), jnp.arange(size))
-            found.extend(int(c * size + r) for r in np.flatnonzero(np.asarray(flags)))
-        return found
+        return self._passes.failing_examples(self.local_copy(state, 0), batch, chunks, step)
+
+    def nonfinite_grad_leaves(
+        self, state: TrainState, batch: Any, position: int, step: int
+    ) -> list[str]:
+        """Names of the gradient leaves that are not finite for the rows
+        ``devices[position]`` holds of ``batch``, run from ``state`` at step ``step`` as
+        that device ran them (one pass over the whole chunk, on one device;
+        ``axis_name`` is bound to a one-chunk axis): which layers a non-finite
+        gradient reached. Used by :func:`jaxstep.diagnose`."""
+        self._inputs.check_batch(batch)
+        copy, device = self.local_copy(state, 0), self.devices[position].id
+        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step)
+        return [self.names["params"][i] for i in bad]
 
     def table(self, out: StepOutput) -> HealthTable:
         """Reads a step's health table on the host (waits for that step)."""

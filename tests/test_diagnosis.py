@@ -134,3 +134,60 @@ def test_faults_injected_nowhere_cost_nothing_in_the_program():
     )
     state = faulty.init(init_params())
     assert faulty.lower(state, batch).in_tree.num_leaves == len(jax.tree.leaves(state)) + 6
+
+
+LEAVES = [
+    "['dense1']['bias']",
+    "['dense1']['kernel']",
+    "['dense2']['bias']",
+    "['dense2']['kernel']",
+]
+
+
+def test_diagnosis_lists_the_one_gradient_leaf_a_nan_reached(backend):
+    batches = make_batches(4)
+    batches[1]["poison"][rows_of(2)] = 1.0  # an inf in dense2.kernel's gradient only
+    _, err, _ = _fail(backend, (), batches)
+    dev = jax.devices()[2]
+    assert (err.device_id, err.step, err.status) == (dev.id, 1, Status.GRAD_NONFINITE)
+    assert [f.device_id for f in err.failures] == [dev.id]
+    assert err.leaf == "['dense2']['kernel']"
+    assert err.diagnosis.verdict == "data"
+    assert err.diagnosis.grad_leaves == ("['dense2']['kernel']",)
+    assert (
+        f"on replay 1 of 4 gradient leaves are non-finite on device {dev.id} "
+        "(['dense2']['kernel']); the other 3 stay finite" in str(err)
+    )
+
+
+def _sqrt_at_zero(params, batch):
+    """A finite loss whose backward pass makes a NaN at the output on the rows with
+    pos == 0 (d sqrt(u) at u = 0 is inf, times 0): every gradient leaf is NaN."""
+    h = jax.numpy.tanh(batch["x"] @ params["dense1"]["kernel"] + params["dense1"]["bias"])
+    pred = h @ params["dense2"]["kernel"] + params["dense2"]["bias"]
+    fit_term = jax.numpy.mean((pred - batch["y"]) ** 2)
+    return fit_term + jax.numpy.mean(jax.numpy.sqrt(pred**2 * batch["pos"]))
+
+
+def test_a_nan_born_at_the_output_is_shown_to_reach_every_gradient_leaf(backend):
+    step = jaxstep.make_train_step(_sqrt_at_zero, optax.adam(1e-2), backend=backend)
+    batches = make_batches(4)
+    batches[2]["pos"][rows_of(5)] = 0.0  # finite input, finite loss
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), batches, diagnose=True)
+    err, dev = info.value, jax.devices()[5]
+    assert (err.device_id, err.step, err.status) == (dev.id, 2, Status.GRAD_NONFINITE)
+    assert [f.device_id for f in err.failures] == [dev.id]
+    assert err.leaf == LEAVES[0]  # the first in tree order, not where it arose
+    assert "the leaf named is the first non-finite one in the parameters' tree order" in str(err)
+    assert err.diagnosis.verdict == "data"
+    assert err.diagnosis.grad_leaves == tuple(LEAVES)
+    assert f"on replay every gradient leaf is non-finite on device {dev.id} (4 of 4)" in str(err)
+
+
+def test_diagnosis_of_an_injected_gradient_fault_names_its_leaf(backend):
+    dev = jax.devices()[6]
+    fault = Fault("grad", dev.id, step=1, mode="device", leaf="['dense1']['kernel']")
+    _, err, _ = _fail(backend, [fault])
+    assert err.diagnosis.verdict == "device"
+    assert err.diagnosis.grad_leaves == ("['dense1']['kernel']",)
