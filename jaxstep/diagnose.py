@@ -188,10 +188,11 @@ def _with_grad_leaves(
     bad = step.nonfinite_grad_leaves(error.state, batch, position, error.step)
     names = step.names["params"]
     device = step.devices[position].id
-    if not bad:  # e.g. it needs the other devices' rows (a collective in the model)
+    if not bad:
         note = (
-            f"device {device}'s rows alone give finite gradients on replay: the non-finite "
-            "gradient needs the other devices' rows (a collective in the model)"
+            f"device {device}'s rows alone, in one pass, give finite gradients: the "
+            "non-finite gradient needs more than them (the other devices' rows, through a "
+            "collective in the model, or a micro-batch's own key)"
         )
     elif len(bad) == len(names):
         note = (
