@@ -194,17 +194,9 @@ def example_failed(
     replay diagnosis maps this over the examples of a failing chunk. Collectives in
     the model see a one-example axis (the caller binds ``axis_name``)."""
     example = jax.tree.map(lambda x: x[None], example)
-    ctx = None
-    if program.faults:
-        fired = jnp.zeros(len(program.faults.faults), bool)
-        ctx = Context(state.step, jnp.int32(-1), chunk, row[None], fired)
-    key = None
-    if state.rng is not None:
-        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
-    work, _ = local(program, state, example, key, state.model_state, ctx)
+    work, grads = _replayed(program, state, example, jnp.int32(-1), chunk, row[None])
     bad = (work.status & ~int(Status.OVERFLOW)) != 0
-    if ctx is not None:
-        grads = program.faults.tree("grad", work.grads, ctx)
+    if program.faults:  # an injected gradient fault is checked like a real one
         bad |= health.first_nonfinite(jax.tree.leaves(grads))[0]
     return bad
 
@@ -222,14 +214,30 @@ def grad_leaves_finite(
     or to those rows fire): which layers a non-finite gradient reached, for the
     replay diagnosis. Collectives in the model see a one-chunk axis (the caller binds
     ``axis_name``)."""
-    rows = jax.tree.leaves(chunk_batch)[0].shape[0]
+    rows = jnp.arange(jax.tree.leaves(chunk_batch)[0].shape[0])
+    _, grads = _replayed(program, state, chunk_batch, device_id, chunk, rows)
+    return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+
+
+def _replayed(
+    program: Program,
+    state: TrainState,
+    batch: Any,
+    device_id: jax.Array,
+    chunk: jax.Array,
+    rows: jax.Array,
+) -> tuple[Local, Any]:
+    """:func:`local` for rows the diagnosis replays away from the step: the key and
+    the faults they had as rows ``rows`` of chunk ``chunk`` on device ``device_id``
+    (-1: faults bound to a device do not fire). Returns the work and its gradients
+    with any injected gradient fault applied."""
     ctx = None
     if program.faults:
         fired = jnp.zeros(len(program.faults.faults), bool)
-        ctx = Context(state.step, device_id, chunk, jnp.arange(rows), fired)
+        ctx = Context(state.step, device_id, chunk, rows, fired)
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
-    work, _ = local(program, state, chunk_batch, key, state.model_state, ctx)
+    work, _ = local(program, state, batch, key, state.model_state, ctx)
     grads = work.grads if ctx is None else program.faults.tree("grad", work.grads, ctx)
-    return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+    return work, grads

@@ -40,8 +40,7 @@ class Passes:
                 def alone(ex: Any) -> jax.Array:
                     return local.example_failed(program, state, ex, chunk, row)
 
-                lone = jax.tree.map(lambda x: x[None], example)
-                return jax.vmap(alone, axis_name=axis)(lone)[0]
+                return _with_axis(alone, axis, example)
 
             self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
         state, size, part = self._split(copy, batch, step)
@@ -63,7 +62,7 @@ class Passes:
                 def alone(p: Any) -> jax.Array:
                     return local.grad_leaves_finite(program, state, p, device, chunk)
 
-                return jax.vmap(alone, axis_name=axis)(jax.tree.map(lambda x: x[None], part))[0]
+                return _with_axis(alone, axis, part)
 
             self._grad_leaves = jax.jit(one)
         state, _, part = self._split(copy, batch, step)
@@ -82,3 +81,9 @@ class Passes:
             return jax.tree.map(lambda x: np.asarray(x)[c * size : (c + 1) * size], batch)
 
         return state, size, part
+
+
+def _with_axis(fn: Callable[[Any], jax.Array], axis: str, tree: Any) -> jax.Array:
+    """``fn(tree)`` with ``axis`` bound to an axis of size one (so collectives in the
+    model see these rows alone)."""
+    return jax.vmap(fn, axis_name=axis)(jax.tree.map(lambda x: x[None], tree))[0]
