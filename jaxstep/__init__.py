@@ -1,4 +1,18 @@
-"""jaxstep: data-parallel training in JAX that says which device failed, and why."""
+"""jaxstep: data-parallel training in JAX that says which device failed, and why.
+
+The public face: ``import jaxstep`` and nothing deeper. The layers behind it (data
+flows down; nothing imports a layer above it; docs/internals.md):
+
+    cli/          jaxstep demo, doctor; the digits data (jaxstep.data)
+    callbacks/    progress, metric writers, plots (jaxstep.plot)
+    loop/         fit, History, the watchdog, the replay diagnosis
+    checkpoint/   the orbax store, the data position, the emergency save
+    distributed/  jax.distributed runtime, heartbeats, reports, launcher
+    step/         make_train_step, TrainStep: validate, place, dispatch, replay
+    program/      the traced per-device program: checks, one all-reduce, verdict
+    core/         the vocabulary: state, health, errors, processes, validation
+    flax.py, testing/   adapters, and the users' testing kit
+"""
 
 import importlib
 from typing import Any
@@ -6,25 +20,25 @@ from typing import Any
 from jaxstep import distributed
 from jaxstep import plot
 from jaxstep import testing
-from jaxstep.build import make_train_step
+from jaxstep.callbacks import JsonlWriter
+from jaxstep.callbacks import Progress
+from jaxstep.callbacks import TensorBoardWriter
 from jaxstep.checkpoint import restore
-from jaxstep.diagnose import Diagnosis
-from jaxstep.diagnose import diagnose
-from jaxstep.errors import Failure
-from jaxstep.errors import TrainingWorkerError
-from jaxstep.health import HealthTable
-from jaxstep.health import Status
-from jaxstep.history import History
+from jaxstep.core import Failure
+from jaxstep.core import HealthTable
+from jaxstep.core import Status
+from jaxstep.core import StepOutput
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+from jaxstep.loop import Diagnosis
+from jaxstep.loop import History
+from jaxstep.loop import diagnose
 from jaxstep.loop import fit
 from jaxstep.loop import replica_state
-from jaxstep.metrics import JsonlWriter
-from jaxstep.metrics import TensorBoardWriter
-from jaxstep.monitors import LossSpike
-from jaxstep.progress import Progress
-from jaxstep.scaling import DynamicLossScale
-from jaxstep.state import StepOutput
-from jaxstep.state import TrainState
+from jaxstep.program import DynamicLossScale
+from jaxstep.program import LossSpike
 from jaxstep.step import TrainStep
+from jaxstep.step import make_train_step
 
 __version__ = "0.1.0"
 

@@ -50,9 +50,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstep  # noqa: E402
-from jaxstep.checkpoint import Store  # noqa: E402
-from jaxstep.checkpoint import local_copy  # noqa: E402
-from jaxstep.recovery import Run  # noqa: E402
+from jaxstep.checkpoint._saver import Run  # noqa: E402
+from jaxstep.checkpoint._store import Store  # noqa: E402
+from jaxstep.checkpoint._store import local_copy  # noqa: E402
 
 SIZES = (784, 512, 512, 10)
 

@@ -16,7 +16,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.emergency import read_emergency
+from jaxstep.checkpoint._emergency import read_emergency
 from jaxstep.testing import corrupt_replica
 from jaxstep.testing import replicas
 from tests.models import init_params
@@ -338,9 +338,9 @@ def test_checkpoints_ahead_of_the_state_are_not_mixed_in(tmp_path):
 
 
 def test_a_plain_iterator_warns_once_that_resume_is_not_exact(tmp_path, monkeypatch):
-    import jaxstep.position
+    from jaxstep.checkpoint import _position
 
-    monkeypatch.setattr(jaxstep.position, "_warned_plain", False)
+    monkeypatch.setattr(_position, "_warned_plain", False)
     step = _step("shard_map")
     with pytest.warns(UserWarning, match="plain iterator") as record:
         state = jaxstep.fit(

@@ -25,7 +25,7 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep import reports
+from jaxstep.distributed import reports
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "tests" / "multihost_child.py"
@@ -272,7 +272,7 @@ def _assert_params_close(step, a, b):
 
 
 def test_checkpoints_of_two_processes_hold_every_position_and_restore_on_one(jobs):
-    from jaxstep.emergency import read_emergency
+    from jaxstep.checkpoint._emergency import read_emergency
     from tests.models import make_batches
 
     job = jobs["nan"].wait()
@@ -305,7 +305,7 @@ def test_checkpoints_of_two_processes_hold_every_position_and_restore_on_one(job
 
 
 def test_lost_process_still_gets_an_emergency_save_and_two_processes_resume(jobs):
-    from jaxstep.emergency import read_emergency
+    from jaxstep.checkpoint._emergency import read_emergency
     from tests.models import make_batches
 
     job = jobs["kill"].wait()

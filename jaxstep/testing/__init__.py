@@ -6,7 +6,7 @@ point) gives every test session fake CPU devices and a ``jaxstep_backend`` fixtu
 see ``docs/testing.md``.
 """
 
-from jaxstep.faults import Fault
+from jaxstep.program import Fault
 from jaxstep.testing.assertions import assert_fails
 from jaxstep.testing.assertions import assert_matches_reference
 from jaxstep.testing.assertions import assert_replicas_equal

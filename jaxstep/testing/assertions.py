@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstep.errors import TrainingWorkerError
-from jaxstep.health import Status
-from jaxstep.state import HostKey
-from jaxstep.state import TrainState
+from jaxstep.core import HostKey
+from jaxstep.core import Status
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
 from jaxstep.step import TrainStep
 
 _UNCHECKED: Any = object()

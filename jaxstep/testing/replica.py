@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxstep.state import TrainState
+from jaxstep.core import TrainState
 from jaxstep.step import TrainStep
 
 

@@ -1,0 +1,8 @@
+"""What watches a run from outside the loop, reading its :class:`jaxstep.History`: the
+progress line, the metric writers (JSONL, TensorBoard) and the plots."""
+
+from jaxstep.callbacks._metrics import JsonlWriter as JsonlWriter
+from jaxstep.callbacks._metrics import TensorBoardWriter as TensorBoardWriter
+from jaxstep.callbacks._progress import Progress as Progress
+
+__all__ = ["JsonlWriter", "Progress", "TensorBoardWriter"]

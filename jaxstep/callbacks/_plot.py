@@ -1,0 +1,186 @@
+"""Pictures of a run from its :class:`jaxstep.History` (matplotlib): a device x step
+heatmap of gradient norms with failures, skipped steps and overflows marked, and the
+loss curve of every device.
+
+    fig = jaxstep.plot.overview(history, "run.png")
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from jaxstep.core import Status
+from jaxstep.loop import History
+
+#: Status bits that are recorded but are not failures (loss-scale overflows).
+_NOT_FAILURES = int(Status.OVERFLOW)
+FAILURE_COLOR = "#e41a1c"
+OVERFLOW_COLOR = "#ff7f00"
+COLORBAR_LABEL = "gradient norm (before averaging)"
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(
+            "jaxstep.plot draws with matplotlib: pip install 'jaxstep[demo]' "
+            "(or pip install matplotlib)"
+        ) from err
+    chosen = os.environ.get("MPLBACKEND") or {"matplotlib.pyplot", "IPython"} & set(sys.modules)
+    if not chosen:
+        matplotlib.use("Agg")  # files only; a notebook or a pyplot user has chosen already
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _arrays(history: History) -> dict[str, np.ndarray]:
+    if not len(history):
+        raise ValueError("the history is empty: pass it to jaxstep.fit(..., history=h) first")
+    return history.as_arrays()
+
+
+def marks(history: History) -> dict[str, np.ndarray]:
+    """Where the pictures put their marks, as ``(step, device_id)`` pairs
+    (``failures``, ``overflows``) and steps (``skipped``)."""
+    a = _arrays(history)
+    ids = a["device_ids"]
+    failed = (a["status"] & ~_NOT_FAILURES) != 0
+    overflow = (a["status"] & _NOT_FAILURES) != 0
+
+    def pairs(mask: np.ndarray) -> np.ndarray:
+        t, d = np.nonzero(mask)
+        return np.stack([a["step"][t], ids[d]], axis=1).astype(np.int64)
+
+    return {
+        "failures": pairs(failed),
+        "overflows": pairs(overflow),
+        "skipped": a["step"][a["skipped"]].astype(np.int64),
+    }
+
+
+def _colorbar(fig: Any, image: Any, axes: Any, **kwargs: Any) -> None:
+    from matplotlib.ticker import LogFormatter
+
+    bar = fig.colorbar(image, ax=axes, label=COLORBAR_LABEL, pad=0.01, **kwargs)
+    # Plain numbers (not 2x10^0); minor ticks labelled only over a narrow range.
+    bar.ax.yaxis.set_major_formatter(LogFormatter())
+    bar.ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
+
+
+def grad_norm_heatmap(history: History, ax: Any = None, *, colorbar: bool = True) -> Any:
+    """Gradient norm of each device (rows) at each step (columns), log colour scale.
+    Failures are red crosses, overflows orange dots, skipped steps grey bands;
+    non-finite norms are black. Returns the axes (the image is ``ax.images[0]``)."""
+    plt = _pyplot()
+    from matplotlib.colors import LogNorm
+
+    a = _arrays(history)
+    ax = ax if ax is not None else plt.figure(figsize=(10, 4)).gca()
+    steps, ids = a["step"], a["device_ids"]
+    norms = a["device_grad_norm"].T.astype(np.float64)
+    good = np.isfinite(norms) & (norms > 0)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="black")
+    lo, hi = (norms[good].min(), norms[good].max()) if good.any() else (1e-3, 1.0)
+    image = ax.imshow(
+        np.ma.masked_where(~good, norms),
+        aspect="auto",
+        interpolation="nearest",
+        origin="lower",
+        cmap=cmap,
+        norm=LogNorm(vmin=lo, vmax=max(hi, lo * 1.0001)),
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(ids) - 0.5),
+    )
+    if colorbar:
+        _colorbar(ax.figure, image, ax)
+    row = {int(d): i for i, d in enumerate(ids)}
+    m = marks(history)
+    for s in m["skipped"]:
+        ax.axvspan(s - 0.5, s + 0.5, color="0.6", alpha=0.5, lw=0, gid="skipped")
+    size = float(np.clip(4000 / max(len(steps), len(ids) * 4), 70, 160))
+    for kind, color, marker in (
+        ("failures", FAILURE_COLOR, "X"),
+        ("overflows", OVERFLOW_COLOR, "o"),
+    ):
+        if len(m[kind]):
+            ax.scatter(
+                m[kind][:, 0],
+                [row[int(d)] for d in m[kind][:, 1]],
+                s=size,
+                c=color,
+                marker=marker,
+                edgecolors="white",
+                linewidths=0.5,
+                label=kind[:-1],
+                gid=kind,
+                zorder=3,
+            )
+    ax.set_yticks(range(len(ids)), [f"device {d}" for d in ids])
+    ax.set_xlabel("step")
+    ax.set_title("gradient norm per device (red X: failed, grey: skipped step)")
+    return ax
+
+
+def loss_curves(history: History, ax: Any = None) -> Any:
+    """The loss of every device (thin lines) and their mean (black); steps with a
+    failure get a red dashed line. Returns the axes."""
+    plt = _pyplot()
+    a = _arrays(history)
+    ax = ax if ax is not None else plt.figure(figsize=(10, 3)).gca()
+    steps = a["step"]
+    losses = a["device_loss"].astype(np.float64)
+    cmap = plt.get_cmap("tab10" if len(a["device_ids"]) <= 10 else "viridis")
+    for i, d in enumerate(a["device_ids"]):
+        color = cmap(i % 10) if len(a["device_ids"]) <= 10 else cmap(i / len(a["device_ids"]))
+        ax.plot(steps, losses[:, i], lw=0.8, alpha=0.8, color=color, label=f"device {d}")
+    ax.plot(steps, a["loss"], lw=2.0, color="black", label="mean")
+    for s in np.unique(marks(history)["failures"][:, 0]):
+        ax.axvline(s, color=FAILURE_COLOR, ls="--", lw=1.2, gid="failure-steps")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss per device\n(non-finite: gaps)")
+    # Above the curves, where it hides none of them.
+    ax.legend(
+        ncol=min(len(a["device_ids"]) + 1, 9),
+        fontsize="small",
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        frameon=False,
+    )
+    ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    return ax
+
+
+def overview(
+    history: History, path: str | os.PathLike[str] | None = None, *, dpi: int = 100
+) -> Any:
+    """The heatmap above the loss curves in one figure, saved as PNG to ``path`` when
+    given. Returns the matplotlib ``Figure``.
+
+    Raises:
+      ValueError: the history is empty.
+      ImportError: matplotlib is missing (``pip install 'jaxstep[demo]'``).
+    """
+    plt = _pyplot()
+    rows = len(_arrays(history)["device_ids"])
+    fig, (top, bottom) = plt.subplots(
+        2,
+        1,
+        figsize=(11, 3 + 0.3 * rows + 3),
+        height_ratios=(1 + 0.1 * rows, 1),
+        sharex=True,
+        layout="constrained",
+        dpi=dpi,
+    )
+    grad_norm_heatmap(history, top, colorbar=False)
+    loss_curves(history, bottom)
+    # One colour bar beside both panels keeps their step axes aligned.
+    _colorbar(fig, top.images[0], [top, bottom], shrink=0.6)
+    top.set_xlabel("")
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=dpi)
+    return fig

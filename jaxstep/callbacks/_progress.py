@@ -1,0 +1,138 @@
+"""A progress callback for :func:`jaxstep.fit`: a live ``rich`` bar (step, loss,
+examples/s, skipped steps, the ``aux`` scalars) in a terminal, plain lines every few
+steps elsewhere (logs, CI, notebooks)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import IO
+from typing import Any
+
+from jaxstep.core import HealthTable
+from jaxstep.core import TrainingWorkerError
+from jaxstep.loop import History
+
+
+def _can_draw(file: IO[str]) -> bool:
+    try:
+        from rich.console import Console
+    except ImportError:
+        return False
+    if getattr(file, "isatty", lambda: False)():
+        return True
+    if not Console(file=file).is_jupyter:
+        return False
+    try:  # rich draws a live display in Jupyter through a widget
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Progress:
+    """Shows a run's progress; add it with ``fit(..., callbacks=[jaxstep.Progress(n)])``.
+
+    Args:
+      total: the number of steps expected (for the bar), or None.
+      every: in plain mode, print a line every this many steps (default: about ten
+        lines a run, or every 25 steps when ``total`` is unknown).
+      live: force the live bar (True) or plain lines (False); default: live when
+        ``rich`` is installed and ``file`` is a terminal, or a Jupyter notebook's
+        output with ``ipywidgets`` installed.
+      file: where to write (default ``sys.stdout``).
+    """
+
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        every: int | None = None,
+        live: bool | None = None,
+        file: IO[str] | None = None,
+    ):
+        self.total = total
+        self.every = every or (max(1, total // 10) if total else 25)
+        self.file = file
+        self._live = live
+        self._bar: Any = None
+        self._task: Any = None
+        self._step: Any = None
+        self.history: History | None = None
+        self._done = 0
+
+    def _out(self) -> IO[str]:
+        return self.file if self.file is not None else sys.stdout
+
+    def on_fit_start(self, step: Any, history: History) -> None:
+        self.history = history
+        self._step = step  # a Progress used for several fits keeps counting
+        live = self._live if self._live is not None else _can_draw(self._out())
+        if live and self._bar is None:
+            from rich.console import Console
+            from rich.progress import BarColumn
+            from rich.progress import MofNCompleteColumn
+            from rich.progress import Progress as Bar
+            from rich.progress import TextColumn
+            from rich.progress import TimeElapsedColumn
+
+            self._bar = Bar(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[text]}"),
+                console=Console(file=self._out()),
+            )
+            self._task = self._bar.add_task(
+                "train", total=self.total, completed=self._done, text="compiling..."
+            )
+            self._bar.start()
+
+    def describe(self) -> str:
+        """The last finished step in one line: loss, examples/s, skips, aux scalars."""
+        h = self.history
+        if h is None or not len(h):
+            return ""
+        # Throughput of the last steps (harmonic mean: equal examples per step), the
+        # run's first step left out once there are others: it includes compiling.
+        recent = h.examples_per_sec[max(1, len(h) - 20) :] or h.examples_per_sec[-1:]
+        rate = (
+            len(recent) / sum(1.0 / r for r in recent) if all(r > 0 for r in recent) else math.nan
+        )
+        parts = [f"loss {h.loss[-1]:.4f}"]
+        parts += [f"{k} {v:.4f}" for k, v in h.metrics[-1].items()]
+        parts.append(f"{rate:,.0f} ex/s" if math.isfinite(rate) else "- ex/s")
+        parts.append(f"skipped {sum(h.skipped)}")
+        return "  ".join(parts)
+
+    def on_step_end(self, table: HealthTable) -> None:
+        self._done += 1
+        if table.failed and table.skipped:
+            # Under the skip policy nothing is raised: say who failed, once.
+            failures = "; ".join(
+                f"device {f.device_id}: {f.reason}" for f in self._step.failures(table)
+            )
+            self._print(f"step {table.step} skipped: {failures}")
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, text=self.describe())
+        elif self._done % self.every == 0 or self._done == self.total:
+            of = f"/{self.total}" if self.total else ""
+            self._print(f"step {table.step:5d} ({self._done}{of})  {self.describe()}")
+
+    def _print(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)  # above the bar
+        else:
+            print(line, file=self._out())
+
+    def on_failure(self, error: TrainingWorkerError) -> None:
+        self.close()  # the error itself reaches whoever called fit
+
+    def on_fit_end(self, history: History) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

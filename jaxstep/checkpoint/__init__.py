@@ -1,0 +1,11 @@
+"""Checkpoints that lose nothing: the orbax store, the saved layout, the data position,
+the emergency save of a failure, and what several processes tell each other about
+them (docs/checkpoints.md)."""
+
+from jaxstep.checkpoint._emergency import Emergency as Emergency
+from jaxstep.checkpoint._emergency import read_emergency as read_emergency
+from jaxstep.checkpoint._saver import Run as Run
+from jaxstep.checkpoint._store import Store as Store
+from jaxstep.checkpoint._store import restore as restore
+
+__all__ = ["Emergency", "Run", "Store", "read_emergency", "restore"]

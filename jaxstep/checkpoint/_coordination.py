@@ -1,0 +1,105 @@
+"""What the processes of a multi-process run tell each other about checkpoints.
+
+A jaxstep state is replicated: every process holds the same verified copy, so one
+process (process 0, the *writer*) writes each checkpoint: the one replica orbax would
+write of a replicated array anyway. What differs between
+processes is the data position (each process reads its own rows), so every process
+publishes its position for each checkpoint step, and the writer (process 0) stores
+them all; on
+resume every process reads the checkpoint and takes its own position back.
+
+All of it goes through the coordination service's key-value store, never through a
+collective or an orbax barrier: a lost peer can only make a read time out, and so a
+process whose peer died still writes its emergency save and raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxstep.core._processes import KEY
+from jaxstep.core._processes import client as _client
+
+_KEY = f"{KEY}ckpt/"
+_runs = itertools.count()
+
+
+def processes(devices: Sequence[jax.Device]) -> list[int]:
+    """The process indices of ``devices``, sorted; one entry outside a multi-process run."""
+    return sorted({int(d.process_index) for d in devices})
+
+
+def is_writer() -> bool:
+    """True on the process that writes the checkpoints: process 0 (orbax writes host
+    arrays from process 0 only)."""
+    return jax.process_index() == 0
+
+
+def new_run() -> str:
+    """A key prefix for one ``fit`` call. Every process calls ``fit`` the same number of
+    times in the same order (the steps are collectives), so the counters agree."""
+    return f"{_KEY}{next(_runs)}/"
+
+
+def publish(key: str, value: Any) -> None:
+    """Sets ``key``/<this process> to ``value`` (JSON)."""
+    _client().key_value_set(f"{key}/{jax.process_index()}", json.dumps(value), True)
+
+
+def gather(key: str, among: Iterable[int], timeout_s: float) -> dict[int, Any]:
+    """What each process in ``among`` published under ``key``.
+
+    Raises:
+      TimeoutError: a process published nothing within ``timeout_s`` (lost, or behind).
+    """
+    client, out = _client(), {}
+    for p in among:
+        try:
+            out[p] = json.loads(client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)))
+        except Exception as err:  # the runtime raises its own error type on a timeout
+            raise TimeoutError(
+                f"process {p} did not publish {key!r} within {timeout_s:g} s ({err})"
+            ) from None
+    return out
+
+
+def forget(key: str, among: Iterable[int]) -> None:
+    """Deletes what :func:`publish` set under ``key`` (best effort)."""
+    client = _client()
+    for p in among:
+        with contextlib.suppress(Exception):
+            client.key_value_delete(f"{key}/{p}")
+
+
+def agree_on_restore(
+    directory: Any, step: int | None, devices: Sequence[jax.Device], timeout_s: float = 60.0
+) -> None:
+    """Checks that every process is about to restore the same checkpoint step.
+
+    Every process reads the checkpoint itself; if ``checkpoint_dir`` is a disk that
+    only one host sees, or a write landed between two reads, they would resume from
+    different states and the first step would fail as diverged. Say why now instead.
+
+    Raises:
+      ValueError: the processes found different checkpoints.
+    """
+    among = processes(devices)
+    if len(among) < 2:
+        return
+    key = f"{_KEY}restore/{next(_runs)}"
+    publish(key, step)
+    seen = gather(key, among, timeout_s)
+    if len(set(seen.values())) > 1:
+        found = ", ".join(f"process {p}: {s if s is not None else 'none'}" for p, s in seen.items())
+        raise ValueError(
+            f"the processes found different checkpoints to restore in {str(directory)!r} "
+            f"({found}): checkpoint_dir must be one storage every process sees (a bucket "
+            "or a shared file system), not a local disk per host"
+        )

@@ -1,0 +1,346 @@
+"""What :func:`jaxstep.fit` does so that a failure loses nothing: a copy of the state at
+each checkpoint step, written from a worker thread once that step's replica check has
+passed (so every checkpoint is verified); on a failure, ``error.batches`` and an
+emergency save of the last good state, the failing batch and the error report.
+
+Hooks, in fit's order: :meth:`Run.begin` (validate, resume), :meth:`Run.before` (each
+dispatch), :meth:`Run.settled` (each health table read), :meth:`Run.failed`,
+:meth:`Run.close`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxstep.checkpoint import _coordination as coordination
+from jaxstep.checkpoint import _emergency as emergency
+from jaxstep.checkpoint._layout import Layout
+from jaxstep.checkpoint._layout import local_copy
+from jaxstep.checkpoint._position import Position
+from jaxstep.checkpoint._position import Source
+from jaxstep.checkpoint._position import is_callable_source
+from jaxstep.checkpoint._store import FORMAT
+from jaxstep.checkpoint._store import Store
+from jaxstep.checkpoint._store import as_path
+from jaxstep.checkpoint._store import conform
+from jaxstep.checkpoint._store import load
+from jaxstep.core import HealthTable
+from jaxstep.core import Status
+from jaxstep.core import TrainingWorkerError
+
+log = logging.getLogger("jaxstep")
+
+# A failed replica check at a checkpoint step: the state it checked is not saved.
+_UNVERIFIED = int(Status.DIVERGED | Status.PARAM_NONFINITE)
+# Failures whose err.state cannot be trusted as the run's state: name a checkpoint.
+_NAME_CHECKPOINT = Status.HUNG | Status.DIVERGED
+_DRAIN_TIMEOUT = 120.0  # seconds to let queued writes finish on the failure path
+# Seconds the writer waits for a peer's data position: published before the step ran,
+# so a missing one means a lost peer (the checkpoint is then not written).
+_GATHER_TIMEOUT = 20.0
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    number: int
+    leaves: list[jax.Array]  # one replica, on device, not yet read
+    position: Position
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version
+
+    try:
+        return version("jaxstep")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class Run:
+    """One fit call's checkpointing. Build it with :meth:`begin`."""
+
+    def __init__(
+        self, step: Any, store: Store | None, every: int | None, source: Source, first: int
+    ):
+        self.step = step
+        self.store = store
+        self.every = every
+        self.source = source
+        self.number = first  # the step number of the next state dispatched
+        # Several processes: each publishes its data position for every checkpoint;
+        # one (the writer) writes (see jaxstep.coordination).
+        self.processes = coordination.processes(step.devices)
+        self.writer = coordination.is_writer()
+        self._key = coordination.new_run() if len(self.processes) > 1 else None
+        self._snap: _Snapshot | None = None
+        self._layout: Layout | None = None
+        self._done = set(store.steps()) if store is not None else set()
+        self._futures: list[concurrent.futures.Future[None]] = []
+        self._pool = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-checkpoint")
+            if store is not None and every is not None
+            else None
+        )
+        if every is not None and source.kind == "checkpointable":
+            source.watch(lambda count: (first + count) % every == 0)
+
+    @classmethod
+    def begin(
+        cls,
+        step: Any,
+        state: Any,
+        batches: Any,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None,
+        checkpoint_every: int | None,
+        keep: int | None,
+        resume: bool,
+    ) -> tuple[Any, Source, Run]:
+        """Validates the arguments, restores the latest verified checkpoint when
+        ``resume``, and opens ``batches`` at the data position.
+
+        Returns:
+          (the state to train from, the batches to pull, the run).
+        """
+        _validate(step, checkpoint_dir, checkpoint_every, keep, resume)
+        position, resuming = None, False
+        if resume:
+            assert checkpoint_dir is not None
+            loaded = load(checkpoint_dir) if _has_checkpoint(checkpoint_dir) else None
+            coordination.agree_on_restore(
+                checkpoint_dir, None if loaded is None else loaded.meta["step"], step.devices
+            )
+            if loaded is not None:
+                _check_positions(loaded, step.devices)
+                state = step.place_state(conform(step, loaded, template=state))
+                position, resuming = loaded.position, True
+                log.info("resumed from %s (data position %s)", loaded.path, position)
+            else:
+                warnings.warn(
+                    f"resume=True but {str(checkpoint_dir)!r} holds no checkpoint yet: "
+                    "training from the given state",
+                    stacklevel=3,
+                )
+        first = int(np.asarray(state.step).reshape(-1)[0])
+        if position is None:
+            position = Position(first if is_callable_source(batches) else 0, "")
+        source = Source(
+            batches, position, resuming=resuming, checkpointing=checkpoint_every is not None
+        )
+        store = None
+        if checkpoint_dir is not None:
+            store = Store(checkpoint_dir, keep=keep, create=True)
+            # (On resume, steps after the restored one were passed over as unreadable or
+            # unverified: they are never restored, and never overwritten.)
+            ahead = [n for n in store.steps() if n > first]
+            if ahead and checkpoint_every is not None and not resuming:
+                store.close()
+                raise ValueError(
+                    f"{str(checkpoint_dir)!r} holds checkpoints of steps {ahead}, ahead of "
+                    f"this state (step {first}): they come from another run, and "
+                    "resume=True would pick them. Use a new checkpoint_dir, delete them, or "
+                    "pass resume=True to go on from the latest"
+                )
+        return state, source, cls(step, store, checkpoint_every, source, first)
+
+    def before(self, state: Any) -> None:
+        """Called with each state just before it is dispatched (and donated)."""
+        number = self.number
+        self.number += 1
+        if self._pool is None or number % self.every or number in self._done:  # type: ignore[operator]
+            return
+        if self._layout is None:
+            self._layout = Layout.of(state, stacked=self.step.stacked)
+        # The batch for this step was pulled just before: the position is before it.
+        position = self.source.position(self.source.count - 1)
+        if self._key is not None:  # published before the step runs: the writer reads
+            # it once the step's collective finished, so it is there by then
+            coordination.publish(f"{self._key}{number}", position.to_json())
+            if not self.writer:
+                return
+        self._snap = _Snapshot(number, local_copy(state, stacked=self.step.stacked), position)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether a snapshot waits for its step's health table (:meth:`settled`)."""
+        return self._snap is not None
+
+    def settled(self, table: HealthTable) -> None:
+        """Called with each step's health table: a snapshot whose replica check passed
+        goes to the writer thread."""
+        snap = self._snap
+        if snap is None or table.step != snap.number:
+            return
+        self._snap = None
+        if np.any(np.asarray(table.status) & _UNVERIFIED):
+            return  # its replicas disagree (or hold non-finite values): never saved
+        assert self._pool is not None
+        self._done.add(snap.number)
+        future = self._pool.submit(self._write, snap)
+        future.add_done_callback(_report_failed_write)
+        self._futures = [f for f in self._futures if not f.done()] + [future]
+
+    def _write(self, snap: _Snapshot) -> None:
+        assert self.store is not None and self._layout is not None
+        leaves = jax.device_get(snap.leaves)
+        meta = self._meta(snap.number, verified=True)
+        if self._key is not None:  # every process's own data position
+            key = f"{self._key}{snap.number}"
+            meta["data_by_process"] = {
+                str(p): pos
+                for p, pos in coordination.gather(key, self.processes, _GATHER_TIMEOUT).items()
+            }
+            coordination.forget(key, self.processes)
+        meta.update(
+            data=snap.position.to_json(),
+            exact_resume=self.source.exact,
+            verified_by=(
+                f"the replica check of step {snap.number} (parameter and optimizer state "
+                f"fingerprints of all {len(self.step.devices)} devices agreed)"
+            ),
+            layout=self._layout.to_json(),
+        )
+        self.store.save(snap.number, {"state": leaves, "meta": meta})
+
+    def _meta(self, number: int, *, verified: bool) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "step": number,
+            "verified": verified,
+            "devices": len(self.step.devices),
+            "device_ids": [int(d.id) for d in self.step.devices],
+            "backend": self.step.backend,
+            "platform": self.step.devices[0].platform,
+            "process_count": jax.process_count(),
+            "host": socket.gethostname(),
+            "jaxstep_version": _version(),
+            "time": time.time(),
+        }
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Waits for the queued writes."""
+        concurrent.futures.wait(self._futures, timeout=timeout)
+
+    def failed(self, error: TrainingWorkerError, batches: Sequence[Any]) -> TrainingWorkerError:
+        """The error with ``batches`` (the failing batch first), and, with a checkpoint
+        directory, the emergency save and the latest verified checkpoint named."""
+        error = error.replace(batches=list(batches))
+        if self.store is None:
+            return error
+        self.drain(_DRAIN_TIMEOUT)
+        try:
+            return self._save_and_name(error)
+        finally:
+            self.close()
+
+    def _save_and_name(self, error: TrainingWorkerError) -> TrainingWorkerError:
+        assert self.store is not None
+        note = error.note
+        try:
+            path = emergency.save(
+                self.store.directory,
+                error,
+                meta=self._meta(error.step, verified=False),
+                failing=self.source.position(self.source.count - len(error.batches)),
+                stacked=self.step.stacked,
+                devices=self.step.devices,
+            )
+        except Exception as err:  # never hide the failure behind a failed save
+            log.exception("the emergency save failed")
+            return error.replace(note=_join(note, f"the emergency save failed: {err!r}"))
+        if any(f.status & _NAME_CHECKPOINT for f in error.failures):
+            latest = self.store.latest_verified()
+            where = self.store.directory
+            note = _join(
+                note,
+                f"the latest verified checkpoint is step {latest} ({where / str(latest)}): "
+                f"state = jaxstep.restore(step, {str(where)!r})"
+                if latest is not None
+                else f"no verified checkpoint in {str(where)!r} yet",
+            )
+        return error.replace(checkpoint=path, note=note)
+
+    def close(self) -> None:
+        """Waits for the queued writes (a while) and releases the writer; a write still
+        going on finishes in the background (the interpreter waits for it at exit)."""
+        self.drain(_DRAIN_TIMEOUT)
+        if self._pool is not None:
+            self._pool.shutdown(wait=all(f.done() for f in self._futures))
+        if self.store is not None:
+            self.store.close()
+
+
+def _validate(step: Any, directory: Any, every: int | None, keep: int | None, resume: bool) -> None:
+    if every is not None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"checkpoint_every must be an int >= 1 or None, got {every!r}")
+        if directory is None:
+            raise ValueError(f"checkpoint_every={every} needs checkpoint_dir=... to write to")
+        check = step.divergence_every
+        if check is None or every % check:
+            raise ValueError(
+                f"checkpoint_every={every} with divergence_every={check}: a checkpoint is "
+                "saved only from a state whose replicas were compared, so checkpoint_every "
+                "must be a multiple of the step's divergence_every; use checkpoint_every="
+                f"{_multiple(every, check)} or make_train_step(..., divergence_every={every})"
+            )
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
+    if resume and directory is None:
+        raise ValueError("resume=True needs checkpoint_dir=... to resume from")
+    among = coordination.processes(step.devices)
+    if directory is not None and jax.process_count() > 1 and 0 not in among:
+        raise ValueError(
+            f"checkpoint_dir with a step on the devices of process(es) {among} only: process "
+            "0 writes the checkpoints (orbax writes host arrays from process 0 alone), so "
+            "the step's devices must include process 0's (the default, jax.devices())"
+        )
+
+
+def _check_positions(loaded: Any, devices: Any) -> None:
+    """A checkpoint of another process count resumes only when its data positions do
+    not depend on the process (a callable source: the position is the step)."""
+    saved = loaded.meta.get("data_by_process")
+    count = len(coordination.processes(devices))
+    if saved is None or len(saved) == count:
+        return
+    if len({json.dumps(v, sort_keys=True) for v in saved.values()}) > 1:
+        raise ValueError(
+            f"checkpoint {loaded.path} was written by {len(saved)} processes, each at its "
+            f"own data position ({saved}), and this run has {count}: the positions cannot "
+            f"be mapped. Resume it with {len(saved)} processes, or feed batches from a "
+            "callable source (batch = source(step)), whose position is the step"
+        )
+
+
+def _multiple(every: int, check: int | None) -> int:
+    return every if check is None else max(check, (every // check) * check)
+
+
+def _has_checkpoint(directory: str | os.PathLike[str]) -> bool:
+    path = as_path(directory)
+    return path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
+
+
+def _join(note: str | None, line: str) -> str:
+    return line if not note else f"{note}\n{line}"
+
+
+def _report_failed_write(future: concurrent.futures.Future[None]) -> None:
+    err = future.exception()
+    if err is not None:
+        log.error("a checkpoint write failed (training goes on): %r", err)
+        warnings.warn(f"a checkpoint write failed (training goes on): {err!r}", stacklevel=1)

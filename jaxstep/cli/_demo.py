@@ -1,0 +1,265 @@
+"""``jaxstep demo``: a small Flax CNN learns scikit-learn's bundled digits on every
+device with jaxstep; ``--inject`` plants one fault on one device at one step and the
+run says which device, where and why. Uses jaxstep's public API only."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import re
+import tempfile
+from typing import Any
+
+#: Exit codes of ``jaxstep`` (documented in ``jaxstep --help``).
+EXIT_OK = 0
+EXIT_WORKER_FAILED = 1  # a training worker failed (demo), or a device disagreed (doctor)
+EXIT_USAGE = 2  # bad arguments, or a missing optional dependency
+
+#: --inject KIND -> (what is injected, the fault's mode, what it shows)
+KINDS = {
+    "nan": "a NaN in one example of the device's input chunk (a bad record: follows the data)",
+    "inf": "an Inf loss on the device, every time it runs that step (a bad chip)",
+    "grad": "a NaN in one gradient leaf on the device, once (a transient fault)",
+    "stall": "the device stalls before the all-reduce (a hang, named by the step timeout)",
+    "corrupt": "one ulp of one weight on the device's replica (silent data corruption)",
+}
+GRAD_LEAF = "['Dense_0']['kernel']"
+DIVERGENCE_EVERY = 10
+STEP_TIMEOUT = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    """A parsed ``--inject KIND@device=D,step=S``."""
+
+    kind: str
+    device_id: int
+    step: int
+
+    @classmethod
+    def parse(cls, text: str) -> Injection:
+        """Raises ValueError naming what is wrong and the expected form."""
+        form = "expected KIND@device=D,step=S, e.g. nan@device=3,step=5"
+        m = re.fullmatch(r"(\w+)@(.*)", text.strip())
+        if not m:
+            raise ValueError(f"--inject {text!r}: {form}")
+        kind, rest = m.group(1).lower(), m.group(2)
+        if kind not in KINDS:
+            raise ValueError(
+                f"--inject {text!r}: unknown kind {kind!r}; expected one of {list(KINDS)}"
+            )
+        fields: dict[str, int] = {}
+        for part in rest.split(","):
+            key, eq, value = part.partition("=")
+            key = key.strip()
+            if not eq or key not in ("device", "step") or not value.strip().isdigit():
+                raise ValueError(f"--inject {text!r}: cannot read {part!r}; {form}")
+            fields[key] = int(value)
+        if set(fields) != {"device", "step"}:
+            raise ValueError(f"--inject {text!r}: give both device and step; {form}")
+        return cls(kind, fields["device"], fields["step"])
+
+
+def _model() -> Any:
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        """Two convolutions and two dense layers for 8x8 digits."""
+
+        @nn.compact
+        def __call__(self, x: Any) -> Any:
+            x = nn.relu(nn.Conv(16, (3, 3))(x))
+            x = nn.relu(nn.Conv(32, (3, 3), strides=(2, 2))(x))  # 4x4x32
+            x = nn.relu(nn.Dense(64)(x.reshape(x.shape[0], -1)))
+            return nn.Dense(10)(x)
+
+    return CNN()
+
+
+def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
+    """What is wrong with the arguments for these devices, or None."""
+    if args.steps < 1:
+        return f"--steps must be >= 1, got {args.steps}"
+    if args.per_device < 2:
+        return (
+            f"--per-device must be >= 2 (an injected NaN sits in example 1), got {args.per_device}"
+        )
+    inj = args.inject
+    if inj is None:
+        return None
+    if inj.device_id not in device_ids:
+        return f"--inject: device {inj.device_id} is not one of the devices {device_ids}"
+    if not 0 <= inj.step < args.steps:
+        return f"--inject: step {inj.step} is not in 0..{args.steps - 1} (--steps {args.steps})"
+    if inj.kind == "corrupt":
+        found = math.ceil(inj.step / DIVERGENCE_EVERY) * DIVERGENCE_EVERY
+        if found >= args.steps:
+            return (
+                f"--inject corrupt at step {inj.step}: the replicas are compared every "
+                f"{DIVERGENCE_EVERY} steps, next at step {found}; use --steps {found + 1} or more"
+            )
+    return None
+
+
+def run(args: argparse.Namespace, devices: list[Any]) -> int:
+    """The demo on ``devices``; returns an exit code."""
+    import jax
+    import numpy as np
+    import optax
+
+    import jaxstep
+    from jaxstep.cli import _data as data
+    from jaxstep.testing import Fault
+    from jaxstep.testing import corrupt_replica
+
+    inj = args.inject
+    train, test = data.digits(seed=args.seed)
+    model = _model()
+    batch_size = args.per_device * len(devices)
+
+    def loss_fn(params: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        logits = model.apply({"params": params}, batch["image"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        accuracy = (logits.argmax(-1) == batch["label"]).mean()
+        return loss, {"accuracy": accuracy}
+
+    faults = []
+    if inj is not None and inj.kind != "corrupt":
+        spec: dict[str, tuple[str, str, dict[str, Any]]] = {
+            "nan": ("input", "data", {"example": 1}),
+            "inf": ("loss", "device", {"value": math.inf}),
+            "grad": ("grad", "transient", {"leaf": GRAD_LEAF}),
+            "stall": ("stall", "device", {"seconds": STEP_TIMEOUT + 2}),
+        }
+        kind, mode, extra = spec[inj.kind]
+        faults.append(Fault(kind, device_id=inj.device_id, step=inj.step, mode=mode, **extra))
+    step = jaxstep.make_train_step(
+        loss_fn,
+        optax.adam(3e-3),
+        backend=args.backend,
+        devices=devices,
+        has_aux=True,
+        on_failure=args.policy,
+        # Replica fingerprints cost a second program to compile: on for "corrupt" only.
+        divergence_every=DIVERGENCE_EVERY if inj is not None and inj.kind == "corrupt" else None,
+        faults=faults,
+    )
+    # One compiled init, not one small compile per parameter.
+    params = jax.jit(model.init)(jax.random.key(args.seed), train.image[:1])["params"]
+    state = step.init(params)
+
+    print(
+        f"jaxstep demo: a CNN learns scikit-learn's digits ({len(train)} train / {len(test)} "
+        f"test images) on {len(devices)} {devices[0].platform} devices, backend "
+        f"{args.backend}, policy {args.policy!r}, {batch_size} examples a step "
+        f"({args.per_device} per device), {args.steps} steps"
+    )
+    if inj is not None:
+        print(f"injected at step {inj.step} on device {inj.device_id}: {KINDS[inj.kind]}")
+
+    history = jaxstep.History()
+    callbacks: list[Any] = [jaxstep.Progress(args.steps)]
+    if args.jsonl:
+        callbacks.append(jaxstep.JsonlWriter(args.jsonl))
+    if args.tensorboard:
+        callbacks.append(jaxstep.TensorBoardWriter(args.tensorboard))
+    batches = data.batches(train, batch_size, seed=args.seed)
+    options: dict[str, Any] = {"history": history, "callbacks": callbacks, "diagnose": True}
+    if inj is not None and inj.kind == "stall":
+        options["step_timeout"] = STEP_TIMEOUT
+    checkpoint_dir = getattr(args, "checkpoint_dir", None)
+    if checkpoint_dir is None and inj is not None and inj.kind != "stall":
+        checkpoint_dir = tempfile.mkdtemp(prefix="jaxstep-demo-")
+    if checkpoint_dir is not None:  # the emergency save on a failure goes there
+        options["checkpoint_dir"] = checkpoint_dir
+    # The hang watchdog logs every Python stack: right for a job's log, noise here.
+    quiet = logging.NullHandler()
+    logging.getLogger("jaxstep").addHandler(quiet)
+    code, error = EXIT_OK, None
+    try:
+        if inj is not None and inj.kind == "corrupt":
+            state = jaxstep.fit(step, state, batches, num_steps=inj.step, **options)
+            leaf = f"params{GRAD_LEAF}"
+            state = corrupt_replica(step, state, inj.device_id, leaf, ulps=1)
+            print(f"step {inj.step}: device {inj.device_id}'s copy of {leaf} moved by one ulp")
+        done = len(history)
+        state = jaxstep.fit(step, state, batches, num_steps=args.steps - done, **options)
+    except jaxstep.TrainingWorkerError as err:
+        code, error = EXIT_WORKER_FAILED, err
+        print(f"\njaxstep.TrainingWorkerError: {err}")
+        print(
+            f"\nerr.device_id={err.device_id}  err.step={err.step}  err.status={err.status!r}  "
+            f"err.leaf={err.leaf!r}"
+        )
+        if err.diagnosis is not None:
+            print(f"err.diagnosis.verdict={err.diagnosis.verdict!r}")
+        checkpoint = getattr(err, "checkpoint", None)
+        if checkpoint is not None:
+            print(f"emergency checkpoint: {checkpoint}")
+        if err.state is not None:
+            state = err.state
+    finally:
+        logging.getLogger("jaxstep").removeHandler(quiet)
+
+    print()
+    summary(history, args.steps, devices, error)
+    if error is None or error.state is not None:
+        params = step.host_state(state).params
+        logits = jax.jit(model.apply)({"params": jax.tree.map(np.asarray, params)}, test.image)
+        accuracy = float(np.mean(np.asarray(logits).argmax(-1) == test.label))
+        print(f"test accuracy {accuracy:.3f} after {len(history)} steps")
+    if args.plot and len(history):
+        jaxstep.plot.overview(history, args.plot)
+        print(f"plot saved to {args.plot}")
+    if error is None:
+        print(f"finished {len(history)} steps")
+    return code
+
+
+def summary(history: Any, steps: int, devices: list[Any], error: Any = None) -> None:
+    """The per-device table: id, process, mean loss and gradient norm, failures (a
+    hung step never reaches the history: it is taken from ``error``)."""
+    import numpy as np
+
+    import jaxstep
+
+    if not len(history):
+        print("no step finished")
+        return
+    a = history.as_arrays()
+    rows = []
+    for i, device_id in enumerate(a["device_ids"]):
+        loss, norm = a["device_loss"][:, i], a["device_grad_norm"][:, i]
+        bad = (a["status"][:, i] & ~int(jaxstep.Status.OVERFLOW)) != 0  # overflows: no failure
+        failed = [int(a["step"][t]) for t in np.flatnonzero(bad)]
+        if error is not None and error.step not in failed:
+            failed += [f.step for f in error.failures if f.device_id == device_id]
+        rows.append(
+            (
+                str(device_id),
+                str(devices[i].process_index),
+                f"{np.mean(loss[np.isfinite(loss)]):.4f}" if np.isfinite(loss).any() else "-",
+                f"{np.mean(norm[np.isfinite(norm)]):.4f}" if np.isfinite(norm).any() else "-",
+                (f"{len(failed)} (step {', '.join(str(t) for t in failed[:3])})")
+                if len(failed)
+                else "0",
+            )
+        )
+    header = ("device", "process", "mean loss", "mean grad norm", "failures")
+    finite = a["loss"][np.isfinite(a["loss"])]
+    last = f"last finite loss {finite[-1]:.4f}" if finite.size else "no finite loss"
+    title = f"{len(history)} of {steps} steps, {int(a['skipped'].sum())} skipped, {last}"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        for row in (header, *rows):
+            print("  ".join(f"{c:>14}" for c in row))
+        return
+    table = Table(*header, title=title)
+    for row in rows:
+        table.add_row(*row, style="red" if row[-1] != "0" else None)
+    Console().print(table)

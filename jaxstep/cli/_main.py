@@ -1,0 +1,180 @@
+"""The ``jaxstep`` command: ``jaxstep demo`` trains a small CNN on real data and meets a
+fault if asked; ``jaxstep doctor`` checks the devices.
+
+exit codes:
+  0  done: the demo trained to the end (a skipped step included), the doctor found
+     nothing wrong
+  1  a device failed: a training worker failed (demo), or a device computed other
+     bits than the rest or the all-reduce was wrong (doctor)
+  2  usage error: bad arguments, or a missing optional dependency
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from jaxstep.cli._demo import EXIT_OK
+from jaxstep.cli._demo import EXIT_USAGE
+from jaxstep.cli._demo import EXIT_WORKER_FAILED
+from jaxstep.cli._demo import KINDS
+from jaxstep.cli._demo import Injection
+
+__all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_WORKER_FAILED", "main"]
+
+
+def _device_spec(text: str) -> int | str:
+    if text == "real":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give a number of fake CPU devices (e.g. 8) or 'real' for the devices "
+        "JAX finds (GPUs, TPUs)"
+    )
+
+
+def _injection(text: str) -> Injection:
+    try:
+        return Injection.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    devices_help = (
+        "N fake CPU devices, or 'real' for the devices JAX finds (a bare --devices means real)"
+    )
+    demo = sub.add_parser(
+        "demo",
+        help="train a CNN on scikit-learn's digits on every device; --inject meets a fault",
+        description="Train a small Flax CNN on scikit-learn's bundled digits with jaxstep.",
+        epilog="fault kinds for --inject:\n"
+        + "\n".join(f"  {k:8} {v}" for k, v in KINDS.items())
+        + "\n\n"
+        + __doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument(
+        "--devices",
+        type=_device_spec,
+        nargs="?",
+        const="real",
+        default=8,
+        help=devices_help + " (default 8)",
+    )
+    demo.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
+    demo.add_argument(
+        "--policy",
+        choices=("raise", "skip"),
+        default="raise",
+        help="on a failure: stop with the error (raise) or skip the step (skip)",
+    )
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--per-device", type=int, default=16, help="examples per device a step")
+    demo.add_argument("--seed", type=int, default=0, help="data split, shuffle and init")
+    demo.add_argument(
+        "--inject",
+        type=_injection,
+        metavar="KIND@device=D,step=S",
+        help=f"plant one fault; KIND: {', '.join(KINDS)}; D a device id",
+    )
+    demo.add_argument("--plot", metavar="PNG", help="save the gradient-norm heatmap and losses")
+    demo.add_argument("--jsonl", metavar="PATH", help="write per-step metrics as JSON lines")
+    demo.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files")
+    demo.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where a failure saves the last good state, the failing batch and a report "
+        "(default with --inject: a new temporary directory)",
+    )
+    doctor = sub.add_parser(
+        "doctor",
+        help="list the devices, compare their results bitwise, time an all-reduce",
+        description="Check the devices: the same program on each must give the same bits.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument(
+        "--devices",
+        type=_device_spec,
+        nargs="?",
+        const="real",
+        default="real",
+        help=devices_help + " (default real)",
+    )
+    doctor.add_argument("--size", type=int, default=256, help="the probe's matrix side")
+    doctor.add_argument(
+        "--corrupt",
+        type=int,
+        metavar="DEVICE_ID",
+        help="flip one bit of this device's result, to see a failing scan",
+    )
+    return parser
+
+
+def _devices(spec: int | str) -> list[Any]:
+    """The devices to run on; fake CPU devices are made before JAX starts a backend
+    (in a process where it has started, e.g. a notebook, the first N CPU devices)."""
+    if spec == "real":
+        import jax
+
+        return jax.devices()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    from jaxstep import testing
+
+    try:
+        testing.set_cpu_devices(int(spec))
+    except RuntimeError as err:
+        cpus = jax.devices("cpu")
+        if len(cpus) < int(spec):
+            raise ValueError(str(err)) from None
+        return cpus[: int(spec)]
+    return jax.devices("cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``jaxstep`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # argparse has printed the usage error
+        return EXIT_USAGE if exit.code else EXIT_OK
+    try:
+        devices = _devices(args.devices)
+    except ValueError as err:
+        print(f"jaxstep {args.command}: error: --devices {args.devices}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.command == "doctor":
+            from jaxstep.cli import _doctor as doctor
+
+            try:
+                report = doctor.run(devices, corrupt=args.corrupt, size=args.size)
+            except ValueError as err:
+                print(f"jaxstep doctor: error: {err}", file=sys.stderr)
+                return EXIT_USAGE
+            print(doctor.format_report(report))
+            return EXIT_OK if report.ok else EXIT_WORKER_FAILED
+        from jaxstep.cli import _demo as demo
+
+        problem = demo.check(args, [d.id for d in devices])
+        if problem is not None:
+            print(f"jaxstep demo: error: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        return demo.run(args, devices)
+    except ImportError as err:
+        print(f"jaxstep {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The vocabulary every layer speaks: the training state, the health table and its
+status flags, the error, the processes of a run, and argument validation. Imports
+nothing else of jaxstep."""
+
+from jaxstep.core._errors import Failure as Failure
+from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
+from jaxstep.core._errors import failures_from_table as failures_from_table
+from jaxstep.core._health import COL as COL
+from jaxstep.core._health import COLUMNS as COLUMNS
+from jaxstep.core._health import HealthTable as HealthTable
+from jaxstep.core._health import Status as Status
+from jaxstep.core._state import HostKey as HostKey
+from jaxstep.core._state import StepInfo as StepInfo
+from jaxstep.core._state import StepOutput as StepOutput
+from jaxstep.core._state import TrainState as TrainState
+from jaxstep.core._state import from_host as from_host
+from jaxstep.core._state import map_host as map_host
+
+__all__ = [
+    "COL",
+    "COLUMNS",
+    "Failure",
+    "HealthTable",
+    "HostKey",
+    "Status",
+    "StepInfo",
+    "StepOutput",
+    "TrainState",
+    "TrainingWorkerError",
+    "failures_from_table",
+    "from_host",
+    "map_host",
+]

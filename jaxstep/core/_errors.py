@@ -1,0 +1,328 @@
+"""TrainingWorkerError: which device failed, at which step, in which tensor, why,
+and what to try next; with the last good state attached."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxstep.core._health import HealthTable
+from jaxstep.core._health import Status
+
+_CAUSES: tuple[tuple[Status, str], ...] = (
+    (Status.INPUT_NONFINITE, "non-finite input"),
+    (Status.LOSS_NONFINITE, "non-finite loss"),
+    (Status.GRAD_NONFINITE, "non-finite gradient"),
+    (Status.MODEL_STATE_NONFINITE, "non-finite model state"),
+    (Status.OVERFLOW, "scaled gradient overflowed at the minimum loss scale"),
+    (Status.PARAM_NONFINITE, "non-finite parameter after the update"),
+    (Status.CHECK_FAILED, "failed check"),
+    (Status.DIVERGED, "replica diverged from the majority"),
+    (Status.HUNG, "device did not finish the step"),
+    (Status.LOSS_SPIKE, "loss spike"),
+)
+
+_HINTS: dict[Status, str] = {
+    Status.INPUT_NONFINITE: (
+        "the batch itself holds NaN or Inf: check the data pipeline for rows {rows} of "
+        "the global batch"
+    ),
+    Status.LOSS_NONFINITE: (
+        "the input was finite but the loss was not: look for log, sqrt or division of "
+        "out-of-range values in loss_fn on rows {rows} of the global batch"
+    ),
+    Status.GRAD_NONFINITE: (
+        "the loss was finite but a gradient was not: look for sqrt/log at 0 or overflow "
+        "in the layer that owns {leaf}, or nearer the output: the leaf named is the first "
+        "non-finite one in the parameters' tree order, and a NaN that arises near the "
+        "output spreads, in the backward pass, to the gradients of every layer below it; "
+        "clipping (optax.clip_by_global_norm) does not help against NaN"
+    ),
+    Status.MODEL_STATE_NONFINITE: (
+        "the new model state (e.g. BatchNorm statistics) of {leaf} was not finite on rows "
+        "{rows} of the global batch: look for extreme inputs or a variance of 0"
+    ),
+    Status.OVERFLOW: (
+        "the fp16 gradients overflow even at DynamicLossScale's minimum_scale: lower "
+        "minimum_scale, keep the overflowing layer in float32, or use bf16 (no scale needed)"
+    ),
+    Status.PARAM_NONFINITE: (
+        "the update overflowed the parameters: lower the learning rate or clip gradients"
+    ),
+    Status.CHECK_FAILED: "your check in aux['checks'] returned False on this device",
+    Status.DIVERGED: (
+        "this device's copy of the weights differs from the others: suspect the chip "
+        "(silent data corruption); restart without it from the last checkpoint"
+    ),
+    Status.HUNG: (
+        "this device did not finish its part of the step: suspect the chip, its link, or "
+        "its host process (see the Python stacks logged by each process)"
+    ),
+    Status.LOSS_SPIKE: "the loss jumped far above its recent range on this device's rows {rows}",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """One failing device of one step."""
+
+    device_id: int
+    process_index: int
+    step: int
+    status: Status
+    reason: str
+    leaf: str | None
+    rows: tuple[int, int] | None = None  # [start, stop) of the global batch on it
+    microbatch: int | None = None  # the first failing micro-batch (microbatches > 1)
+    host: str | None = None  # host name of the process holding the device (many hosts)
+
+
+class TrainingWorkerError(RuntimeError):
+    """A training step failed on one or more devices.
+
+    The message starts with ``training worker on device {device_id} failed: `` and the
+    fields repeat it for code: ``device_id`` (``jax.Device.id``), ``process_index``,
+    ``step``, ``status``, ``reason``, ``leaf``, every failing device of the step in
+    ``failures`` (in the step's device order) and the last good ``state``; ``batches``
+    (the failing batch and those pulled after it, untrained) and ``checkpoint`` (where
+    ``fit``'s emergency save went) when :func:`jaxstep.fit` raised it.
+    """
+
+    def __init__(
+        self,
+        failures: Sequence[Failure],
+        state: Any = None,
+        *,
+        note: str | None = None,
+        history: Any = None,
+        diagnosis: Any = None,
+        state_is_good: bool = True,
+        batches: Sequence[Any] = (),
+        checkpoint: str | None = None,
+    ):
+        if not failures:
+            raise ValueError("TrainingWorkerError needs at least one Failure")
+        self.failures = tuple(failures)
+        first = self.failures[0]
+        self.device_id = first.device_id
+        self.process_index = first.process_index
+        self.step = first.step
+        self.status = first.status
+        self.reason = first.reason
+        self.leaf = first.leaf
+        self.microbatch = first.microbatch
+        self.state = state
+        self.note = note
+        self.history = history
+        self.diagnosis = diagnosis
+        #: False when ``state`` is the state as it stands but not a good one (its
+        #: parameters were already non-finite when the periodic check found them).
+        self.state_is_good = state_is_good
+        #: The failing batch and every batch pulled after it and not trained, in order:
+        #: ``fit(step, error.state, itertools.chain(error.batches, rest))`` loses nothing.
+        self.batches = list(batches)
+        #: Where the emergency save went (None without ``fit(checkpoint_dir=...)``).
+        self.checkpoint = checkpoint
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        first = self.failures[0]
+        where = "" if first.microbatch is None else f", micro-batch {first.microbatch}"
+        lines = [
+            f"training worker on device {first.device_id} failed: {first.reason} "
+            f"at step {first.step}{where} ({_where(first)})"
+        ]
+        if self.note:
+            lines.append(self.note)
+        for other in self.failures[1:]:
+            # A finite input with a non-finite loss, beside a device whose input was
+            # not finite: what a collective in the model (cross-device BatchNorm) does.
+            spread = (
+                Status.INPUT_NONFINITE in first.status
+                and Status.INPUT_NONFINITE not in other.status
+                and Status.LOSS_NONFINITE in other.status
+            )
+            follows = (
+                f" (likely follows from device {first.device_id}'s input: a collective in "
+                "the model carries it)"
+                if spread
+                else ""
+            )
+            lines.append(
+                f"  also failed at this step: device {other.device_id} "
+                f"({_where(other)}): {other.reason}{follows}"
+            )
+        if self.diagnosis is not None:
+            lines.append(f"diagnosis: {self.diagnosis}")
+        primary = next((s for s, _ in _CAUSES if s in first.status), None)
+        if primary is not None:
+            rows = f"{first.rows[0]}..{first.rows[1] - 1}" if first.rows else "?"
+            lines.append("what to try: " + _HINTS[primary].format(rows=rows, leaf=first.leaf))
+        if self.state is not None and self.state_is_good:
+            lines.append(
+                f"the last good state (step {first.step}) is in error.state; resume with "
+                "jaxstep.fit(step, error.state, ...) once the cause is fixed"
+            )
+        elif self.state is not None:
+            lines.append(
+                "error.state is the state as it stands, NOT a good one: restore from your "
+                "last checkpoint"
+            )
+        if self.batches:
+            after = len(self.batches) - 1
+            held = (
+                "the failing batch, untrained"
+                if after == 0
+                else f"the failing batch and the {after} pulled after it, untrained"
+            )
+            lines.append(
+                f"error.batches holds {held}: fit(step, error.state, "
+                "itertools.chain(error.batches, rest)) loses none"
+            )
+        if self.checkpoint is not None:
+            held = "state, failing batch" if self.state is not None else "failing batch"
+            lines.append(f"emergency save ({held}, this report): {self.checkpoint}")
+        return "\n".join(lines)
+
+    def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
+        """A copy of this error with ``diagnosis`` set (and shown in the message)."""
+        return self.replace(diagnosis=diagnosis)
+
+    def replace(self, **changes: Any) -> TrainingWorkerError:
+        """A copy of this error with some of its constructor's arguments changed (``note``,
+        ``diagnosis``, ``batches``, ``checkpoint``, ...); the message follows them."""
+        fields = {
+            "failures": self.failures,
+            "state": self.state,
+            "note": self.note,
+            "history": self.history,
+            "diagnosis": self.diagnosis,
+            "state_is_good": self.state_is_good,
+            "batches": self.batches,
+            "checkpoint": self.checkpoint,
+        }
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"TrainingWorkerError has no field(s) {sorted(unknown)}")
+        fields.update(changes)
+        return TrainingWorkerError(fields.pop("failures"), **fields)
+
+    def __reduce__(self):
+        from jaxstep.core._state import map_host
+
+        state = None if self.state is None else map_host(np.asarray, self.state)
+        batches = [map_host(np.asarray, b) for b in self.batches]
+        return (
+            _rebuild,
+            (
+                self.failures,
+                state,
+                self.note,
+                self.history,
+                self.diagnosis,
+                self.state_is_good,
+                batches,
+                self.checkpoint,
+            ),
+        )
+
+
+def _where(failure: Failure) -> str:
+    host = f", host {failure.host}" if failure.host else ""
+    return f"process {failure.process_index}{host}"
+
+
+def _rebuild(
+    failures, state, note, history, diagnosis, state_is_good=True, batches=(), checkpoint=None
+):
+    from jaxstep.core._state import from_host
+
+    return TrainingWorkerError(
+        failures,
+        None if state is None else from_host(state),
+        note=note,
+        history=history,
+        diagnosis=diagnosis,
+        state_is_good=state_is_good,
+        batches=[from_host(b) for b in batches],
+        checkpoint=checkpoint,
+    )
+
+
+def describe(status: Status, leaves: dict[Status, str], check: str | None) -> str:
+    """Plain words for a status: ``non-finite gradient in ['dense2']['kernel']``."""
+    parts = []
+    for flag, words in _CAUSES:
+        if flag not in status:
+            continue
+        if flag in leaves:
+            words = f"{words} in {leaves[flag]}"
+        elif flag is Status.CHECK_FAILED and check is not None:
+            words = f"failed check {check!r}"
+        parts.append(words)
+    return parts[0] + (f" (with {', '.join(parts[1:])})" if len(parts) > 1 else "")
+
+
+def _rank(status: Status) -> int:
+    """Where a status's first cause sits in the chain input -> loss -> gradient ->
+    model state -> parameters -> the rest: the earliest is the root cause."""
+    return next((i for i, (flag, _) in enumerate(_CAUSES) if flag in status), len(_CAUSES))
+
+
+def failures_from_table(
+    table: HealthTable,
+    devices: Sequence[Any],
+    names: Mapping[str, Sequence[str]],
+    rows_per_device: int | None,
+    microbatches: int = 1,
+    hosts: Callable[[int], str | None] | None = None,
+) -> list[Failure]:
+    """Turns a decoded health table into Failures, root cause first: the device whose
+    failure came earliest in the chain input -> loss -> gradient -> parameters leads
+    (a NaN input on one device outranks the non-finite losses a collective in the
+    model spread from it), then device order. ``hosts`` maps a process index to its
+    host name (runs over many hosts)."""
+    out = []
+    for i, dev in enumerate(devices):
+        status = Status(int(table.status[i]))
+        if not status:
+            continue
+        leaves = {
+            flag: names[kind][int(column[i])]
+            for flag, column, kind in (
+                (Status.INPUT_NONFINITE, table.input_leaf, "input"),
+                (Status.GRAD_NONFINITE, table.grad_leaf, "params"),
+                (Status.OVERFLOW, table.grad_leaf, "params"),
+                (Status.MODEL_STATE_NONFINITE, table.model_state_leaf, "model_state"),
+                (Status.PARAM_NONFINITE, table.param_leaf, "params"),
+                (Status.DIVERGED, table.diverged_leaf, "state"),
+            )
+            if flag in status and column[i] >= 0
+        }
+        # The leaf of the first cause: the input leaf if the data was bad, and so on.
+        leaf = next(iter(leaves.values()), None)
+        check = names["checks"][int(table.check[i])] if table.check[i] >= 0 else None
+        rows = (i * rows_per_device, (i + 1) * rows_per_device) if rows_per_device else None
+        micro = int(table.microbatch[i]) if microbatches > 1 and table.microbatch[i] >= 0 else None
+        if rows is not None and micro is not None and rows_per_device:
+            size = rows_per_device // microbatches
+            rows = (rows[0] + micro * size, rows[0] + (micro + 1) * size)
+        out.append(
+            Failure(
+                device_id=int(dev.id),
+                process_index=int(dev.process_index),
+                step=table.step,
+                status=status,
+                reason=describe(status, leaves, check),
+                leaf=leaf,
+                rows=rows,
+                microbatch=micro,
+                host=None if hosts is None else hosts(dev.process_index),
+            )
+        )
+    return sorted(out, key=lambda f: _rank(f.status))  # stable: device order within a rank

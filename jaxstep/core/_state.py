@@ -1,0 +1,120 @@
+"""What a step reads and returns: the training state (a pytree of arrays and nothing
+else, so it checkpoints, pickles and transfers as plain data; functions, the loss,
+optimizer and mesh, live in the step object) and the step's output."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step reads and writes.
+
+    Attributes:
+      step: steps taken (skipped steps count: they consumed a batch).
+      params: the model parameters.
+      opt_state: the optimizer state.
+      rng: a PRNG key, or None. When set, ``loss_fn(params, batch, rng)`` gets a key
+        folded with the step and the device's position, so every device draws its
+        own numbers and a replay draws the same ones.
+      halted: True once a step failed under the ``raise`` policy (or too many skips
+        in a row): every later step leaves the state unchanged.
+      consecutive_skips: skipped steps in a row (``skip`` policy).
+      total_skips: skipped steps in all.
+      monitor: memory of the cross-step checks (the loss-spike window), a dict.
+      model_state: the model's non-trained variables (BatchNorm statistics,
+        counters), or None: ``loss_fn(..., model_state=ms)`` returns the new one as
+        ``aux["model_state"]``; float leaves are averaged over the devices each step.
+      loss_scale: a :class:`jaxstep.program._scaling.LossScaleState` with a
+        :class:`jaxstep.DynamicLossScale`, or None.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array | None
+    halted: jax.Array
+    consecutive_skips: jax.Array
+    total_skips: jax.Array
+    monitor: dict[str, Any]
+    model_state: Any = None
+    loss_scale: Any = None
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """Static facts of a compiled step, returned with every output (no arrays: a
+    leafless pytree node, so it costs nothing per call): what the host learns from
+    tracing, without the trace writing to host state.
+
+    Attributes:
+      checks: the names of the user checks in ``aux["checks"]``, in table order.
+    """
+
+    checks: tuple[str, ...] = ()
+
+
+class StepOutput(NamedTuple):
+    """What a step returns besides the new state.
+
+    Attributes:
+      metrics: ``{"loss": mean of the devices' losses}`` (replicated).
+      health: the packed health table, ``(n_devices, len(jaxstep.health.COLUMNS))``
+        int32, the same on every device; decode it with ``step.table(out)``.
+      aux: the ``aux`` of ``loss_fn`` without ``"checks"``, one entry per device
+        (leading axis ``n_devices``), or None.
+      info: a :class:`StepInfo` (static: no arrays).
+
+    Under the ``pmap`` backend each array carries one more leading device axis.
+    """
+
+    metrics: dict[str, jax.Array]
+    health: jax.Array
+    aux: Any
+    info: StepInfo = StepInfo()
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKey:
+    """A typed PRNG key on the host: its raw data and implementation name."""
+
+    data: np.ndarray
+    impl: str
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def map_host(fn: Any, tree: Any) -> Any:
+    """``fn`` over every leaf as numpy; typed PRNG keys (which numpy cannot hold) go
+    through their raw key data and come back as :class:`HostKey`."""
+
+    def one(x: Any) -> Any:
+        if _is_key(x):
+            return HostKey(fn(jax.random.key_data(x)), str(jax.random.key_impl(x)))
+        return fn(x)
+
+    return jax.tree.map(one, tree)
+
+
+def from_host(tree: Any) -> Any:
+    """Undoes the :class:`HostKey` wrapping of :func:`map_host`."""
+    return jax.tree.map(
+        lambda x: (
+            jax.random.wrap_key_data(jnp.asarray(x.data), impl=x.impl)
+            if isinstance(x, HostKey)
+            else x
+        ),
+        tree,
+        is_leaf=lambda x: isinstance(x, HostKey),
+    )

@@ -1,0 +1,67 @@
+"""Many processes, one run: ``jax.distributed`` set-up, which process feeds which rows,
+host names, the lost-process watchdog, error reports (:mod:`.reports`) and the local
+launcher (``python -m jaxstep.launch``). See docs/multihost.md.
+
+Every process runs the same program; a step's devices span all of them, and each
+process passes only the rows of the chunks whose devices it holds, in the step's
+device order (:func:`local_rows`). The health table is global, so every process
+reaches the same verdict inside the step and raises the same error.
+"""
+
+from jaxstep.core._processes import host_name as host_name
+from jaxstep.core._processes import local_batch as local_batch
+from jaxstep.core._processes import local_positions as local_positions
+from jaxstep.core._processes import local_rows as local_rows
+from jaxstep.core._processes import local_rows_per_device as local_rows_per_device
+from jaxstep.core._processes import place_local_batch as place_local_batch
+from jaxstep.core._processes import process_pid as process_pid
+from jaxstep.core._processes import spans_processes as spans_processes
+from jaxstep.distributed import reports as reports
+from jaxstep.distributed._runtime import DEFAULT_LOST_TIMEOUT as DEFAULT_LOST_TIMEOUT
+from jaxstep.distributed._runtime import ENV_COORDINATOR as ENV_COORDINATOR
+from jaxstep.distributed._runtime import ENV_LOST_TIMEOUT as ENV_LOST_TIMEOUT
+from jaxstep.distributed._runtime import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from jaxstep.distributed._runtime import ENV_PROCESS_ID as ENV_PROCESS_ID
+from jaxstep.distributed._runtime import finish_in_flight as finish_in_flight
+from jaxstep.distributed._runtime import initialize as initialize
+from jaxstep.distributed._runtime import is_multiprocess as is_multiprocess
+from jaxstep.distributed._runtime import log_stacks as log_stacks
+from jaxstep.distributed._runtime import lost_after as lost_after
+from jaxstep.distributed._runtime import lost_error as lost_error
+from jaxstep.distributed._runtime import lost_processes as lost_processes
+from jaxstep.distributed._runtime import monitor as monitor
+from jaxstep.distributed._runtime import record as record
+from jaxstep.distributed._runtime import wait_ready as wait_ready
+from jaxstep.distributed._runtime import watch as watch
+from jaxstep.distributed._runtime import write_error_report as write_error_report
+from jaxstep.distributed.reports import root_cause as root_cause
+
+__all__ = [
+    "DEFAULT_LOST_TIMEOUT",
+    "ENV_COORDINATOR",
+    "ENV_LOST_TIMEOUT",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "finish_in_flight",
+    "host_name",
+    "initialize",
+    "is_multiprocess",
+    "local_batch",
+    "local_positions",
+    "local_rows",
+    "local_rows_per_device",
+    "log_stacks",
+    "lost_after",
+    "lost_error",
+    "lost_processes",
+    "monitor",
+    "place_local_batch",
+    "process_pid",
+    "record",
+    "reports",
+    "root_cause",
+    "spans_processes",
+    "wait_ready",
+    "watch",
+    "write_error_report",
+]

@@ -1,0 +1,211 @@
+"""Replay diagnosis: was it the data, the device, or a one-off?
+
+Megatron-LM re-runs a step after a job restart to tell these apart; jaxstep's state
+is a value, so it replays in place: once with the same placement and once with the
+chunks rotated onto other devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxstep.core import Status
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import _validate as validate
+from jaxstep.step import TrainStep
+
+# Causes a replay can follow from chunk to device, earliest in the chain first.
+_ROOTS = (
+    Status.INPUT_NONFINITE,
+    Status.LOSS_NONFINITE,
+    Status.GRAD_NONFINITE,
+    Status.MODEL_STATE_NONFINITE,
+    Status.CHECK_FAILED,
+    Status.LOSS_SPIKE,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """The verdict of a replay, with its evidence.
+
+    Attributes:
+      verdict: ``"data"`` (fails again and the failure follows the chunk),
+        ``"device"`` (fails again and stays on the device), ``"transient"`` (does not
+        fail again) or ``"inconclusive"``.
+      evidence: what each replay showed, in words.
+      examples: for ``"data"``: indices in the global batch of the examples that fail
+        on their own (empty if none does alone).
+      replays: ``(rotation, failing device ids)`` of each replay.
+      grad_leaves: for a non-finite gradient that comes back on replay: the gradient
+        leaves it reached on the first failing device, in tree order (the error names
+        only the first of them).
+    """
+
+    verdict: str
+    evidence: tuple[str, ...]
+    examples: tuple[int, ...] = ()
+    replays: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    grad_leaves: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{self.verdict}: " + "; ".join(self.evidence)
+        if self.examples:
+            text += f"; offending examples (global batch index): {list(self.examples)}"
+        return text
+
+
+def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnosis:
+    """Replays the failed step of ``error`` on ``batch`` from ``error.state``.
+
+    Args:
+      step: the step that failed.
+      error: its error; ``error.state`` is the last good state (left untouched).
+      batch: the global batch of the failed step.
+
+    Returns:
+      A :class:`Diagnosis`.
+    """
+    if error.state is None:
+        raise ValueError(
+            f"error has no state to replay from (status {error.status!r}); a hung step "
+            "cannot be replayed in this process"
+        )
+    if error.status & (Status.DIVERGED | Status.HUNG):
+        what = "its copy of the weights differs" if error.status & Status.DIVERGED else "it hung"
+        return Diagnosis(
+            "device",
+            (
+                f"device {error.device_id}: {what}; no replay needed (a replay would start from "
+                "a healthy copy and pass)",
+            ),
+        )
+    position = {d.id: i for i, d in enumerate(step.devices)}
+    failed = tuple(sorted(position[f.device_id] for f in error.failures))
+
+    # Follow the root cause only: when the model communicates (cross-device
+    # BatchNorm), one device's bad input makes every device's loss non-finite, but
+    # only the device holding the bad rows fails its input check.
+    root = next((flag for flag in _ROOTS if flag in error.status), None)
+    if root is not None:
+        failed = tuple(sorted(position[f.device_id] for f in error.failures if root in f.status))
+
+    def run(rotation: int) -> tuple[int, ...]:
+        _, out = step.replay(error.state, batch, rotation=rotation)
+        status = step.table(out).status
+        hit = status != 0 if root is None else (status & int(root)) != 0
+        return tuple(int(i) for i in np.flatnonzero(hit))
+
+    same = run(0)
+    found = _verdict(step, error, batch, failed, same, run)
+    if same and root == Status.GRAD_NONFINITE:
+        found = _with_grad_leaves(found, step, error, batch, failed[0] if failed else same[0])
+    return found
+
+
+def _verdict(
+    step: TrainStep,
+    error: TrainingWorkerError,
+    batch: Any,
+    failed: tuple[int, ...],
+    same: tuple[int, ...],
+    run: Callable[[int], tuple[int, ...]],
+) -> Diagnosis:
+    """The verdict once the replay in place (``same``: the devices that failed in it)
+    is known; rotates the chunks where that tells data from device."""
+    n = len(step.devices)
+    ids = [d.id for d in step.devices]
+    replays = [(0, tuple(ids[i] for i in same))]
+    if not same:
+        evidence: tuple[str, ...] = (
+            f"step {error.step} failed on device(s) {[ids[i] for i in failed]}, and a replay "
+            "from the last good state with the same data and placement passed",
+        )
+        return Diagnosis("transient", evidence, replays=tuple(replays))
+    if n == 1:
+        return Diagnosis(
+            "inconclusive",
+            ("fails again on replay; with one device the chunk cannot be moved",),
+            replays=tuple(replays),
+        )
+    if len(same) == n:
+        return Diagnosis(
+            "inconclusive",
+            (
+                "every device fails again on replay: the cause is in the model or the update, "
+                "not in one device or one chunk",
+            ),
+            replays=tuple(replays),
+        )
+    moved = run(1)  # device i now holds chunk (i + 1) % n
+    replays.append((1, tuple(ids[i] for i in moved)))
+    chunks_then = set(same)
+    chunks_now = {(i + 1) % n for i in moved}
+    where_now = [ids[i] for i in moved]
+    if moved and chunks_now == chunks_then and set(moved) != set(same):
+        size = validate.batch(batch, n) // n
+        rows = ", ".join(f"{c * size}..{(c + 1) * size - 1}" for c in sorted(chunks_then))
+        evidence = (
+            f"fails again on replay on device(s) {[ids[i] for i in same]}",
+            f"with the chunks rotated it fails on device(s) {where_now}, which now hold the "
+            f"same rows ({rows}): the failure follows the data",
+        )
+        examples = tuple(step.failing_examples(error.state, batch, sorted(chunks_then), error.step))
+        return Diagnosis("data", evidence, examples, tuple(replays))
+    if set(moved) == set(same) and error.state.rng is not None:
+        evidence = (
+            f"fails again on replay on device(s) {[ids[i] for i in same]}, and again there "
+            "with other rows; but random keys are folded with the device's position, so a "
+            "failure that depends on them stays on the device too",
+        )
+        return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+    if set(moved) == set(same):
+        evidence = (
+            f"fails again on replay on device(s) {[ids[i] for i in same]}",
+            "with other rows on those devices it fails there again: the failure stays on the "
+            "device (suspect the chip; run without it)",
+        )
+        return Diagnosis("device", evidence, replays=tuple(replays))
+    evidence = (
+        f"fails again on replay on device(s) {[ids[i] for i in same]}",
+        f"with the chunks rotated it fails on {where_now}: neither the data nor the "
+        "device alone explains it",
+    )
+    return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+
+
+def _with_grad_leaves(
+    found: Diagnosis, step: TrainStep, error: TrainingWorkerError, batch: Any, position: int
+) -> Diagnosis:
+    """``found`` with the gradient leaves the non-finite gradient reached on
+    ``devices[position]``: the error names the first in tree order, which is not
+    where a NaN that arose near the output started."""
+    assert error.state is not None  # checked by diagnose
+    bad = step.nonfinite_grad_leaves(error.state, batch, position, error.step)
+    names = step.names["params"]
+    device = step.devices[position].id
+    if not bad:
+        note = (
+            f"device {device}'s rows alone, in one pass, give finite gradients: the "
+            "non-finite gradient needs more than them (the other devices' rows, through a "
+            "collective in the model, or a micro-batch's own key)"
+        )
+    elif len(bad) == len(names):
+        note = (
+            f"on replay every gradient leaf is non-finite on device {device} ({len(bad)} of "
+            f"{len(names)}), as when the NaN arises at the output layer or in loss_fn's "
+            "backward pass: the leaf named above is only the first in tree order"
+        )
+    else:
+        finite = [name for name in names if name not in bad]
+        more = ", ..." if len(bad) > 4 else ""
+        note = (
+            f"on replay {len(bad)} of {len(names)} gradient leaves are non-finite on device "
+            f"{device} ({', '.join(bad[:4])}{more}); the other {len(finite)} stay finite: "
+            "the NaN reached only the layers that own these"
+        )
+    return dataclasses.replace(found, evidence=(*found.evidence, note), grad_leaves=tuple(bad))

@@ -1,0 +1,123 @@
+"""The record of a run: one entry per finished step (from its health table), and
+the hooks :func:`jaxstep.fit` calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstep.core import HealthTable
+from jaxstep.core import TrainingWorkerError
+
+
+class Callback(Protocol):
+    """Hooks into :func:`fit`; define the methods you need (all optional)."""
+
+    def on_step_end(self, table: HealthTable) -> None: ...
+
+    def on_failure(self, error: TrainingWorkerError) -> None: ...
+
+    def on_fit_start(self, step: Any, history: History) -> None: ...
+
+    def on_fit_end(self, history: History) -> None: ...
+
+
+# History fields filled from the health tables, decoded when first read.
+_DECODED = frozenset({"step", "loss", "device_loss", "device_grad_norm", "status", "skipped"})
+
+
+@dataclasses.dataclass
+class History:
+    """Per-step record of a run, one entry per finished step, for reading or plotting.
+
+    The fields from the health tables (``step``, ``loss``, the per-device lists,
+    ``skipped``) are filled from the appended tables when one of them is first read,
+    all at once: :func:`fit`'s loop does no per-step decoding.
+    """
+
+    device_ids: list[int] = dataclasses.field(default_factory=list)
+    step: list[int] = dataclasses.field(default_factory=list)
+    loss: list[float] = dataclasses.field(default_factory=list)
+    device_loss: list[np.ndarray] = dataclasses.field(default_factory=list)
+    device_grad_norm: list[np.ndarray] = dataclasses.field(default_factory=list)
+    status: list[np.ndarray] = dataclasses.field(default_factory=list)
+    skipped: list[bool] = dataclasses.field(default_factory=list)
+    #: the mean over devices of each scalar entry of the step's ``aux`` (e.g. accuracy)
+    metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    #: global examples over the wall time since the previous step finished (the first
+    #: step's includes compiling)
+    examples_per_sec: list[float] = dataclasses.field(default_factory=list)
+    # tables appended but not decoded yet, oldest first
+    _tables: list[HealthTable] = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _DECODED and object.__getattribute__(self, "_tables"):
+            object.__getattribute__(self, "_decode")()
+        return object.__getattribute__(self, name)
+
+    def append(
+        self,
+        table: HealthTable,
+        metrics: dict[str, float] | None = None,
+        examples_per_sec: float = float("nan"),
+    ) -> None:
+        """Adds a finished step (what :func:`fit` calls once per step): its table is
+        kept as it is and decoded into the fields above when one is first read."""
+        fields = object.__getattribute__(self, "__dict__")  # once: fit calls this each step
+        fields["_tables"].append(table)
+        fields["metrics"].append(dict(metrics) if metrics else {})
+        fields["examples_per_sec"].append(float(examples_per_sec))
+
+    def _decode(self) -> None:
+        waiting: list[HealthTable] = object.__getattribute__(self, "_tables")
+        if not waiting:
+            return
+        tables = waiting.copy()
+        waiting.clear()  # first: the fields read below are then decoded
+        if len(tables) == 1:  # read after every step (a callback): no stacking
+            self.loss.append(tables[0].mean_loss)
+        else:
+            losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
+            # np.mean's value for each step: the float32 sum over the devices, divided
+            self.loss.extend((np.add.reduce(losses, axis=1) / losses.shape[1]).tolist())
+        self.step.extend(t.step for t in tables)
+        self.device_loss.extend(t.loss for t in tables)
+        self.device_grad_norm.extend(t.grad_norm for t in tables)
+        self.status.extend(t.status for t in tables)
+        self.skipped.extend(t.skipped for t in tables)
+
+    def __len__(self) -> int:
+        return len(self.metrics)
+
+    def as_arrays(self) -> dict[str, np.ndarray]:
+        """Every field as an array: per-device ones are ``(steps, devices)``."""
+        n = len(self.device_ids)
+        return {
+            "device_ids": np.asarray(self.device_ids, np.int64),
+            "step": np.asarray(self.step, np.int64),
+            "loss": np.asarray(self.loss, np.float32),
+            "device_loss": np.asarray(self.device_loss, np.float32).reshape(-1, n),
+            "device_grad_norm": np.asarray(self.device_grad_norm, np.float32).reshape(-1, n),
+            "status": np.asarray(self.status, np.int32).reshape(-1, n),
+            "skipped": np.asarray(self.skipped, bool),
+            "examples_per_sec": np.asarray(self.examples_per_sec, np.float64),
+        }
+
+
+def scalar_aux(aux: Any, n: int) -> dict[str, float]:
+    """The mean over devices of each scalar entry of a step's ``aux`` (one value per
+    device, leading axis ``n``), named by its keys joined with ``/``. Called once the
+    step has finished: reading these few numbers does not wait."""
+    found = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(aux):
+        if getattr(x, "shape", None) == (n,) and jnp.issubdtype(x.dtype, jnp.number):
+            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            found[name or "aux"] = float(np.mean(np.asarray(x, np.float64)))
+    return found

@@ -1,0 +1,89 @@
+"""The hang watchdog of ``fit(step_timeout=...)``: each step runs on a dispatch thread
+with per-device heartbeats; past the deadline the devices that did not finish their
+local part are named in a ``HUNG`` error."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import sys
+import time
+import traceback
+from typing import Any
+
+from jaxstep.core import Failure
+from jaxstep.core import Status
+from jaxstep.core import StepOutput
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+from jaxstep.distributed import _heartbeats as heartbeats
+from jaxstep.distributed import _runtime as distributed
+from jaxstep.step import TrainStep
+
+log = logging.getLogger("jaxstep")
+
+
+class Watcher:
+    """Runs each step on a dispatch thread and waits for it with a deadline, so a
+    hung device is named instead of hanging the host (CPU runs steps with host
+    callbacks synchronously, so the wait must not be on the dispatching thread)."""
+
+    def __init__(self, step: TrainStep, timeout: float):
+        self.step = step
+        self.timeout = timeout
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
+
+    def run(self, state: TrainState, batch: Any, expected: int) -> tuple[TrainState, StepOutput]:
+        for replicas in (False, self.step.divergence_every is not None):
+            # Compile time is not step time: both programs, before the clock starts.
+            self.step.compile(state, batch, heartbeat=True, replicas=replicas)
+        future = self.pool.submit(self.step.dispatch, state, batch, heartbeat=True)
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-4
+        while not (future.done() and future.result()[1].health.is_ready()):  # type: ignore[attr-defined]
+            lost = distributed.lost_processes()
+            if lost:  # a peer process died or froze: no need to wait for the deadline
+                self.pool.shutdown(wait=False)
+                raise distributed.lost_error(lost, expected, self.step.devices)
+            if time.monotonic() > deadline:
+                self.pool.shutdown(wait=False)
+                raise hung(self.step, expected, self.timeout)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        return future.result()
+
+
+def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
+    stacks = "\n".join(
+        f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    )
+    log.error("step %d did not finish within %.1f s; Python stacks:\n%s", expected, timeout, stacks)
+    done = {i for i, beat in dict(step.heartbeats).items() if beat >= expected}
+    many = distributed.spans_processes(step.devices)
+    if many:
+        # Each process saw only its own devices' heartbeats: pool them, so every
+        # process names the same devices.
+        done, _ = heartbeats.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
+    late = [i for i in range(len(step.devices)) if i not in done]
+    where = "before reaching the first collective"
+    if not late:  # every device reached the collective: the hang is in or after it
+        late = list(range(len(step.devices)))
+        where = "after reaching the first collective (all devices did)"
+    failures = [
+        Failure(
+            device_id=step.devices[i].id,
+            process_index=step.devices[i].process_index,
+            host=distributed.host_name(step.devices[i].process_index) if many else None,
+            step=expected,
+            status=Status.HUNG,
+            reason=f"did not finish its part of the step within {timeout:g} s, {where}",
+            leaf=None,
+        )
+        for i in late
+    ]
+    note = (
+        "the state lives on the hung device(s) and cannot be read: error.state is None; "
+        "restore from the last checkpoint (on CPU, XLA aborts a stuck collective ~40 s in)"
+    )
+    return TrainingWorkerError(failures, state=None, note=note)

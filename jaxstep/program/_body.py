@@ -1,0 +1,335 @@
+"""The per-device program: what every device runs inside ``shard_map`` / ``pmap``.
+
+its local part (:mod:`jaxstep.program._device`: input, loss, gradients, checks) -> one
+all-reduce of (gradients, model state, health rows) -> the same verdict on every
+device -> the optimizer update under ``lax.cond``. Pure functions over an immutable
+:class:`~jaxstep.program._device.Program`; nothing here touches host state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import io_callback
+
+from jaxstep.core import COL
+from jaxstep.core import COLUMNS
+from jaxstep.core import Status
+from jaxstep.core import StepInfo
+from jaxstep.core import StepOutput
+from jaxstep.core import TrainState
+from jaxstep.core import _health as health
+from jaxstep.program import _across as monitors
+from jaxstep.program._device import Program
+from jaxstep.program._device import microbatched
+from jaxstep.program._faults import Context
+
+__all__ = ["ALWAYS_HALT", "Beat", "Program", "body", "update", "verdict"]
+
+# Failures that skipping a step cannot cure: they halt under either policy.
+ALWAYS_HALT = Status.DIVERGED | Status.HUNG
+
+#: ``beat(position, step, status) -> status``: a host callback telling the host that a
+#: device finished its local part (``fit(step_timeout=...)``).
+Beat = Callable[[Any, Any, Any], Any]
+
+
+def body(
+    program: Program,
+    state: TrainState,
+    batch: Any,
+    extras: dict[str, Any],
+    *,
+    beat: Beat | None,
+    replicas: bool,
+) -> tuple[TrainState, StepOutput, dict[str, Any]]:
+    """One device's step. ``replicas``: the every-``divergence_every``-th variant that
+    also fingerprints this device's copy of the state; ``beat``: call it once the
+    local part is done (before the collective)."""
+    axis, n = program.axis_name, program.n
+    index = jax.lax.axis_index(axis)
+    ctx, token = None, jnp.zeros((), jnp.int32)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if program.faults:
+        ctx = Context(
+            step=state.step,
+            device_id=jnp.asarray(program.device_ids, jnp.int32)[index],
+            chunk=extras["chunk"].reshape(-1)[0],
+            rows=jnp.arange(rows),
+            fired=extras["fired"],
+        )
+        program.faults.check_rows(rows)
+        token = program.faults.stall(ctx, token)
+
+    # 1. input, 2. loss and gradients, 3. local health: all before any collective.
+    key = None
+    if state.rng is not None:
+        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index)
+    work, microbatch, check_names = microbatched(
+        program, state, batch, key, ctx, program.microbatches
+    )
+    grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
+    status = work.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
+    if ctx is not None:
+        grads = program.faults.tree("grad", grads, ctx)
+        # an injected gradient fault is checked like a real one
+        injected, injected_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
+        bad = ~jnp.isfinite(injected)
+        squares = jnp.where(bad, injected + squares, squares)
+        grad_leaf = health.earliest(grad_leaf, injected_leaf)
+        status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
+    row = {
+        "input_leaf": work.input_leaf,
+        "grad_leaf": grad_leaf,
+        "param_leaf": -1,
+        "diverged_leaf": -1,
+        "model_state_leaf": work.model_state_leaf,
+        "microbatch": microbatch,
+        "check": health.first_true(work.check_failed),
+        "loss": work.loss,
+        "grad_norm": squares,  # squared: health.to_table takes the root
+    }
+    prints = None
+    if replicas:
+        prints, param_leaf = replica_check(state)
+        row["param_leaf"] = param_leaf
+        status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
+    if beat is not None:
+        # Tell the host this device finished its local part. The gradients take a
+        # (zero) term from the callback's result, so it runs before the collective.
+        done = io_callback(beat, jax.ShapeDtypeStruct((), jnp.int32), index, state.step, status)
+        zero = jnp.minimum(done, 0)  # the callback returns status >= 0
+        grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
+        status |= zero
+    row["status"] = status
+
+    # 4. the first collective: the health rows (one-hot, so the sum is a gather),
+    # the count of devices failing or halting so far (summed: the verdict needs no
+    # reduction over the table), the float model state, the fingerprints and the
+    # fault flags ride in the gradients' all-reduce.
+    extra = []
+    if prints is not None:
+        extra.append(monitors.split16(prints))
+    if ctx is not None:
+        extra.append(program.faults.fire_flags(ctx).astype(jnp.float32))
+    halting = int(halting_status(program))
+    summed = [
+        (status & ~int(Status.OVERFLOW)) != 0,
+        (status & int(Status.OVERFLOW)) != 0,
+        (status & halting) != 0,
+        # The state's halted flag and step (from the first device, in exact 16-bit
+        # halves), read here, before the all-reduce, and not after: XLA then updates
+        # their donated buffers in place instead of copying them first.
+        state.halted,
+        jnp.where(index == 0, state.step // 65536, 0),
+        jnp.where(index == 0, state.step % 65536, 0),
+    ]
+    sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
+    floats = _floats(work.model_state)
+    # The gradients stay summed here: the division by n happens inside the update,
+    # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
+    grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), axis)
+    model_state = _with_floats(work.model_state, jax.tree.map(lambda x: x / n, floats))
+    width = len(COLUMNS) + len(summed)
+    rows_ = gathered[:, : len(COLUMNS)]  # every device's row, as packed
+    counts = gathered[0, len(COLUMNS) : width]
+    seen = Seen(
+        failed=counts[0] > 0,
+        overflow=counts[1] > 0,
+        halt=counts[2] > 0,
+        halted=counts[3] > 0,
+        step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
+    )
+    rest = gathered[:, width:]
+    status = rows_[:, COL["status"]].astype(jnp.int32)
+    columns: dict[str, jax.Array] = {}  # the table's columns changed after the gather
+    if prints is not None:
+        diverged, first = monitors.minority(monitors.join16(rest[:, : 2 * prints.shape[0]]))
+        added = jnp.where(diverged, int(Status.DIVERGED), 0)
+        status |= added
+        seen = seen.add(added, halting)
+        columns["diverged_leaf"] = first
+    if ctx is not None:
+        fired = jnp.any(rest[:, rest.shape[1] - len(program.faults.faults) :] > 0, axis=0)
+        extras = dict(extras, fired=extras["fired"] | fired)
+
+    # 5.-8. the verdict, the same on every device, and the update it allows.
+    losses = rows_[:, COL["loss"]]
+    new_state, status, columns = update(
+        program,
+        state,
+        losses,
+        status,
+        seen,
+        columns,
+        grad_sums,
+        model_state,
+        ctx,
+        index,
+    )
+    table = health.to_table(rows_, {**columns, "status": status})
+    metrics = {"loss": jnp.mean(losses)}
+    info = StepInfo(checks=check_names)
+    return new_state, StepOutput(metrics=metrics, health=table, aux=work.aux, info=info), extras
+
+
+def halting_status(program: Program) -> Status:
+    """Failures that halt under either policy: skipping cannot repair a diverged
+    replica, nor parameters that are already non-finite (found by the periodic
+    check; ``verify_update`` never commits them)."""
+    return ALWAYS_HALT if program.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
+
+
+class Seen(NamedTuple):
+    """Step-wide facts, taken from the all-reduce: whether any device failed,
+    overflowed or must halt (counted there for the status set before it, so the
+    verdict needs no reduction over the table; the few optional checks that set
+    status after it add theirs with :meth:`add`), and the state's ``halted`` flag and
+    ``step`` as they were before the step."""
+
+    failed: jax.Array
+    overflow: jax.Array
+    halt: jax.Array
+    halted: jax.Array
+    step: jax.Array
+
+    def add(self, bits: jax.Array, halting: int) -> Seen:
+        """With every device's ``bits`` (``(n,)`` Status bits) added."""
+        return self._replace(
+            failed=self.failed | jnp.any((bits & ~int(Status.OVERFLOW)) != 0),
+            overflow=self.overflow | jnp.any((bits & int(Status.OVERFLOW)) != 0),
+            halt=self.halt | jnp.any((bits & halting) != 0),
+        )
+
+
+def _floats(tree: Any) -> list[jax.Array]:
+    return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+
+def _with_floats(tree: Any, floats: list[jax.Array]) -> Any:
+    """``tree`` with its float leaves replaced, in order, by ``floats``."""
+    it = iter(floats)
+    return jax.tree.map(lambda x: next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
+
+
+def replica_check(state: TrainState) -> tuple[jax.Array, jax.Array]:
+    """This device's fingerprint of its own copy of params, optimizer state and model
+    state, and its first non-finite parameter leaf (or -1). In the every-k-steps
+    program only."""
+    leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
+    n_params = len(jax.tree.leaves(state.params))
+    return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+
+
+def update(
+    program: Program,
+    state: TrainState,
+    losses: jax.Array,
+    status: jax.Array,
+    seen: Seen,
+    columns: dict[str, jax.Array],
+    grad_sums: Any,
+    model_state: Any,
+    ctx: Context | None,
+    index: jax.Array,
+) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
+    """Decides, then updates. By default everything the verdict needs is known
+    before the update, so a ``lax.cond`` skips it on failure: no second pass over
+    the state and no extra memory. ``verify_update=True`` also checks the new
+    parameters before committing them (one more pass, and a second collective).
+    ``grad_sums`` are the gradients summed over the devices (divided here, inside the
+    optimizer's pass). Returns the new state, every device's status and the table
+    columns to write."""
+    n = program.n
+
+    def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        params, opt_state, _ = operands
+        grads = jax.tree.map(lambda g: g / n, grad_sums)
+        updates, opt_state = program.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, model_state
+
+    old = (state.params, state.opt_state, state.model_state)
+    columns = dict(columns)
+    if program.verify_update:
+        new = apply(old)
+        checked = new[0] if ctx is None else program.faults.tree("param", new[0], ctx)
+        leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
+        mine = jnp.arange(n) == index
+        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), program.axis_name)
+        # After a bad gradient every replica's update is bad too: that is the
+        # gradient's fault, so parameters are blamed only when nothing else failed.
+        bad = (leaves >= 0) & ~seen.failed & ~seen.overflow
+        columns["param_leaf"] = jnp.where(bad, leaves, -1)
+        added = jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
+        status = status | added
+        seen = seen.add(added, int(halting_status(program)))
+    status, ok, fields, verdict_columns = verdict(program, state, losses, status, seen)
+    if program.verify_update:
+        params, opt_state, model_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    else:
+        params, opt_state, model_state = jax.lax.cond(ok, apply, lambda operands: operands, old)
+    new_state = dataclasses.replace(
+        state, params=params, opt_state=opt_state, model_state=model_state, **fields
+    )
+    return new_state, status, {**columns, **verdict_columns}
+
+
+def verdict(
+    program: Program,
+    state: TrainState,
+    losses: jax.Array,
+    status: jax.Array,
+    seen: Seen,
+) -> tuple[jax.Array, jax.Array, dict[str, Any], dict[str, jax.Array]]:
+    """(every device's status, ok to update, the new state's other fields, the
+    step-wide verdict columns of the table). ``seen``: what ``status`` holds, step-wide
+    (failed, overflow, must halt)."""
+    monitor = state.monitor
+    spike = program.loss_spike
+    if spike is not None:
+        spiked = spike.check(state.monitor["spike"], losses) & (status == 0)
+        added = jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
+        status = status | added
+        seen = seen.add(added, int(halting_status(program)))
+    overflow, failed, must_halt = seen.overflow, seen.failed, seen.halt
+    scaler = program.loss_scale
+    if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
+        failed |= overflow & scaler.at_minimum(state.loss_scale)
+    if program.on_failure == "skip":
+        limit = program.max_consecutive_skips
+        halt_now = must_halt
+        if limit is not None:
+            halt_now |= failed & (state.consecutive_skips + 1 >= limit)
+        skipped = failed & ~halt_now & ~seen.halted
+    else:
+        halt_now = failed
+        skipped = jnp.array(False)
+    rescaled = overflow & ~failed & ~seen.halted  # skipped on every device, not a failure
+    ok = ~failed & ~overflow & ~seen.halted
+    halted = seen.halted | halt_now
+    if spike is not None:
+        monitor = {"spike": spike.update(state.monitor["spike"], losses, ok)}
+    consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
+    columns = {
+        "step": seen.step,
+        "halted": halted,
+        "skipped": skipped | rescaled,
+        "consecutive_skips": consecutive,
+        "failed": failed,
+    }
+    fields = {
+        "step": seen.step + (ok | skipped | rescaled),
+        "halted": halted,
+        "consecutive_skips": consecutive,
+        "total_skips": state.total_skips + skipped,
+        "monitor": monitor,
+    }
+    if scaler is not None:
+        fields["loss_scale"] = scaler.update(state.loss_scale, rescaled, ok)
+    return status, ok, fields, columns

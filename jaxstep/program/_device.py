@@ -1,0 +1,243 @@
+"""A device's own part of the step, before any collective: the loss and gradients of
+its chunk (or of each micro-batch of it, in a ``lax.scan``) and their health. Pure
+functions over the frozen :class:`Program` the step was built with."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxstep.core import Status
+from jaxstep.core import TrainState
+from jaxstep.core import _health as health
+from jaxstep.core import _validate as validate
+from jaxstep.program._across import LossSpike
+from jaxstep.program._faults import Context
+from jaxstep.program._faults import Injector
+from jaxstep.program._scaling import DynamicLossScale
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Everything the per-device program depends on, fixed when the step is built."""
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    has_aux: bool
+    on_failure: str
+    max_consecutive_skips: int | None
+    loss_spike: LossSpike | None
+    verify_update: bool
+    faults: Injector
+    device_ids: tuple[int, ...]
+    axis_name: str
+    microbatches: int = 1
+    loss_scale: DynamicLossScale | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.device_ids)
+
+
+def loss(
+    program: Program, *args: Any, ctx: Context | None, model_state: Any = None
+) -> tuple[jax.Array, Any]:
+    """``loss_fn(*args[, model_state=...])`` as ``(loss, aux)``, with an injected loss
+    fault applied."""
+    kwargs = {} if model_state is None else {"model_state": model_state}
+    value, aux = validate.loss_output(program.loss_fn(*args, **kwargs), program.has_aux)
+    if ctx is not None:
+        value = program.faults.loss(value, ctx)
+    return value, aux
+
+
+class Local(NamedTuple):
+    """One device's (or one micro-batch's) work before the collective."""
+
+    grads: Any
+    model_state: Any  # the new model state, or None
+    status: jax.Array  # Status bits
+    input_leaf: jax.Array
+    grad_squares: jax.Array  # the sum of squares of every gradient leaf
+    grad_leaf: jax.Array  # the first non-finite gradient leaf, or -1
+    model_state_leaf: jax.Array
+    check_failed: jax.Array  # (n_checks,) bool
+    loss: jax.Array
+    aux: Any
+
+
+def local(
+    program: Program,
+    state: TrainState,
+    batch: Any,
+    key: jax.Array | None,
+    model_state: Any,
+    ctx: Context | None,
+) -> tuple[Local, tuple[str, ...]]:
+    """Loss, gradients and health of one (micro-)batch on this device, before any
+    collective. Returns the work and the names of the user checks."""
+    if ctx is not None:
+        batch = program.faults.input(batch, ctx)
+    scale = None if state.loss_scale is None else state.loss_scale.scale
+
+    def loss_fn(*args: Any) -> tuple[jax.Array, Any]:
+        value, aux = loss(program, *args, ctx=ctx, model_state=model_state)
+        scaled = value if scale is None else value * scale.astype(value.dtype)
+        return scaled, (value, aux)
+
+    validate.rng_for(program.loss_fn, key is not None)  # at trace time only
+    args = (state.params, batch) if key is None else (state.params, batch, key)
+    (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
+    if scale is not None:
+        grads = jax.tree.map(lambda g: (g / scale.astype(g.dtype)).astype(g.dtype), grads)
+    checks, aux = validate.checks(aux)
+    new_ms, aux = validate.model_state(aux, model_state)
+    # the input is checked in the gradients' reduction: one kernel for both
+    squares, grad_leaf, in_leaf = health.gradient_health(
+        jax.tree.leaves(grads), jax.tree.leaves(batch)
+    )
+    in_bad, grad_bad = in_leaf >= 0, ~jnp.isfinite(squares)
+    ms_bad, ms_leaf = health.first_nonfinite(jax.tree.leaves(new_ms))
+    check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
+    # With a loss scale, non-finite gradients from a finite input and loss are an
+    # overflow of the scaled values: the scale backs off, nothing failed.
+    grad_flag: Any = int(Status.GRAD_NONFINITE)
+    if scale is not None:
+        overflow = ~in_bad & jnp.isfinite(value)
+        grad_flag = jnp.where(overflow, int(Status.OVERFLOW), int(Status.GRAD_NONFINITE))
+    status = (
+        jnp.where(in_bad, int(Status.INPUT_NONFINITE), 0)
+        | jnp.where(jnp.isfinite(value), 0, int(Status.LOSS_NONFINITE))
+        | jnp.where(grad_bad, grad_flag, 0)
+        | jnp.where(ms_bad, int(Status.MODEL_STATE_NONFINITE), 0)
+        | jnp.where(health.any_true(check_failed), int(Status.CHECK_FAILED), 0)
+    ).astype(jnp.int32)
+    work = Local(
+        grads, new_ms, status, in_leaf, squares, grad_leaf, ms_leaf, check_failed, value, aux
+    )
+    return work, tuple(checks)
+
+
+def microbatched(
+    program: Program,
+    state: TrainState,
+    batch: Any,
+    key: jax.Array | None,
+    ctx: Context | None,
+    microbatches: int,
+) -> tuple[Local, jax.Array, tuple[str, ...]]:
+    """:func:`local` over ``microbatches`` equal slices of the chunk in a ``lax.scan``:
+    gradients averaged, the model state threaded through, and the health of the
+    first failing micro-batch (also returned, or -1)."""
+    if microbatches == 1:
+        work, found = local(program, state, batch, key, state.model_state, ctx)
+        return work, jnp.where(work.status != 0, 0, -1).astype(jnp.int32), found
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    size = rows // microbatches
+    parts = jax.tree.map(lambda x: x.reshape(microbatches, size, *x.shape[1:]), batch)
+    names: tuple[str, ...] = ()
+
+    def one(carry: tuple[Any, Any], xs: tuple[Any, jax.Array]) -> tuple[Any, Any]:
+        nonlocal names
+        total, model_state = carry
+        part, m = xs
+        sub = None if key is None else jax.random.fold_in(key, m)
+        sub_ctx = None if ctx is None else ctx._replace(rows=m * size + jnp.arange(size))
+        work, names = local(program, state, part, sub, model_state, sub_ctx)
+        total = jax.tree.map(jnp.add, total, work.grads)
+        return (total, work.model_state), work._replace(grads=None, model_state=None)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    (total, model_state), each = jax.lax.scan(
+        one, (zeros, state.model_state), (parts, jnp.arange(microbatches))
+    )
+    grads = jax.tree.map(lambda g: g / microbatches, total)
+    first = health.first_true(each.status != 0)
+    pick = jnp.maximum(first, 0)
+    at = lambda x: x[pick]  # noqa: E731  the first failing micro-batch's value
+    # the first failing micro-batch's finiteness; the norm is the mean gradient's
+    squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
+    work = Local(
+        grads=grads,
+        model_state=model_state,
+        status=at(each.status),
+        input_leaf=at(each.input_leaf),
+        grad_squares=jnp.where(jnp.isfinite(at(each.grad_squares)), squares, jnp.inf),
+        grad_leaf=health.earliest(at(each.grad_leaf), leaf),
+        model_state_leaf=at(each.model_state_leaf),
+        check_failed=at(each.check_failed),
+        loss=jnp.mean(each.loss),
+        aux=jax.tree.map(_mean_or_last, each.aux),
+    )
+    return work, first, names
+
+
+def _mean_or_last(x: jax.Array) -> jax.Array:
+    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1]
+
+
+def example_failed(
+    program: Program,
+    state: TrainState,
+    example: Any,
+    chunk: jax.Array,
+    row: jax.Array,
+) -> jax.Array:
+    """Whether one example fails on its own (input, loss, gradient, model state or a
+    user check), as if it were row ``row`` of chunk ``chunk`` at ``state.step``: the
+    replay diagnosis maps this over the examples of a failing chunk. Collectives in
+    the model see a one-example axis (the caller binds ``axis_name``)."""
+    example = jax.tree.map(lambda x: x[None], example)
+    work, grads = _replayed(program, state, example, jnp.int32(-1), chunk, row[None])
+    bad = (work.status & ~int(Status.OVERFLOW)) != 0
+    if program.faults:  # an injected gradient fault is checked like a real one
+        bad |= health.first_nonfinite(jax.tree.leaves(grads))[0]
+    return bad
+
+
+def grad_leaves_finite(
+    program: Program,
+    state: TrainState,
+    chunk_batch: Any,
+    device_id: jax.Array,
+    chunk: jax.Array,
+) -> jax.Array:
+    """Whether each gradient leaf (``(n_leaves,)`` bool, in tree order) is finite for
+    the rows of chunk ``chunk`` as device ``device_id`` ran them at ``state.step``
+    (the whole chunk in one pass, micro-batches or not; faults bound to that device
+    or to those rows fire): which layers a non-finite gradient reached, for the
+    replay diagnosis. Collectives in the model see a one-chunk axis (the caller binds
+    ``axis_name``)."""
+    rows = jnp.arange(jax.tree.leaves(chunk_batch)[0].shape[0])
+    _, grads = _replayed(program, state, chunk_batch, device_id, chunk, rows)
+    return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+
+
+def _replayed(
+    program: Program,
+    state: TrainState,
+    batch: Any,
+    device_id: jax.Array,
+    chunk: jax.Array,
+    rows: jax.Array,
+) -> tuple[Local, Any]:
+    """:func:`local` for rows the diagnosis replays away from the step: the key and
+    the faults they had as rows ``rows`` of chunk ``chunk`` on device ``device_id``
+    (-1: faults bound to a device do not fire). Returns the work and its gradients
+    with any injected gradient fault applied."""
+    ctx = None
+    if program.faults:
+        fired = jnp.zeros(len(program.faults.faults), bool)
+        ctx = Context(state.step, device_id, chunk, rows, fired)
+    key = None
+    if state.rng is not None:
+        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
+    work, _ = local(program, state, batch, key, state.model_state, ctx)
+    grads = work.grads if ctx is None else program.faults.tree("grad", work.grads, ctx)
+    return work, grads

@@ -1,0 +1,156 @@
+"""``make_train_step``: checks the options, then builds the :class:`TrainStep`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+from jaxstep.core import _processes as processes
+from jaxstep.core import _validate as validate
+from jaxstep.program import DEFAULT_DIVERGENCE_EVERY
+from jaxstep.program import DynamicLossScale
+from jaxstep.program import Fault
+from jaxstep.program import LossSpike
+from jaxstep.step._backends import AXIS
+from jaxstep.step._backends import BACKENDS
+from jaxstep.step._train_step import POLICIES
+from jaxstep.step._train_step import TrainStep
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    backend: str = "shard_map",
+    devices: Sequence[jax.Device] | None = None,
+    has_aux: bool = False,
+    on_failure: str = "raise",
+    max_consecutive_skips: int | None = 10,
+    divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY,
+    loss_spike: LossSpike | None = None,
+    verify_update: bool = False,
+    faults: Sequence[Fault] = (),
+    donate: bool = True,
+    axis_name: str = AXIS,
+    microbatches: int = 1,
+    loss_scale: DynamicLossScale | None = None,
+) -> TrainStep:
+    """Builds a checked data-parallel training step.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux=True``; or ``loss_fn(params, batch, rng)`` when the state holds a
+        key). ``batch`` is this device's chunk. ``aux["checks"]`` may be a dict of
+        named boolean scalars: a False one fails the device with ``CHECK_FAILED``.
+      optimizer: an optax transformation; it receives the mean gradient.
+      backend: ``"shard_map"`` (state replicated) or ``"pmap"`` (state and outputs
+        with a leading device axis).
+      devices: the devices to use, default ``jax.devices()``. Chunk i of every batch
+        runs on ``devices[i]``.
+      has_aux: whether loss_fn returns ``(loss, aux)``.
+      on_failure: ``"raise"``: a failed step freezes the state (``halted``) and
+        :func:`fit` raises; ``"skip"``: the update is discarded on every device and
+        training goes on, until ``max_consecutive_skips`` failures in a row halt it.
+        A diverged replica halts under either policy.
+      max_consecutive_skips: with ``"skip"``, the N-th failed step in a row halts the
+        run (after N-1 skips) and :func:`fit` raises (None: never).
+      divergence_every: every this many steps each device fingerprints its copy of
+        the parameters and optimizer state; a device that disagrees with the majority
+        fails with ``DIVERGED`` (None: never).
+      loss_spike: a :class:`jaxstep.LossSpike` to fail devices whose loss jumps
+        (``LOSS_SPIKE``); None: off.
+      verify_update: also check the parameters after the update, per device, and
+        commit them only if finite (``PARAM_NONFINITE``): exact, but one more pass over
+        the state, its memory and a second small collective. Off, non-finite
+        parameters are still caught at the start of every ``divergence_every``-th step,
+        and an update from finite gradients rarely overflows.
+      faults: :class:`jaxstep.testing.Fault` s compiled into the step (tests, demos).
+      donate: donate the state's buffers to the step (saves memory; the state passed
+        in must not be used again).
+      axis_name: the name of the device axis, bound on both backends, so that
+        ``loss_fn`` (or the model: ``BatchNorm(axis_name=...)``) may use
+        ``lax.psum``/``lax.pmean`` over the devices. Which checks stay per-device
+        when the model communicates: see docs/flax.md.
+      microbatches: accumulate the mean gradient over this many equal slices of each
+        device's chunk inside the step (a ``lax.scan``); health is checked per
+        micro-batch and the first failing one is ``err.microbatch``. ``state.step``
+        counts batches (with ``optax.MultiSteps``, updates are every k-th of them).
+      loss_scale: a :class:`jaxstep.DynamicLossScale` for fp16: each device finds its
+        own overflow before the all-reduce; an overflowing step is skipped on every
+        device, recorded as ``Status.OVERFLOW`` (not a failure) and the scale backs
+        off; at the minimum scale an overflow raises. bf16 needs none.
+
+    Returns:
+      A :class:`TrainStep`: ``state = step.init(params)``, ``state, out = step(state, batch)``.
+
+    Raises:
+      ValueError, TypeError: an argument is invalid; the message names it and the fix.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxstep
+      >>> step = jaxstep.make_train_step(
+      ...     lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2), optax.sgd(0.1))
+      >>> state = step.init({"w": jnp.zeros(())})
+      >>> batch = {"x": jnp.ones(16), "y": 2 * jnp.ones(16)}
+      >>> state, out = step(state, batch)
+      >>> round(float(out.metrics["loss"]), 3)
+      4.0
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation, got "
+            f"{type(optimizer).__name__}; e.g. optax.adam(1e-3)"
+        )
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected 'shard_map' or 'pmap'")
+    if on_failure not in POLICIES:
+        raise ValueError(f"unknown on_failure policy {on_failure!r}; expected 'raise' or 'skip'")
+    if not (isinstance(axis_name, str) and axis_name):
+        raise TypeError(f"axis_name must be a non-empty str, got {axis_name!r}")
+    validate.positive_or_none("max_consecutive_skips", max_consecutive_skips)
+    validate.positive_or_none("microbatches", microbatches)
+    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a jaxstep.DynamicLossScale or None, got {loss_scale!r}"
+        )
+    validate.positive_or_none("divergence_every", divergence_every)
+    if loss_spike is not None and not isinstance(loss_spike, LossSpike):
+        raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {loss_spike!r}")
+    for f in faults:
+        if not isinstance(f, Fault):
+            raise TypeError(f"faults must hold jaxstep.testing.Fault objects, got {f!r}")
+        if f.kind == "param" and not verify_update:
+            raise ValueError(
+                f"{f!r} corrupts the checked new parameters, which only verify_update=True "
+                "checks: build the step with verify_update=True"
+            )
+    devices = validate.devices(devices)
+    if backend == "pmap" and processes.spans_processes(devices):
+        raise ValueError(
+            "backend='pmap' with devices of several processes is not supported: use "
+            "backend='shard_map' (the default; the same checks, state replicated), or pass "
+            "devices=jax.local_devices() for one process's devices"
+        )
+    return TrainStep(
+        loss_fn,
+        optimizer,
+        backend=backend,
+        devices=devices,
+        has_aux=has_aux,
+        on_failure=on_failure,
+        max_consecutive_skips=max_consecutive_skips,
+        divergence_every=divergence_every,
+        loss_spike=loss_spike,
+        verify_update=verify_update,
+        faults=faults,
+        donate=donate,
+        axis_name=axis_name,
+        microbatches=microbatches,
+        loss_scale=loss_scale,
+    )

@@ -1,0 +1,89 @@
+"""The diagnosis's passes over one failing chunk, on one device, from one copy of the
+state: which examples fail on their own (:meth:`Passes.failing_examples`) and which
+gradient leaves a non-finite gradient reached (:meth:`Passes.nonfinite_grad_leaves`).
+Each is compiled on first use; ``axis_name`` is bound to a one-example (or
+one-chunk) axis, so a model that communicates sees its rows alone."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstep.core import TrainState
+from jaxstep.core import from_host
+from jaxstep.program import _device as local
+
+
+class Passes:
+    """What :class:`jaxstep.TrainStep` runs for :func:`jaxstep.diagnose`."""
+
+    def __init__(self, program: local.Program, axis_name: str, n: int):
+        self.program, self.axis_name, self.n = program, axis_name, n
+        self._examples: Any = None
+        self._grad_leaves: Any = None
+
+    def failing_examples(
+        self, copy: TrainState, batch: Any, chunks: Sequence[int], step: int
+    ) -> list[int]:
+        """Global batch indices of the examples of ``chunks`` that fail on their own;
+        ``copy``: one device's numpy copy of the state (``step.local_copy``)."""
+        if self._examples is None:
+            program, axis = self.program, self.axis_name
+
+            def one(state: TrainState, example: Any, chunk: jax.Array, row: jax.Array) -> Any:
+                def alone(ex: Any) -> jax.Array:
+                    return local.example_failed(program, state, ex, chunk, row)
+
+                return _with_axis(alone, axis, example)
+
+            self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
+        state, size, part = self._split(copy, batch, step)
+        found: list[int] = []
+        for c in chunks:
+            flags = self._examples(state, part(c), jnp.int32(c), jnp.arange(size))
+            found.extend(int(c * size + r) for r in np.flatnonzero(np.asarray(flags)))
+        return found
+
+    def nonfinite_grad_leaves(
+        self, copy: TrainState, batch: Any, position: int, device_id: int, step: int
+    ) -> list[int]:
+        """Indices (tree order) of the gradient leaves that are not finite for chunk
+        ``position`` of ``batch`` as device ``device_id`` ran it."""
+        if self._grad_leaves is None:
+            program, axis = self.program, self.axis_name
+
+            def one(state: TrainState, part: Any, device: jax.Array, chunk: jax.Array) -> Any:
+                def alone(p: Any) -> jax.Array:
+                    return local.grad_leaves_finite(program, state, p, device, chunk)
+
+                return _with_axis(alone, axis, part)
+
+            self._grad_leaves = jax.jit(one)
+        state, _, part = self._split(copy, batch, step)
+        args = (jnp.int32(device_id), jnp.int32(position))
+        finite = np.asarray(self._grad_leaves(state, part(position), *args))
+        return [int(i) for i in np.flatnonzero(~finite)]
+
+    def _split(
+        self, copy: TrainState, batch: Any, step: int
+    ) -> tuple[TrainState, int, Callable[[int], Any]]:
+        """The state at step ``step``, the rows per device, and chunk c of ``batch``."""
+        state = dataclasses.replace(from_host(copy), step=jnp.asarray(step, jnp.int32))
+        size = jax.tree.leaves(batch)[0].shape[0] // self.n
+
+        def part(c: int) -> Any:
+            return jax.tree.map(lambda x: np.asarray(x)[c * size : (c + 1) * size], batch)
+
+        return state, size, part
+
+
+def _with_axis(fn: Callable[[Any], jax.Array], axis: str, tree: Any) -> jax.Array:
+    """``fn(tree)`` with ``axis`` bound to an axis of size one (so collectives in the
+    model see these rows alone)."""
+    return jax.vmap(fn, axis_name=axis)(jax.tree.map(lambda x: x[None], tree))[0]

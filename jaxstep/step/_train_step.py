@@ -1,0 +1,375 @@
+"""The host driver of the checked step: validate, place, dispatch, compile, replay.
+
+``TrainStep`` holds the compiled per-device program (:mod:`jaxstep.program`) and the
+host caches around it; calling it validates the batch (once per shape), places it,
+and dispatches one compiled call without waiting for the devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxstep.core import Failure
+from jaxstep.core import HealthTable
+from jaxstep.core import StepOutput
+from jaxstep.core import TrainState
+from jaxstep.core import _processes as processes
+from jaxstep.core import _validate as validate
+from jaxstep.core import failures_from_table
+from jaxstep.core import from_host
+from jaxstep.program import DynamicLossScale
+from jaxstep.program import Fault
+from jaxstep.program import Injector
+from jaxstep.program import LossSpike
+from jaxstep.program import _body as prog
+from jaxstep.program import _device as local
+from jaxstep.step._backends import AXIS
+from jaxstep.step._backends import BACKENDS
+from jaxstep.step._backends import Backend
+from jaxstep.step._inputs import Inputs
+from jaxstep.step._inputs import join
+from jaxstep.step._passes import Passes
+
+POLICIES = ("raise", "skip")
+
+
+class TrainStep:
+    """A compiled, checked training step. Build it with :func:`make_train_step`."""
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        optimizer: optax.GradientTransformation,
+        *,
+        backend: str,
+        devices: Sequence[jax.Device],
+        has_aux: bool,
+        on_failure: str,
+        max_consecutive_skips: int | None,
+        divergence_every: int | None,
+        loss_spike: LossSpike | None,
+        verify_update: bool,
+        faults: Sequence[Fault],
+        donate: bool,
+        axis_name: str = AXIS,
+        microbatches: int = 1,
+        loss_scale: DynamicLossScale | None = None,
+    ):
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.has_aux = has_aux
+        self.on_failure = on_failure
+        self.max_consecutive_skips = max_consecutive_skips
+        self.divergence_every = divergence_every
+        self.loss_spike = loss_spike
+        self.microbatches = microbatches
+        self.loss_scale = loss_scale
+        self.verify_update = verify_update
+        self.axis_name = axis_name
+        self.devices: list[jax.Device] = list(devices)
+        self.backend = backend
+        self._backend: Backend = BACKENDS[backend](self.devices, axis_name)
+        self._faults = Injector(faults, self.devices)
+        self.program = local.Program(
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            has_aux=has_aux,
+            on_failure=on_failure,
+            max_consecutive_skips=max_consecutive_skips,
+            loss_spike=loss_spike,
+            verify_update=verify_update,
+            faults=self._faults,
+            device_ids=tuple(d.id for d in self.devices),
+            axis_name=axis_name,
+            microbatches=microbatches,
+            loss_scale=loss_scale,
+        )
+        self._donate = donate
+        # Small arrays threaded through every call: fault bookkeeping only.
+        self._split = {"fired": False, "chunk": True} if self._faults else {}
+        self._extras = self._make_extras(np.arange(len(self.devices)))
+        # Four programs, compiled on first use: with or without the heartbeat callback,
+        # and with or without the replica check, which runs only every
+        # divergence_every-th step so the other steps carry none of its cost.
+        self._compiled = {
+            (hb, rc): self._backend.compile(
+                functools.partial(
+                    prog.body, self.program, beat=self._beat if hb else None, replicas=rc
+                ),
+                donate,
+                self._split,
+            )
+            for hb in (False, True)
+            for rc in (False, True)
+        }
+        self._next_step = 0  # the step number of the state returned last
+        self._clear_halt = self._backend.compile_state_fn(
+            lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
+        )
+        self._aot: dict[Any, Any] = {}
+        self._passes = Passes(self.program, self.axis_name, len(self.devices))  # diagnosis
+        #: device position -> last step whose local part it finished (heartbeat mode).
+        self.heartbeats: dict[int, int] = {}
+        # The state and batch it takes, and their leaf names (``names``).
+        self._inputs = Inputs(
+            self.devices,
+            microbatches,
+            self._faults,
+            f"{backend} backend, loss_spike={'on' if loss_spike else 'off'}",
+        )
+        self.names = self._inputs.names
+        self._info: Any = None
+        self._last_state: Any = None
+
+    @property
+    def stacked(self) -> bool:
+        """Whether state leaves carry a leading device axis (the ``pmap`` backend)."""
+        return self._backend.stacked
+
+    # ---------------------------------------------------------------- host side
+    def init(
+        self, params: Any, *, model_state: Any = None, rng: jax.Array | None = None
+    ) -> TrainState:
+        """Builds the first state from ``params`` and places it on the devices.
+
+        Args:
+          params: a pytree of float arrays.
+          model_state: the model's non-trained variables (e.g. linen's
+            ``{"batch_stats": ...}``), or None. With it, ``loss_fn`` is called with
+            ``model_state=`` and returns the new one in ``aux["model_state"]``.
+          rng: optional PRNG key; then ``loss_fn(params, batch, rng)`` gets a key per
+            step and device.
+
+        Raises:
+          TypeError: a parameter leaf is not a float array, or a model state is given
+            to a step built without ``has_aux=True``.
+        """
+        validate.params(params)
+        if model_state is not None:
+            validate.model_state_leaves(model_state, self.has_aux)
+            model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
+        # Own copies: the step donates its state, and must not delete the caller's arrays.
+        params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        opt_state = self.optimizer.init(params)
+        n = len(self.devices)
+        self._inputs.forget_state()  # _check_state below learns the new state's names and shape
+        # Distinct arrays for every leaf: a donated buffer may appear only once.
+        state = TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=opt_state,
+            rng=None if rng is None else jnp.array(rng, copy=True),
+            halted=jnp.zeros((), bool),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+            total_skips=jnp.zeros((), jnp.int32),
+            monitor={"spike": self.loss_spike.init(n)} if self.loss_spike else {},
+            model_state=model_state,
+            loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
+        )
+        placed = self._backend.place_state(state)
+        self._check_state(placed)  # records the state's shape
+        return placed
+
+    def __call__(
+        self, state: TrainState, batch: Any, *, presplit: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        """Runs one step on ``batch``; chunk i of its leading axis runs on ``devices[i]``.
+        ``presplit=True``: every leaf is ``(n_devices, per_device, ...)``, as pmap code
+        builds batches (``[i]`` runs on ``devices[i]``).
+
+        Dispatches and returns at once: nothing here waits for the devices. A failed
+        step returns the state unchanged (with ``halted`` set under ``raise``); read
+        ``step.table(out)`` or use :func:`jaxstep.fit` to raise the error.
+
+        Raises:
+          ValueError, TypeError: the batch or state is malformed; nothing ran and the
+            state is still usable.
+        """
+        return self.dispatch(state, batch, presplit=presplit)
+
+    def dispatch(
+        self, state: TrainState, batch: Any, *, heartbeat: bool = False, presplit: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        """Like calling the step; ``heartbeat=True`` also records, in
+        ``self.heartbeats``, each device finishing its local part (a host callback
+        per device and step: what ``fit(step_timeout=...)`` uses to name a hung device).
+        On CPU a step with host callbacks runs synchronously."""
+        if presplit:
+            batch = self.join(batch)
+        self._check_state(state)
+        leaves = self._inputs.check_batch(batch)
+        number = self._step_number(state)
+        placed = self._backend.place_batch(batch, leaves)
+        replicas = self._replica_step(number)
+        if heartbeat:
+            fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
+        else:
+            fn = self._compiled[(False, replicas)]
+        try:  # free when nothing is raised (Python 3.11): no per-shape bookkeeping needed
+            state, out, self._extras = fn(state, placed, self._extras)
+        except Exception as err:  # tracing a new shape failed: say if it looks pre-split
+            hint = validate.presplit_hint(err, batch, len(self.devices))
+            if hint is None:
+                raise
+            raise hint from err
+        self._last_state, self._next_step = state, number + 1
+        if out.info is not self._info:
+            self._learn(out.info)
+        return state, out
+
+    def join(self, batch: Any) -> Any:
+        """A pre-split ``(n_devices, per_device, ...)`` batch as the global batch."""
+        return join(batch, len(self.devices))
+
+    def _learn(self, info: Any) -> None:
+        """What the program returned about itself (once per compiled program)."""
+        self._info = info
+        self._inputs.learn_checks(info.checks)
+
+    def compile(
+        self, state: TrainState, batch: Any, *, heartbeat: bool = False, replicas: bool = False
+    ) -> Any:
+        """Compiles the step ahead of time for this state and batch shape (cached), to
+        keep compile time out of a timeout or to read ``memory_analysis()``.
+        ``replicas=True``: the variant that runs every ``divergence_every``-th step."""
+        self._check_state(state)
+        self._inputs.check_batch(batch)
+        leaves = jax.tree.leaves((state, batch))
+        key = (heartbeat, replicas, *((x.shape, str(x.dtype)) for x in leaves))
+        if key not in self._aot:
+            placed = self._backend.place_batch(batch)
+            fn = self._compiled[(heartbeat, replicas)]
+            self._aot[key] = fn.lower(state, placed, self._extras).compile()  # type: ignore[attr-defined]
+        return self._aot[key]
+
+    def _step_number(self, state: TrainState) -> int:
+        """``state.step`` without a device read for the state this step returned last."""
+        if state is self._last_state:
+            return self._next_step
+        return int(self.first_copy(state.step))
+
+    def _replica_step(self, number: int) -> bool:
+        return self.divergence_every is not None and number % self.divergence_every == 0
+
+    def replay(
+        self, state: TrainState, batch: Any, *, rotation: int = 0
+    ) -> tuple[TrainState, StepOutput]:
+        """Runs the step again from ``state`` (not donated) with chunk ``(i + rotation)
+        % n`` of ``batch`` on ``devices[i]``. Used by :func:`jaxstep.diagnose`."""
+        n = len(self.devices)
+        self._check_state(state)
+        self._inputs.check_batch(batch)
+        order = (np.arange(n) + rotation) % n
+        size = jax.tree.leaves(batch)[0].shape[0] // n  # checked just above
+        rows = (order[:, None] * size + np.arange(size)[None, :]).reshape(-1)
+        moved = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
+        copy = jax.tree.map(jnp.copy, state)
+        extras = dict(self._extras)
+        if self._faults:
+            extras["chunk"] = self._make_extras(order)["chunk"]
+        placed = self._backend.place_batch(moved)
+        fn = self._compiled[(False, self._replica_step(self._step_number(state)))]
+        new_state, out, _ = fn(copy, placed, extras)
+        self._learn(out.info)
+        return new_state, out
+
+    def failing_examples(
+        self, state: TrainState, batch: Any, chunks: Sequence[int], step: int
+    ) -> list[int]:
+        """Global batch indices of the examples of ``chunks`` that fail on their own
+        (input, loss, gradient, model state or a user check) from ``state`` at step
+        ``step``: the per-example health pass of the replay diagnosis. Runs on one
+        device; ``axis_name`` is bound to a one-example axis, so a model that
+        communicates (cross-device BatchNorm) sees each example alone."""
+        self._inputs.check_batch(batch)
+        return self._passes.failing_examples(self.local_copy(state, 0), batch, chunks, step)
+
+    def nonfinite_grad_leaves(
+        self, state: TrainState, batch: Any, position: int, step: int
+    ) -> list[str]:
+        """Names of the gradient leaves that are not finite for the rows
+        ``devices[position]`` holds of ``batch``, run from ``state`` at step ``step`` as
+        that device ran them (one pass over the whole chunk, on one device;
+        ``axis_name`` is bound to a one-chunk axis): which layers a non-finite
+        gradient reached. Used by :func:`jaxstep.diagnose`."""
+        self._inputs.check_batch(batch)
+        copy, device = self.local_copy(state, 0), self.devices[position].id
+        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step)
+        return [self.names["params"][i] for i in bad]
+
+    def table(self, out: StepOutput) -> HealthTable:
+        """Reads a step's health table on the host (waits for that step)."""
+        return HealthTable.from_array(self._backend.host_table(out.health))
+
+    @property
+    def rows_per_device(self) -> int:
+        """Rows per device of the batch dispatched last, as this process passed it."""
+        return self._inputs.rows_per_device
+
+    def failures(self, table: HealthTable, rows_per_device: int | None = None) -> list[Failure]:
+        """The failing devices of a step, in device order."""
+        # One host needs no host name in every message; many do.
+        hosts = processes.host_name if processes.spans_processes(self.devices) else None
+        return failures_from_table(
+            table, self.devices, self.names, rows_per_device, self.microbatches, hosts
+        )
+
+    def clear_halt(self, state: TrainState) -> TrainState:
+        """The same state with ``halted`` cleared, to resume from a failed step."""
+        return self._clear_halt(state)
+
+    def first_copy(self, tree: Any) -> Any:
+        """The numpy copy of ``tree`` held by this process's first device of the step
+        (a small read: e.g. ``step.first_copy(state.step)``); typed keys come as
+        :class:`jaxstep.core.HostKey`."""
+        return self._backend.first_copy(tree)
+
+    def host_state(self, state: TrainState) -> TrainState:
+        """One device's copy of the state, as on a single device (drops pmap's axis)."""
+        return self._backend.unstack(state)
+
+    def place_state(self, state: TrainState) -> TrainState:
+        """Places a single-copy state (numpy, another step's ``host_state``, or a
+        :func:`local_copy`) on this step's devices: replicated, or stacked under
+        ``pmap``. How a state moves between steps, device counts and backends."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"expected a jaxstep.TrainState, got {type(state).__name__}")
+        return self._backend.place_state(from_host(state))
+
+    def local_copy(self, tree: Any, position: int) -> Any:
+        """The numpy copy of a replicated (or pmap-stacked) ``tree`` held by
+        ``devices[position]``; typed PRNG keys come as :class:`jaxstep.core.HostKey`
+        (:meth:`place_state` takes them back)."""
+        return self._backend.local_copy(tree, position)
+
+    def lower(self, state: TrainState, batch: Any) -> Any:
+        """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
+        memory analysis)."""
+        placed = self._backend.place_batch(batch)
+        return self._compiled[(False, False)].lower(state, placed, self._extras)  # type: ignore[attr-defined]
+
+    def _make_extras(self, chunks: np.ndarray) -> dict[str, Any]:
+        if not self._faults:
+            return {}
+        values = {
+            "fired": np.zeros(len(self._faults.faults), bool),
+            "chunk": np.asarray(chunks, np.int32),
+        }
+        return self._backend.place_extras(values, self._split)
+
+    def _check_state(self, state: Any) -> None:
+        if state is not self._last_state:  # the state this step returned last: checked
+            self._inputs.check_state(state)
+
+    def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
+        self.heartbeats[int(index)] = int(step)
+        return np.asarray(status, np.int32)
