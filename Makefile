@@ -22,7 +22,7 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --durations=15
 
-# Notebooks are committed without outputs (tests/test_notebook.py runs them).
+# Notebooks are committed without outputs (tests/notebook/test_notebook.py runs them).
 strip-notebooks: $(STAMP)
 	$(BIN)/python scripts/strip_notebooks.py notebooks/*.ipynb
 

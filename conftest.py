@@ -5,7 +5,7 @@ backends through ``jaxstep_backend``."""
 
 import pytest
 
-# Run by tests/test_user_project.py in its own pytest, against an installed wheel.
+# Run by tests/testing/test_user_project.py in its own pytest, against an installed wheel.
 collect_ignore = ["tests/user_project"]
 
 

@@ -1,5 +1,5 @@
 """FAILS ON PURPOSE: a model that breaks on one device's rows, and the report the
-testing kit gives. tests/test_user_project.py checks the failure and its message."""
+testing kit gives. tests/testing/test_user_project.py checks the failure and its message."""
 
 import jax.numpy as jnp
 import jaxstep

@@ -180,3 +180,31 @@ def test_model_state_missing_from_a_dict_aux_names_its_keys(backend):
     state = step.init(init_params(), model_state={"count": jnp.zeros(())})
     with pytest.raises(TypeError, match=r"aux has no 'model_state' key \(keys: \['acc'\]\)"):
         step(state, make_batches(1)[0])
+
+
+def test_a_state_from_a_differently_built_step_is_rejected(backend):
+    plain = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend)
+    spiky = jaxstep.make_train_step(
+        loss_fn, optax.adam(1e-2), backend=backend, loss_spike=jaxstep.LossSpike()
+    )
+    spiky.init(init_params())
+    state = plain.init(init_params())
+    with pytest.raises(ValueError, match="this state does not fit this step"):
+        spiky(state, make_batches(1)[0])
+    other = "pmap" if backend == "shard_map" else "shard_map"
+    foreign = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=other)
+    foreign.init(init_params())
+    with pytest.raises(ValueError, match="this state does not fit this step"):
+        foreign(state, make_batches(1)[0])
+    jax.tree.map(np.asarray, host_params(plain, state))  # still usable
+
+
+def test_bad_batches_are_rejected_under_step_timeout_and_when_empty():
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
+    state = step.init(init_params())
+    short = {k: v[:30] for k, v in make_batches(1)[0].items()}
+    with pytest.raises(ValueError, match="does not divide by the 8 devices"):
+        jaxstep.fit(step, state, [short], step_timeout=30.0)
+    empty = {k: v[:0] for k, v in make_batches(1)[0].items()}
+    with pytest.raises(ValueError, match="0 examples"):
+        step(state, empty)

@@ -12,6 +12,7 @@ import jaxstep
 from jaxstep import Failure
 from jaxstep import Status
 from jaxstep import TrainingWorkerError
+from jaxstep.testing import corrupt_replica
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -68,3 +69,22 @@ def test_error_from_a_run_pickles_with_its_fields(backend):
     assert back.device_id == jax.devices()[2].id
     chex.assert_trees_all_equal(back.state.params, jax.device_get(err.state.params))
     assert "rows 8..11 of the global batch" in str(err)
+
+
+def test_errors_with_typed_keys_pickle_and_divergence_recovers(backend):
+    def loss(params, batch, rng):
+        return loss_fn(params, batch) + 0.0 * jax.random.normal(rng, ())
+
+    step = jaxstep.make_train_step(loss, optax.adam(1e-2), backend=backend, divergence_every=1)
+    batches = make_batches(4)
+    state = jaxstep.fit(step, step.init(init_params(), rng=jax.random.key(0)), batches[:1])
+    state = corrupt_replica(step, state, jax.devices()[2].id, "params['dense1']['bias']")
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, state, batches[1:], diagnose=True)
+    err = info.value
+    assert err.status == Status.DIVERGED and err.device_id == jax.devices()[2].id
+    assert err.diagnosis.verdict == "device"  # no replay: it would start from a good copy
+    back = pickle.loads(pickle.dumps(err))
+    assert back.device_id == err.device_id
+    key = step.host_state(back.state).rng if backend == "pmap" else back.state.rng
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)

@@ -27,7 +27,7 @@ import pytest
 import jaxstep
 from jaxstep.distributed import reports
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = ROOT / "tests" / "multihost_child.py"
 TRAIN = ROOT / "scripts" / "tpu_vm" / "train.py"
 LOST_TIMEOUT = 6.0  # the children's lost_timeout (CHILD_LOST_TIMEOUT)

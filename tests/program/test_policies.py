@@ -164,3 +164,31 @@ def test_fit_reads_each_table_one_step_late(monkeypatch):
     ]
     outs = [o for k, o in events if k == "dispatch"]
     assert [o for k, o in events if k == "table"] == outs  # each table read once, in order
+
+
+def _overflow(**kw):
+    def loss(params, batch):
+        return (params["w"] * batch["x"]).mean() * 1e10
+
+    step = jaxstep.make_train_step(loss, optax.sgd(1e30), **kw)
+    state = step.init({"w": np.ones(3, np.float32)})
+    return step, state, [{"x": np.ones((8, 3), np.float32)}] * 12
+
+
+@pytest.mark.parametrize(
+    "policy,every,status,at",
+    [
+        ("raise", 1, Status.PARAM_NONFINITE, 1),  # the periodic check finds them
+        ("raise", 4, Status.LOSS_NONFINITE, 1),  # the loss fails first, because of them
+        ("skip", 4, Status.PARAM_NONFINITE, 4),  # skips cannot cure them: halts at the check
+    ],
+)
+def test_committed_nonfinite_parameters_are_never_called_a_good_state(policy, every, status, at):
+    step, state, batches = _overflow(divergence_every=every, on_failure=policy)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, state, batches)
+    err = info.value
+    assert status in err.status and err.step == at
+    assert not err.state_is_good
+    assert "NOT a good one" in str(err) and "verify_update=True" in str(err)
+    assert "last good state" not in str(err)

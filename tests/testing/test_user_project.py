@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROJECT = ROOT / "tests" / "user_project"
 BACKENDS = ("shard_map", "pmap")
 PASSING = [

@@ -43,7 +43,7 @@ def test_stalled_device_is_named_hung(backend):
         capture_output=True,
         text=True,
         timeout=90,
-        cwd=str(__import__("pathlib").Path(__file__).parents[1]),
+        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"

@@ -150,3 +150,15 @@ def test_nonfinite_parameters_are_caught_at_the_next_check(backend):
     assert err.leaf == "['w']"
     assert len(err.failures) == 8
     assert "error.state" in str(err)
+
+
+def test_a_fresh_step_reports_failures_of_a_state_it_did_not_build(backend):
+    first = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend)
+    batches = make_batches(4)
+    state = jaxstep.fit(first, first.init(init_params()), batches[:2])
+    second = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend)
+    batches[3]["poison"][rows_of(6)] = 1.0
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(second, state, batches[2:])
+    err = info.value
+    assert (err.device_id, err.step, err.leaf) == (jax.devices()[6].id, 3, "['dense2']['kernel']")

@@ -23,7 +23,7 @@ from tests.sources import grain_loader
 
 NUM = 10
 EVERY = 2
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 PRELUDE = r"""
 import json, os, signal, sys
