@@ -1,8 +1,21 @@
 """What watches a run from outside the loop, reading its :class:`jaxstep.History`: the
-progress line, the metric writers (JSONL, TensorBoard) and the plots."""
+progress line, the metric writers (JSONL, TensorBoard) and the plots (public home:
+:mod:`jaxstep.plot`)."""
 
 from jaxstep.callbacks._metrics import JsonlWriter as JsonlWriter
 from jaxstep.callbacks._metrics import TensorBoardWriter as TensorBoardWriter
+from jaxstep.callbacks._plot import grad_norm_heatmap as grad_norm_heatmap
+from jaxstep.callbacks._plot import loss_curves as loss_curves
+from jaxstep.callbacks._plot import marks as marks
+from jaxstep.callbacks._plot import overview as overview
 from jaxstep.callbacks._progress import Progress as Progress
 
-__all__ = ["JsonlWriter", "Progress", "TensorBoardWriter"]
+__all__ = [
+    "JsonlWriter",
+    "Progress",
+    "TensorBoardWriter",
+    "grad_norm_heatmap",
+    "loss_curves",
+    "marks",
+    "overview",
+]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from typing import IO
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -19,6 +21,9 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.loop import History
+
+if TYPE_CHECKING:
+    from jaxstep.step import TrainStep
 
 
 def status_name(value: int) -> str:
@@ -99,7 +104,7 @@ class _Writer:
     history: History | None = None
     all_processes: bool = False
 
-    def on_fit_start(self, step: Any, history: History) -> None:
+    def on_fit_start(self, step: TrainStep, history: History) -> None:
         self.history = history
 
     @property
@@ -129,7 +134,7 @@ class JsonlWriter(_Writer):
     def __init__(self, path: str | os.PathLike[str], *, all_processes: bool = False):
         self.path = os.fspath(path)
         self.all_processes = all_processes
-        self._file: Any = None
+        self._file: IO[str] | None = None
 
     def _write(self, record: dict[str, Any]) -> None:
         if not self.writes:

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 from typing import Any
 
 import numpy as np
 
 from jaxstep.core import Status
 from jaxstep.loop import History
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.figure import FigureBase
+    from matplotlib.image import AxesImage
 
 #: Status bits that are recorded but are not failures (loss-scale overflows).
 _NOT_FAILURES = int(Status.OVERFLOW)
@@ -64,7 +71,7 @@ def marks(history: History) -> dict[str, np.ndarray]:
     }
 
 
-def _colorbar(fig: Any, image: Any, axes: Any, **kwargs: Any) -> None:
+def _colorbar(fig: FigureBase, image: AxesImage, axes: Axes | list[Axes], **kwargs: Any) -> None:
     from matplotlib.ticker import LogFormatter
 
     bar = fig.colorbar(image, ax=axes, label=COLORBAR_LABEL, pad=0.01, **kwargs)
@@ -73,7 +80,7 @@ def _colorbar(fig: Any, image: Any, axes: Any, **kwargs: Any) -> None:
     bar.ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.5)))
 
 
-def grad_norm_heatmap(history: History, ax: Any = None, *, colorbar: bool = True) -> Any:
+def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: bool = True) -> Axes:
     """Gradient norm of each device (rows) at each step (columns), log colour scale.
     Failures are red crosses, overflows orange dots, skipped steps grey bands;
     non-finite norms are black. Returns the axes (the image is ``ax.images[0]``)."""
@@ -126,7 +133,7 @@ def grad_norm_heatmap(history: History, ax: Any = None, *, colorbar: bool = True
     return ax
 
 
-def loss_curves(history: History, ax: Any = None) -> Any:
+def loss_curves(history: History, ax: Axes | None = None) -> Axes:
     """The loss of every device (thin lines) and their mean (black); steps with a
     failure get a red dashed line. Returns the axes."""
     plt = _pyplot()
@@ -157,7 +164,7 @@ def loss_curves(history: History, ax: Any = None) -> Any:
 
 def overview(
     history: History, path: str | os.PathLike[str] | None = None, *, dpi: int = 100
-) -> Any:
+) -> Figure:
     """The heatmap above the loss curves in one figure, saved as PNG to ``path`` when
     given. Returns the matplotlib ``Figure``.
 

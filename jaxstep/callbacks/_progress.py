@@ -7,11 +7,17 @@ from __future__ import annotations
 import math
 import sys
 from typing import IO
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
 from jaxstep.loop import History
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as Bar
+    from rich.progress import TaskID
+
+    from jaxstep.step import TrainStep
 
 
 def _can_draw(file: IO[str]) -> bool:
@@ -55,16 +61,16 @@ class Progress:
         self.every = every or (max(1, total // 10) if total else 25)
         self.file = file
         self._live = live
-        self._bar: Any = None
-        self._task: Any = None
-        self._step: Any = None
+        self._bar: Bar | None = None
+        self._task: TaskID | None = None
+        self._step: TrainStep | None = None
         self.history: History | None = None
         self._done = 0
 
     def _out(self) -> IO[str]:
         return self.file if self.file is not None else sys.stdout
 
-    def on_fit_start(self, step: Any, history: History) -> None:
+    def on_fit_start(self, step: TrainStep, history: History) -> None:
         self.history = history
         self._step = step  # a Progress used for several fits keeps counting
         live = self._live if self._live is not None else _can_draw(self._out())
@@ -110,11 +116,12 @@ class Progress:
         self._done += 1
         if table.failed and table.skipped:
             # Under the skip policy nothing is raised: say who failed, once.
+            assert self._step is not None, "on_fit_start gives the step"
             failures = "; ".join(
                 f"device {f.device_id}: {f.reason}" for f in self._step.failures(table)
             )
             self._print(f"step {table.step} skipped: {failures}")
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:  # made together
             self._bar.update(self._task, advance=1, text=self.describe())
         elif self._done % self.every == 0 or self._done == self.total:
             of = f"/{self.total}" if self.total else ""

@@ -1,6 +1,10 @@
 """The ``jaxstep`` command: ``jaxstep demo`` and ``jaxstep doctor``, and the digits data
-the demo trains on. Uses jaxstep's public API only."""
+the demo trains on (public home: :mod:`jaxstep.data`). Built on the layers' faces and
+the testing kit."""
 
+from jaxstep.cli._data import Split as Split
+from jaxstep.cli._data import batches as batches
+from jaxstep.cli._data import digits as digits
 from jaxstep.cli._main import main as main
 
-__all__ = ["main"]
+__all__ = ["Split", "batches", "digits", "main"]

@@ -1,6 +1,7 @@
 """``jaxstep demo``: a small Flax CNN learns scikit-learn's bundled digits on every
 device with jaxstep; ``--inject`` plants one fault on one device at one step and the
-run says which device, where and why. Uses jaxstep's public API only."""
+run says which device, where and why. Built on the layers' faces (jaxstep.step, .loop,
+.callbacks, ...) and the testing kit, never on their private modules."""
 
 from __future__ import annotations
 
@@ -10,7 +11,23 @@ import logging
 import math
 import re
 import tempfile
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from typing import Any
+from typing import cast
+
+if TYPE_CHECKING:
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from jaxstep.cli._data import Split
+    from jaxstep.core import TrainingWorkerError
+    from jaxstep.core import TrainState
+    from jaxstep.loop import History
+    from jaxstep.program import Fault
+    from jaxstep.step import TrainStep
 
 #: Exit codes of ``jaxstep`` (documented in ``jaxstep --help``).
 EXIT_OK = 0
@@ -62,14 +79,14 @@ class Injection:
         return cls(kind, fields["device"], fields["step"])
 
 
-def _model() -> Any:
+def _model() -> nn.Module:
     import flax.linen as nn
 
     class CNN(nn.Module):
         """Two convolutions and two dense layers for 8x8 digits."""
 
         @nn.compact
-        def __call__(self, x: Any) -> Any:
+        def __call__(self, x: jax.Array) -> jax.Array:
             x = nn.relu(nn.Conv(16, (3, 3))(x))
             x = nn.relu(nn.Conv(32, (3, 3), strides=(2, 2))(x))  # 4x4x32
             x = nn.relu(nn.Dense(64)(x.reshape(x.shape[0], -1)))
@@ -103,40 +120,23 @@ def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace, devices: list[Any]) -> int:
-    """The demo on ``devices``; returns an exit code."""
+def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
+    """The demo on ``devices``; returns an exit code. Builds the step with the injected
+    fault, trains (:func:`_train`), then prints the per-device summary, the test
+    accuracy and the plot (:func:`_report`)."""
     import jax
-    import numpy as np
     import optax
 
-    import jaxstep
     from jaxstep.cli import _data as data
-    from jaxstep.testing import Fault
-    from jaxstep.testing import corrupt_replica
+    from jaxstep.loop import History
+    from jaxstep.step import make_train_step
 
     inj = args.inject
     train, test = data.digits(seed=args.seed)
     model = _model()
     batch_size = args.per_device * len(devices)
-
-    def loss_fn(params: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        logits = model.apply({"params": params}, batch["image"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        accuracy = (logits.argmax(-1) == batch["label"]).mean()
-        return loss, {"accuracy": accuracy}
-
-    faults = []
-    if inj is not None and inj.kind != "corrupt":
-        spec: dict[str, tuple[str, str, dict[str, Any]]] = {
-            "nan": ("input", "data", {"example": 1}),
-            "inf": ("loss", "device", {"value": math.inf}),
-            "grad": ("grad", "transient", {"leaf": GRAD_LEAF}),
-            "stall": ("stall", "device", {"seconds": STEP_TIMEOUT + 2}),
-        }
-        kind, mode, extra = spec[inj.kind]
-        faults.append(Fault(kind, device_id=inj.device_id, step=inj.step, mode=mode, **extra))
-    step = jaxstep.make_train_step(
-        loss_fn,
+    step = make_train_step(
+        _loss(model),
         optax.adam(3e-3),
         backend=args.backend,
         devices=devices,
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
         on_failure=args.policy,
         # Replica fingerprints cost a second program to compile: on for "corrupt" only.
         divergence_every=DIVERGENCE_EVERY if inj is not None and inj.kind == "corrupt" else None,
-        faults=faults,
+        faults=_faults(inj),
     )
     # One compiled init, not one small compile per parameter.
     params = jax.jit(model.init)(jax.random.key(args.seed), train.image[:1])["params"]
@@ -159,13 +159,61 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
     if inj is not None:
         print(f"injected at step {inj.step} on device {inj.device_id}: {KINDS[inj.kind]}")
 
-    history = jaxstep.History()
-    callbacks: list[Any] = [jaxstep.Progress(args.steps)]
-    if args.jsonl:
-        callbacks.append(jaxstep.JsonlWriter(args.jsonl))
-    if args.tensorboard:
-        callbacks.append(jaxstep.TensorBoardWriter(args.tensorboard))
+    history = History()
+    options = _fit_options(args, history)
     batches = data.batches(train, batch_size, seed=args.seed)
+    state, error = _train(args, step, state, batches, options)
+    _report(args, devices, model, step, state, test, history, error)
+    return EXIT_OK if error is None else EXIT_WORKER_FAILED
+
+
+def _loss(
+    model: nn.Module,
+) -> Callable[[Any, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]:
+    """The demo's loss function: cross-entropy, with the accuracy as aux."""
+    import optax
+
+    def loss_fn(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        # apply returns (output, state) only when given mutable=
+        logits = cast("jax.Array", model.apply({"params": params}, batch["image"]))
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        accuracy = (logits.argmax(-1) == batch["label"]).mean()
+        return loss, {"accuracy": accuracy}
+
+    return loss_fn
+
+
+def _faults(inj: Injection | None) -> list[Fault]:
+    """The fault to build into the step for ``--inject`` (none for ``corrupt``: the demo
+    corrupts a replica between two fits)."""
+    from jaxstep.program import Fault
+
+    if inj is None or inj.kind == "corrupt":
+        return []
+    spec: dict[str, tuple[str, str, dict[str, Any]]] = {
+        "nan": ("input", "data", {"example": 1}),
+        "inf": ("loss", "device", {"value": math.inf}),
+        "grad": ("grad", "transient", {"leaf": GRAD_LEAF}),
+        "stall": ("stall", "device", {"seconds": STEP_TIMEOUT + 2}),
+    }
+    kind, mode, extra = spec[inj.kind]
+    return [Fault(kind, device_id=inj.device_id, step=inj.step, mode=mode, **extra)]
+
+
+def _fit_options(args: argparse.Namespace, history: History) -> dict[str, Any]:
+    """``fit``'s keywords: the history, the callbacks asked for, the diagnosis, and for
+    an injection the step timeout (a stall) or a checkpoint directory for the emergency
+    save (the others)."""
+    from jaxstep.callbacks import JsonlWriter
+    from jaxstep.callbacks import Progress
+    from jaxstep.callbacks import TensorBoardWriter
+
+    inj = args.inject
+    callbacks: list[Progress | JsonlWriter | TensorBoardWriter] = [Progress(args.steps)]
+    if args.jsonl:
+        callbacks.append(JsonlWriter(args.jsonl))
+    if args.tensorboard:
+        callbacks.append(TensorBoardWriter(args.tensorboard))
     options: dict[str, Any] = {"history": history, "callbacks": callbacks, "diagnose": True}
     if inj is not None and inj.kind == "stall":
         options["step_timeout"] = STEP_TIMEOUT
@@ -174,34 +222,76 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
         checkpoint_dir = tempfile.mkdtemp(prefix="jaxstep-demo-")
     if checkpoint_dir is not None:  # the emergency save on a failure goes there
         options["checkpoint_dir"] = checkpoint_dir
+    return options
+
+
+def _train(
+    args: argparse.Namespace,
+    step: TrainStep,
+    state: TrainState,
+    batches: Iterator[dict[str, np.ndarray]],
+    options: dict[str, Any],
+) -> tuple[TrainState, TrainingWorkerError | None]:
+    """``fit`` to ``args.steps`` steps (for ``corrupt``: to the injection's step, then
+    one ulp on one replica, then on); a failure is printed and returned with the state
+    it left (its last good one, when it has one)."""
+    from jaxstep.core import TrainingWorkerError
+    from jaxstep.loop import fit
+    from jaxstep.testing import corrupt_replica
+
+    inj, history = args.inject, options["history"]
     # The hang watchdog logs every Python stack: right for a job's log, noise here.
     quiet = logging.NullHandler()
     logging.getLogger("jaxstep").addHandler(quiet)
-    code, error = EXIT_OK, None
+    error = None
     try:
         if inj is not None and inj.kind == "corrupt":
-            state = jaxstep.fit(step, state, batches, num_steps=inj.step, **options)
+            state = fit(step, state, batches, num_steps=inj.step, **options)
             leaf = f"params{GRAD_LEAF}"
             state = corrupt_replica(step, state, inj.device_id, leaf, ulps=1)
             print(f"step {inj.step}: device {inj.device_id}'s copy of {leaf} moved by one ulp")
         done = len(history)
-        state = jaxstep.fit(step, state, batches, num_steps=args.steps - done, **options)
-    except jaxstep.TrainingWorkerError as err:
-        code, error = EXIT_WORKER_FAILED, err
-        print(f"\njaxstep.TrainingWorkerError: {err}")
-        print(
-            f"\nerr.device_id={err.device_id}  err.step={err.step}  err.status={err.status!r}  "
-            f"err.leaf={err.leaf!r}"
-        )
-        if err.diagnosis is not None:
-            print(f"err.diagnosis.verdict={err.diagnosis.verdict!r}")
-        checkpoint = getattr(err, "checkpoint", None)
-        if checkpoint is not None:
-            print(f"emergency checkpoint: {checkpoint}")
+        state = fit(step, state, batches, num_steps=args.steps - done, **options)
+    except TrainingWorkerError as err:
+        error = err
+        _print_failure(err)
         if err.state is not None:
             state = err.state
     finally:
         logging.getLogger("jaxstep").removeHandler(quiet)
+    return state, error
+
+
+def _print_failure(err: TrainingWorkerError) -> None:
+    """The error as a user meets it, then the fields a program reads."""
+    print(f"\njaxstep.TrainingWorkerError: {err}")
+    print(
+        f"\nerr.device_id={err.device_id}  err.step={err.step}  err.status={err.status!r}  "
+        f"err.leaf={err.leaf!r}"
+    )
+    if err.diagnosis is not None:
+        print(f"err.diagnosis.verdict={err.diagnosis.verdict!r}")
+    checkpoint = getattr(err, "checkpoint", None)
+    if checkpoint is not None:
+        print(f"emergency checkpoint: {checkpoint}")
+
+
+def _report(
+    args: argparse.Namespace,
+    devices: list[jax.Device],
+    model: nn.Module,
+    step: TrainStep,
+    state: TrainState,
+    test: Split,
+    history: History,
+    error: TrainingWorkerError | None,
+) -> None:
+    """After training: the per-device summary, the test accuracy (when there is a state
+    to test), the plot if asked."""
+    import jax
+    import numpy as np
+
+    from jaxstep.callbacks import overview
 
     print()
     summary(history, args.steps, devices, error)
@@ -211,19 +301,23 @@ def run(args: argparse.Namespace, devices: list[Any]) -> int:
         accuracy = float(np.mean(np.asarray(logits).argmax(-1) == test.label))
         print(f"test accuracy {accuracy:.3f} after {len(history)} steps")
     if args.plot and len(history):
-        jaxstep.plot.overview(history, args.plot)
+        overview(history, args.plot)
         print(f"plot saved to {args.plot}")
     if error is None:
         print(f"finished {len(history)} steps")
-    return code
 
 
-def summary(history: Any, steps: int, devices: list[Any], error: Any = None) -> None:
+def summary(
+    history: History,
+    steps: int,
+    devices: list[jax.Device],
+    error: TrainingWorkerError | None = None,
+) -> None:
     """The per-device table: id, process, mean loss and gradient norm, failures (a
     hung step never reaches the history: it is taken from ``error``)."""
     import numpy as np
 
-    import jaxstep
+    from jaxstep.core import Status
 
     if not len(history):
         print("no step finished")
@@ -232,7 +326,7 @@ def summary(history: Any, steps: int, devices: list[Any], error: Any = None) -> 
     rows = []
     for i, device_id in enumerate(a["device_ids"]):
         loss, norm = a["device_loss"][:, i], a["device_grad_norm"][:, i]
-        bad = (a["status"][:, i] & ~int(jaxstep.Status.OVERFLOW)) != 0  # overflows: no failure
+        bad = (a["status"][:, i] & ~int(Status.OVERFLOW)) != 0  # overflows: no failure
         failed = [int(a["step"][t]) for t in np.flatnonzero(bad)]
         if error is not None and error.step not in failed:
             failed += [f.step for f in error.failures if f.device_id == device_id]

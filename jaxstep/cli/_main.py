@@ -14,13 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jaxstep.cli._demo import EXIT_OK
 from jaxstep.cli._demo import EXIT_USAGE
 from jaxstep.cli._demo import EXIT_WORKER_FAILED
 from jaxstep.cli._demo import KINDS
 from jaxstep.cli._demo import Injection
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["EXIT_OK", "EXIT_USAGE", "EXIT_WORKER_FAILED", "main"]
 
@@ -119,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _devices(spec: int | str) -> list[Any]:
+def _devices(spec: int | str) -> list[jax.Device]:
     """The devices to run on; fake CPU devices are made before JAX starts a backend
     (in a process where it has started, e.g. a notebook, the first N CPU devices)."""
     if spec == "real":
