@@ -1,0 +1,324 @@
+"""The package's folders keep the architecture docs/internals.md draws: each layer
+imports only itself and the layers below it, no packages or modules import each
+other in a circle, functions stay short, each face lists exactly what it imports,
+and no module reaches into another package's private modules.
+
+Read from the source with :mod:`ast` (nothing of jaxstep is imported), so a broken
+layer fails here by name, not as an import error somewhere else."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jaxstep"
+
+#: Bottom to top; a module may import its own layer and any layer below it. The
+#: adapters (the testing kit, the flax helpers) sit on the library's layers; the
+#: ``jaxstep`` command demos the testing kit (faults, fake devices, a corrupted
+#: replica), so it sits on them; the public faces (``jaxstep/__init__.py`` and the
+#: top-level modules) re-export from everything below.
+ORDER = [
+    ("core",),
+    ("program",),
+    ("step",),
+    ("distributed",),
+    ("checkpoint",),
+    ("loop",),
+    ("callbacks",),
+    ("testing", "flax"),
+    ("cli",),
+    ("faces",),
+]
+RANK = {package: rank for rank, packages in enumerate(ORDER) for package in packages}
+
+#: A function longer than this (lines of code: docstring, blank and comment lines
+#: left out) must say why in its docstring, with these words.
+MAX_FUNCTION_LINES = 80
+LONG_BECAUSE = "long because"
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    """One ``import`` of a jaxstep module, where it stands in its module."""
+
+    source: str  # the importing module, e.g. jaxstep.loop._fit
+    target: str  # the module imported, e.g. jaxstep.core._state
+    names: tuple[str, ...]  # for ``from target import a, b``: a, b
+    line: int
+    top_level: bool  # runs when the module is imported (not inside a function)
+    type_checking: bool  # inside ``if TYPE_CHECKING:``
+
+    def __str__(self) -> str:
+        names = f" ({', '.join(self.names)})" if self.names else ""
+        return f"{path_of(self.source)}:{self.line}: {self.target}{names}"
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def path_of(module: str) -> str:
+    return str(MODULES[module].relative_to(PACKAGE.parent))
+
+
+def package_of(module: str) -> str:
+    """The layer a module belongs to: its sub-package, ``flax`` for jaxstep.flax, and
+    ``faces`` for jaxstep itself and its other top-level modules."""
+    parts = module.split(".")
+    if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    if module == "jaxstep.flax":
+        return "flax"
+    return "faces"
+
+
+def is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _resolve(source: str, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` names (relative imports too)."""
+    if not node.level:
+        return node.module or ""
+    base = source.split(".")
+    base = base if is_package(source) else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports(source: str, text: str | None = None) -> Iterator[Import]:
+    """Every import of a jaxstep module in ``source`` (or in ``text``, read as that
+    module), at any depth."""
+    tree = ast.parse(MODULES[source].read_text() if text is None else text)
+
+    def visit(node: ast.AST, top_level: bool, type_checking: bool) -> Iterator[Import]:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "jaxstep":
+                    yield Import(source, alias.name, (), node.lineno, top_level, type_checking)
+            return
+        if isinstance(node, ast.ImportFrom):
+            module = _resolve(source, node)
+            if module.split(".")[0] != "jaxstep":
+                return
+            names = tuple(alias.name for alias in node.names)
+            # ``from jaxstep.pkg import _mod`` imports the module jaxstep.pkg._mod.
+            submodules = [n for n in names if f"{module}.{n}" in MODULES]
+            for name in submodules:
+                target = f"{module}.{name}"
+                yield Import(source, target, (), node.lineno, top_level, type_checking)
+            rest = tuple(n for n in names if n not in submodules)
+            if rest:
+                yield Import(source, module, rest, node.lineno, top_level, type_checking)
+            return
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                yield from visit(child, top_level, True)
+            for child in node.orelse:
+                yield from visit(child, top_level, type_checking)
+            return
+        inner = top_level and not isinstance(
+            node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+        )
+        for child in ast.iter_child_nodes(node):
+            yield from visit(child, inner, type_checking)
+
+    yield from visit(tree, True, False)
+
+
+IMPORTS = [i for module in MODULES for i in imports(module)]
+
+
+def test_every_module_belongs_to_a_layer_of_the_order():
+    """A new sub-package must be placed in ORDER (and in docs/internals.md): else the
+    checks below would not see it."""
+    packages = {package_of(m) for m in MODULES}
+    assert packages <= set(RANK), f"not placed in the layer order: {packages - set(RANK)}"
+    assert {"core", "program", "step", "loop", "faces"} <= packages  # the walk found them
+    assert len(IMPORTS) > 100
+
+
+def test_the_walk_finds_imports_in_functions_and_marks_type_checking_ones():
+    text = (
+        "from typing import TYPE_CHECKING\n"
+        "from jaxstep.core import Status\n"
+        "if TYPE_CHECKING:\n"
+        "    from jaxstep.loop import History\n"
+        "def f():\n"
+        "    import jaxstep\n"
+        "    from jaxstep.cli import _data\n"
+        "    from . import _passes\n"
+    )
+    found = {(i.target, i.top_level, i.type_checking) for i in imports("jaxstep.step._build", text)}
+    assert found == {
+        ("jaxstep.core", True, False),
+        ("jaxstep.loop", True, True),
+        ("jaxstep", False, False),
+        ("jaxstep.cli._data", False, False),
+        ("jaxstep.step._passes", False, False),
+    }
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imports_go_to_the_same_or_a_lower_layer():
+    """At module level and inside functions; ``if TYPE_CHECKING:`` imports are
+    annotations only, and may name a layer above."""
+    upward = [
+        f"{i}  [{package_of(i.source)} imports {package_of(i.target)}]"
+        for i in IMPORTS
+        if not i.type_checking and RANK[package_of(i.target)] > RANK[package_of(i.source)]
+    ]
+    assert not upward, "imports of a layer above:\n" + "\n".join(upward)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_no_packages_import_each_other_in_a_circle():
+    edges: dict[str, set[str]] = {}
+    for i in IMPORTS:
+        source, target = package_of(i.source), package_of(i.target)
+        if not i.type_checking and source != target:
+            edges.setdefault(source, set()).add(target)
+    assert not _cycles(edges), f"packages in a circle: {_cycles(edges)}"
+
+
+def test_no_modules_import_each_other_in_a_circle_when_imported():
+    """Module-level imports only: those run while a module is being imported."""
+    edges: dict[str, set[str]] = {}
+    for i in IMPORTS:
+        if i.top_level and not i.type_checking and i.source != i.target:
+            edges.setdefault(i.source, set()).add(i.target)
+    assert not _cycles(edges), f"modules in a circle: {_cycles(edges)}"
+
+
+def _lines_of_code(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
+    span = set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    first = node.body[0]
+    if ast.get_docstring(node) is not None:
+        span -= set(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    return sum(1 for n in span if lines[n - 1].strip() and not lines[n - 1].strip().startswith("#"))
+
+
+def test_no_function_is_longer_than_80_lines_unless_its_docstring_says_why():
+    long = []
+    for module, path in MODULES.items():
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            count = _lines_of_code(node, lines)
+            if count > MAX_FUNCTION_LINES and LONG_BECAUSE not in (ast.get_docstring(node) or ""):
+                long.append(f"{path_of(module)}:{node.lineno}: {node.name} ({count} lines)")
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines of code whose docstring does not say "
+        f"why ('{LONG_BECAUSE} ...'):\n" + "\n".join(long)
+    )
+
+
+#: The sub-packages' faces, and the top-level modules that re-export (jaxstep.plot, ...);
+#: jaxstep/__init__.py groups its names by subject and also reaches jaxstep.flax lazily.
+FACES = [m for m in MODULES if is_package(m) and m != "jaxstep"] + [
+    m
+    for m in MODULES
+    if package_of(m) == "faces" and not is_package(m) and "__all__" in MODULES[m].read_text()
+]
+
+
+@pytest.mark.parametrize("face", FACES, ids=path_of)
+def test_a_face_lists_in_all_sorted_exactly_the_names_it_imports(face):
+    """Of jaxstep's names, that is: a top-level module may also import a tool (sys)."""
+    tree = ast.parse(MODULES[face].read_text())
+    imported, others, listed = [], [], None
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            names = [alias.asname or alias.name for alias in node.names]
+            (imported if _resolve(face, node).startswith("jaxstep") else others).extend(names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                name = alias.asname or alias.name.split(".")[0]
+                (imported if alias.name.startswith("jaxstep") else others).append(name)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            listed = ast.literal_eval(node.value)
+    assert listed is not None, f"{path_of(face)} has no __all__"
+    assert listed == sorted(listed), f"{path_of(face)}: __all__ is not sorted"
+    assert sorted(listed) == sorted(imported), (
+        f"{path_of(face)}: imported but not in __all__: {sorted(set(imported) - set(listed))}; "
+        f"in __all__ but not imported: {sorted(set(listed) - set(imported))}"
+    )
+    if is_package(face):
+        assert not others, f"{path_of(face)}: a sub-package's face only re-exports: {others}"
+
+
+def _private(dotted: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+
+
+def test_no_module_imports_the_private_names_of_another_package():
+    """``from jaxstep.pkg._mod import name`` only within ``pkg``; others import what the
+    face ``jaxstep.pkg`` lists (annotations under TYPE_CHECKING too). Tests may."""
+    reaching: dict[tuple[str, str], list[Import]] = {}
+    for i in IMPORTS:
+        if package_of(i.source) == package_of(i.target):
+            continue
+        if _private(i.target) or any(_private(n) for n in i.names):
+            reaching.setdefault((i.source, i.target), []).append(i)
+    lines = [
+        f"{path_of(source)}:{found[0].line}: {target} "
+        f"({', '.join(n for i in found for n in i.names) or 'the module'})"
+        for (source, target), found in reaching.items()
+    ]
+    assert not lines, "private names of another package:\n" + "\n".join(lines)
