@@ -84,18 +84,18 @@ def local(
     collective. Returns the work and the names of the user checks."""
     if ctx is not None:
         batch = program.faults.input(batch, ctx)
-    scale = None if state.loss_scale is None else state.loss_scale.scale
+    scaler, scale = program.loss_scale, state.loss_scale
 
     def loss_fn(*args: Any) -> tuple[jax.Array, Any]:
         value, aux = loss(program, *args, ctx=ctx, model_state=model_state)
-        scaled = value if scale is None else value * scale.astype(value.dtype)
+        scaled = value if scaler is None else scaler.scale_loss(scale, value)
         return scaled, (value, aux)
 
     validate.rng_for(program.loss_fn, key is not None)  # at trace time only
     args = (state.params, batch) if key is None else (state.params, batch, key)
     (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
-    if scale is not None:
-        grads = jax.tree.map(lambda g: (g / scale.astype(g.dtype)).astype(g.dtype), grads)
+    if scaler is not None:
+        grads = scaler.unscale(scale, grads)
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
     # the input is checked in the gradients' reduction: one kernel for both
@@ -108,7 +108,7 @@ def local(
     # With a loss scale, non-finite gradients from a finite input and loss are an
     # overflow of the scaled values: the scale backs off, nothing failed.
     grad_flag: Any = int(Status.GRAD_NONFINITE)
-    if scale is not None:
+    if scaler is not None:
         overflow = ~in_bad & jnp.isfinite(value)
         grad_flag = jnp.where(overflow, int(Status.OVERFLOW), int(Status.GRAD_NONFINITE))
     status = (

@@ -13,13 +13,17 @@ from jaxstep.testing.assertions import assert_replicas_equal
 from jaxstep.testing.devices import set_cpu_devices
 from jaxstep.testing.replica import corrupt_replica
 from jaxstep.testing.replica import replicas
+from jaxstep.testing.tiny import TinyStep
+from jaxstep.testing.tiny import tiny_step
 
 __all__ = [
     "Fault",
+    "TinyStep",
     "assert_fails",
     "assert_matches_reference",
     "assert_replicas_equal",
     "corrupt_replica",
     "replicas",
     "set_cpu_devices",
+    "tiny_step",
 ]

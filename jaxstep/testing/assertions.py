@@ -49,7 +49,8 @@ def assert_fails(
         NaN in the input also makes the loss and gradients non-finite:
         ``Status.INPUT_NONFINITE | Status.LOSS_NONFINITE | Status.GRAD_NONFINITE``.
         Omitted: not checked.
-      leaf: the ``jax.tree_util.keystr`` of the leaf named, e.g. ``"['w']"``, or None
+      leaf: the ``jax.tree_util.keystr`` of the leaf named, e.g. ``"['w']"`` (a
+        parameter also as ``"params['w']"``, as ``corrupt_replica`` takes it), or None
         for a failure without one. Omitted: not checked.
 
     Returns:
@@ -89,13 +90,20 @@ def assert_fails(
         problems.append(f"failed at step {err.step}, not {step}")
     if status is not _UNCHECKED and err.status != status:
         problems.append(f"status is {_flags(err.status)}, not {_flags(status)}")
-    if leaf is not _UNCHECKED and err.leaf != leaf:
+    if leaf is not _UNCHECKED and _param_leaf(err.leaf) != _param_leaf(leaf):
         problems.append(f"leaf is {err.leaf!r}, not {leaf!r}")
     if problems:
         raise AssertionError(
             f"expected {want}, but: " + "; ".join(problems) + f"\nthe error was:\n{err}"
         )
     return err
+
+
+def _param_leaf(leaf: str | None) -> str | None:
+    """A parameter's name without ``params`` in front: the two spellings compare equal."""
+    if leaf is not None and leaf.startswith("params") and leaf[len("params") :][:1] in "[.":
+        return leaf[len("params") :]
+    return leaf
 
 
 def assert_replicas_equal(step: TrainStep, tree: Any) -> None:

@@ -22,18 +22,21 @@ def corrupt_replica(
       step: the step that owns ``state``.
       state: a state from ``step``; not modified.
       device_id: the ``jax.Device.id`` whose replica is corrupted.
-      leaf: a name from ``step.names["state"]``, e.g. ``"params['dense1']['kernel']"``.
+      leaf: a name from ``step.names["state"]``: a parameter
+        (``"params['Dense_0']['kernel']"``, or as ``Fault`` and ``err.leaf`` write it,
+        ``"['Dense_0']['kernel']"``), an optimizer state leaf (``"opt_state[0].mu['w']"``)
+        or a model state leaf (``"model_state['batch_stats']['mean']"``, e.g. BatchNorm
+        statistics).
       ulps: how many representable values to move (>= 1).
     """
     names = step.names["state"]
-    if leaf not in names:
-        raise ValueError(f"unknown state leaf {leaf!r}; the leaves are {names}")
+    k = state_leaf_index(names, leaf)
     ids = [d.id for d in step.devices]
     if device_id not in ids:
         raise ValueError(f"device {device_id} is not among the step's devices {ids}")
     target = step.devices[ids.index(device_id)]
-    leaves, treedef = jax.tree.flatten((state.params, state.opt_state))
-    k = names.index(leaf)
+    # the order of step.names["state"]
+    leaves, treedef = jax.tree.flatten((state.params, state.opt_state, state.model_state))
     x = leaves[k]
     if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"leaf {leaf!r} has dtype {x.dtype}; pick a float leaf")
@@ -50,8 +53,22 @@ def corrupt_replica(
         for s in x.addressable_shards
     ]
     leaves[k] = jax.make_array_from_single_device_arrays(x.shape, x.sharding, shards)
-    params, opt_state = jax.tree.unflatten(treedef, leaves)
-    return state.replace(params=params, opt_state=opt_state)  # type: ignore[attr-defined]
+    params, opt_state, model_state = jax.tree.unflatten(treedef, leaves)
+    return state.replace(  # type: ignore[attr-defined]
+        params=params, opt_state=opt_state, model_state=model_state
+    )
+
+
+def state_leaf_index(names: list[str], leaf: str) -> int:
+    """The position of ``leaf`` in a step's ``names["state"]``; a parameter may be
+    named without ``params`` in front, as ``Fault`` and ``err.leaf`` name it."""
+    for name in (leaf, f"params{leaf}"):
+        if name in names:
+            return names.index(name)
+    raise ValueError(
+        f"unknown state leaf {leaf!r}; the leaves are {names} (a parameter may also be "
+        "named without 'params' in front, as err.leaf names it)"
+    )
 
 
 def replicas(step: TrainStep, tree: Any) -> list[Any]:
