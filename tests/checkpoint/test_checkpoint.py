@@ -373,7 +373,7 @@ def test_model_state_and_loss_scale_are_saved_with_the_rest(backend, tmp_path):
         backend=backend,
         has_aux=True,
         divergence_every=EVERY,
-        loss_scale=jaxstep.DynamicLossScale(scale=2.0**8, growth_interval=2),
+        loss_scale=jaxstep.DynamicLossScale(scale=2.0**8, growth_interval=1),
     )
 
     def fresh():
