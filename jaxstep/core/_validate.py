@@ -290,9 +290,10 @@ def trainable(tree: Any) -> None:
             "e.g. step.init(model.init(key, x)['params'])"
         )
     for path, leaf in leaves:
-        values = np.asarray(leaf)
-        if values.size and not np.all(np.isfinite(values)):
-            bad = int(np.size(values) - np.count_nonzero(np.isfinite(values)))
+        # device arrays are reduced where they live: no copy of the model to the host
+        xp = jnp if isinstance(leaf, jax.Array) else np
+        if not bool(xp.all(xp.isfinite(leaf))):
+            bad = int(np.size(leaf) - np.count_nonzero(np.isfinite(np.asarray(leaf))))
             raise ValueError(
                 f"parameter {jax.tree_util.keystr(path)} holds {bad} non-finite value(s) "
                 "before any update ran: the initialisation (or the checkpoint it came from) "
