@@ -4,7 +4,10 @@ offending value and the fix, before anything runs."""
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -397,3 +400,33 @@ def changed_leaf(name: str, first: tuple[Any, Any], now: tuple[Any, Any]) -> str
             "Warned once per leaf"
         )
     return None
+
+
+def axis_hint(err: Exception, axis_name: str) -> Exception | None:
+    """``err`` from tracing the step, when the model uses an axis name the step does not
+    bind (``BatchNorm(axis_name="batch")`` with the default ``axis_name``)."""
+    found = re.search(r"unbound axis name: ([^\s.,]+)", str(err))
+    if not isinstance(err, NameError) or found is None:
+        return None
+    name = found.group(1).strip("'\"")
+    return ValueError(
+        f"loss_fn (or the model, e.g. BatchNorm(axis_name={name!r})) uses the axis name "
+        f"{name!r}, but this step binds its device axis as {axis_name!r}: build it with "
+        f"make_train_step(..., axis_name={name!r}). Nothing ran; the state is unchanged"
+    )
+
+
+def not_variables(params: Any) -> None:
+    """Warns when ``params`` is a whole Flax ``variables`` dict: every leaf of it is
+    trained, BatchNorm statistics included (and weight decay reaches them)."""
+    if not (isinstance(params, Mapping) and "params" in params and len(params) > 1):
+        return
+    others = sorted(str(k) for k in params if k != "params")
+    warnings.warn(
+        f"params looks like a whole Flax variables dict (collections 'params' and "
+        f"{others}): every leaf is trained as a parameter, {others[0]} included, and "
+        "weight decay (adamw) reaches it. Pass the collections apart: params, model_state "
+        "= jaxstep.flax.linen_split(variables); state = step.init(params, "
+        "model_state=model_state)",
+        stacklevel=3,
+    )

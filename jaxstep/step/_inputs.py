@@ -15,13 +15,9 @@ import numpy as np
 from jaxstep.core import TrainState
 from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
+from jaxstep.core._names import keystrs as keystrs
 from jaxstep.program import Injector
 from jaxstep.program import float_leaves
-
-
-def keystrs(tree: Any, prefix: str = "") -> list[str]:
-    """``prefix + keystr(path)`` of every leaf of ``tree``, in leaf order."""
-    return [prefix + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def join(batch: Any, n: int) -> Any:
@@ -155,7 +151,7 @@ class Inputs:
         if self._batch_def is None:
             self.faults.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
-            self.names["input"] = keystrs(batch)
+            self.names["input"] = [name or "batch" for name in keystrs(batch)]
             self._batch_sig = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
         elif treedef != self._batch_def:
             raise ValueError(

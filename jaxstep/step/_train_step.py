@@ -158,6 +158,7 @@ class TrainStep:
         """
         validate.params(params)
         validate.trainable(params)
+        validate.not_variables(params)
         if rng is not None:
             validate.key(rng)
         if model_state is not None:
@@ -223,7 +224,9 @@ class TrainStep:
         try:  # free when nothing is raised (Python 3.11): no per-shape bookkeeping needed
             state, out, self._extras = fn(state, placed, self._extras)
         except Exception as err:  # tracing a new shape failed: say if it looks pre-split
-            hint = validate.presplit_hint(err, batch, len(self.devices))
+            hint = validate.axis_hint(err, self.axis_name) or validate.presplit_hint(
+                err, batch, len(self.devices)
+            )
             if hint is None:
                 raise
             raise hint from err
