@@ -77,3 +77,17 @@ def test_a_whole_variables_dict_as_params_warns():
     }
     with pytest.warns(UserWarning, match=r"whole Flax variables dict.*batch_stats.*linen_split"):
         step.init(variables)
+
+
+def test_a_state_prints_as_a_summary(backend):
+    step = jaxstep.make_train_step(
+        lambda p, x: jnp.mean(x @ p["w"]), optax.adam(1e-3), backend=backend
+    )
+    state = step.init({"w": jnp.ones((100, 100))})
+    text = repr(state)
+    assert len(text) < 300, text
+    assert "step=0" in text and "params=<1 leaf, 39.1 KB, float32>" in text
+    assert "halted=False" in text and "on 8 devices" in text
+    new, _ = step(state, np.ones((16, 100), np.float32))
+    assert "donated" in repr(state)
+    assert "step=1" in repr(new)
