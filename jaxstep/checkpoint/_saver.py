@@ -19,6 +19,7 @@ import socket
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -301,12 +302,36 @@ def _validate(step: Any, directory: Any, every: int | None, keep: int | None, re
         raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
     if resume and directory is None:
         raise ValueError("resume=True needs checkpoint_dir=... to resume from")
+    if directory is not None:
+        _check_directory(directory)
     among = coordination.processes(step.devices)
     if directory is not None and jax.process_count() > 1 and 0 not in among:
         raise ValueError(
             f"checkpoint_dir with a step on the devices of process(es) {among} only: process "
             "0 writes the checkpoints (orbax writes host arrays from process 0 alone), so "
             "the step's devices must include process 0's (the default, jax.devices())"
+        )
+
+
+def _check_directory(directory: str | os.PathLike[str]) -> None:
+    """A local checkpoint_dir must be (or become) a writable directory: a checkpoint
+    write that fails only logs, so a run would otherwise end with no checkpoint."""
+    path = as_path(directory)
+    if not isinstance(path, Path):
+        return  # a URL (gs://...): orbax reports its own errors
+    shown = repr(str(directory))
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"checkpoint_dir {shown} is a file; pass a directory (created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(
+            f"checkpoint_dir {shown} cannot be created ({err.strerror}: {err.filename}); "
+            "pass a directory you can write to"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"checkpoint_dir {shown} is not writable; pass a directory you can write to"
         )
 
 

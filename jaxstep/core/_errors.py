@@ -139,6 +139,7 @@ class TrainingWorkerError(RuntimeError):
         ]
         if self.note:
             lines.append(self.note)
+        roots = tuple(getattr(self.diagnosis, "root_devices", ()) or ())
         for other in self.failures[1:]:
             # A finite input with a non-finite loss, beside a device whose input was
             # not finite: what a collective in the model (cross-device BatchNorm) does.
@@ -147,12 +148,17 @@ class TrainingWorkerError(RuntimeError):
                 and Status.INPUT_NONFINITE not in other.status
                 and Status.LOSS_NONFINITE in other.status
             )
-            follows = (
-                f" (likely follows from device {first.device_id}'s input: a collective in "
-                "the model carries it)"
-                if spread
-                else ""
-            )
+            follows = ""
+            if spread:
+                follows = (
+                    f" (likely follows from device {first.device_id}'s input: a collective "
+                    "in the model carries it)"
+                )
+            elif roots and other.device_id not in roots:
+                follows = (
+                    f" (follows from device {first.device_id}'s rows, replay found: a "
+                    "collective in the model carries it)"
+                )
             lines.append(
                 f"  also failed at this step: device {other.device_id} "
                 f"({_where(other)}): {other.reason}{follows}"
@@ -190,8 +196,19 @@ class TrainingWorkerError(RuntimeError):
         return "\n".join(lines)
 
     def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
-        """A copy of this error with ``diagnosis`` set (and shown in the message)."""
-        return self.replace(diagnosis=diagnosis)
+        """A copy of this error with ``diagnosis`` set (and shown in the message). When
+        the diagnosis found where a failure that spread through a collective started
+        (``diagnosis.root_devices``), those devices lead ``failures``."""
+        roots = tuple(getattr(diagnosis, "root_devices", ()) or ())
+        failures = self.failures
+        if roots and failures[0].device_id not in roots:
+            failures = tuple(
+                sorted(
+                    failures,
+                    key=lambda f: roots.index(f.device_id) if f.device_id in roots else len(roots),
+                )
+            )
+        return self.replace(diagnosis=diagnosis, failures=failures)
 
     def replace(self, **changes: Any) -> TrainingWorkerError:
         """A copy of this error with some of its constructor's arguments changed (``note``,

@@ -48,6 +48,60 @@ class TrainState:
     model_state: Any = None
     loss_scale: Any = None
 
+    def __repr__(self) -> str:
+        """A summary (a CNN's full repr runs to tens of thousands of characters): the
+        step, each part's leaves and bytes, the flags. ``jax.tree.map(print, state)``
+        shows every array."""
+        leaves = jax.tree.leaves(self)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+            return "TrainState(<donated: its arrays were deleted; use the state returned>)"
+        parts = [f"step={_scalar(self.step)}"]
+        copies = int(np.shape(self.step)[0]) if np.ndim(self.step) else 1  # pmap: stacked
+        for name in ("params", "opt_state", "model_state"):
+            value = getattr(self, name)
+            if value is not None:
+                parts.append(f"{name}={_size(value, copies)}")
+        parts.append(f"rng={'None' if self.rng is None else 'key'}")
+        parts.append(f"halted={bool(_scalar(self.halted))}")
+        parts.append(
+            f"skips={_scalar(self.total_skips)} ({_scalar(self.consecutive_skips)} in a row)"
+        )
+        if self.loss_scale is not None:
+            parts.append(f"loss_scale={_scalar(self.loss_scale.scale)}")
+        where = _where(self.step)
+        return f"TrainState({', '.join(parts)}{where})"
+
+
+def _scalar(x: Any) -> Any:
+    """The value of a (replicated, or pmap-stacked) scalar leaf."""
+    value = np.asarray(x).reshape(-1)[0] if np.size(x) else None
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _size(tree: Any, copies: int) -> str:
+    """Leaves, bytes of one copy, dtypes."""
+    leaves = jax.tree.leaves(tree)
+    nbytes = sum(int(getattr(x, "nbytes", 0)) for x in leaves) // copies
+    dtypes = sorted({str(getattr(x, "dtype", type(x).__name__)) for x in leaves})
+    count = f"{len(leaves)} leaf" if len(leaves) == 1 else f"{len(leaves)} leaves"
+    return f"<{count}, {_bytes(nbytes)}, {'/'.join(dtypes) or '-'}>"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def _where(x: Any) -> str:
+    if not isinstance(x, jax.Array):
+        return ", on the host"
+    devices = len(x.sharding.device_set)
+    how = "stacked (pmap)" if x.ndim else "replicated"
+    return f", on {devices} device{'s' if devices != 1 else ''}, {how}"
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,10 @@ offending value and the fix, before anything runs."""
 from __future__ import annotations
 
 import inspect
+import re
+import warnings
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -277,3 +280,153 @@ def presplit_hint(err: Exception, tree: Any, n: int) -> Exception | None:
             "(n_devices * per_device, ...). Nothing ran; the state is unchanged"
         )
     return None
+
+
+def trainable(tree: Any) -> None:
+    """Refuses params with nothing to train (None, an empty pytree) and non-finite
+    values, naming the leaf: a NaN given to ``init`` would otherwise surface at step 0
+    as if an update had overflowed."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    if not leaves:
+        raise ValueError(
+            f"params has no arrays to train (got {tree!r}); pass the model's parameters, "
+            "e.g. step.init(model.init(key, x)['params'])"
+        )
+    for path, leaf in leaves:
+        # device arrays are reduced where they live: no copy of the model to the host
+        xp = jnp if isinstance(leaf, jax.Array) else np
+        if not bool(xp.all(xp.isfinite(leaf))):
+            bad = int(np.size(leaf) - np.count_nonzero(np.isfinite(np.asarray(leaf))))
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} holds {bad} non-finite value(s) "
+                "before any update ran: the initialisation (or the checkpoint it came from) "
+                "is broken; fix it, or restore the last good checkpoint"
+            )
+
+
+def key(rng: Any) -> None:
+    """Refuses an ``rng`` that is not a PRNG key (a typed ``jax.random.key`` or a raw
+    ``jax.random.PRNGKey``'s uint32 data)."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if getattr(rng, "shape", None) != ():
+            raise TypeError(
+                f"rng must be one PRNG key, got keys of shape {rng.shape}; pass "
+                "rng=jax.random.key(0): every device and step derives its own from it"
+            )
+        return
+    if isinstance(rng, (jax.Array, np.ndarray)) and dtype == np.uint32 and rng.ndim == 1:
+        return  # jax.random.PRNGKey(0): raw key data
+    shown = repr(rng) if isinstance(rng, (int, float, str)) else type(rng).__name__
+    seed = rng if isinstance(rng, int) else 0
+    raise TypeError(
+        f"rng={shown} is not a PRNG key; pass rng=jax.random.key({seed}) (every device and "
+        "step then derives its own key from it)"
+    )
+
+
+def alive(state: Any) -> None:
+    """Refuses a state whose arrays were donated to an earlier step (deleted)."""
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                "this state was donated to an earlier call and its arrays are deleted: "
+                "use the state that call returned, state = jaxstep.fit(step, state, "
+                "batches) or state, out = step(state, batch) (make_train_step(donate=False) "
+                "keeps the old one alive, at the cost of memory)"
+            )
+
+
+def aux_leaves(aux: Any) -> None:
+    """Refuses aux entries the step cannot return (text, objects), naming the key."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+            continue
+        name = "aux" + jax.tree_util.keystr(path)
+        shown = f" ({leaf[:20]!r})" if isinstance(leaf, (str, bytes)) else ""
+        raise TypeError(
+            f"{name} is a {type(leaf).__name__}{shown}; aux leaves leave the step as "
+            "arrays: return numbers or arrays (log text on the host, from the metrics)"
+        )
+
+
+def examples_list(tree: Any) -> None:
+    """Refuses a list (or tuple) of per-example pytrees passed as one batch."""
+    if not (isinstance(tree, (list, tuple)) and len(tree) > 1):
+        return
+    first: Any = jax.tree.structure(tree[0])
+    if jax.tree_util.treedef_is_leaf(first) or any(
+        jax.tree.structure(e) != first for e in tree[1:]
+    ):
+        return
+    raise ValueError(
+        f"the batch is a list of {len(tree)} examples (each a {type(tree[0]).__name__}); a "
+        "batch is one pytree of arrays with the examples stacked on the leading axis: "
+        "batch = jax.tree.map(lambda *xs: np.stack(xs), *examples)"
+    )
+
+
+def changed_leaf(name: str, first: tuple[Any, Any], now: tuple[Any, Any]) -> str | None:
+    """Checks a batch leaf against the first batch's ``(shape, dtype)``: raises for a new
+    dtype, a new number of axes, or a non-leading axis that shrank to 1 (it would
+    broadcast silently); returns a warning for another non-leading change (bucketed
+    lengths recompile the step), or None."""
+    (shape0, dtype0), (shape, dtype) = first, now
+    if dtype != dtype0:
+        raise TypeError(
+            f"batch leaf {name} was {dtype0} in the first batch and is {dtype} now; a leaf "
+            "keeps its dtype (a new one recompiles the step and changes the loss): cast "
+            f"it, e.g. x.astype(np.{dtype0})"
+        )
+    if len(shape) != len(shape0):
+        raise ValueError(
+            f"batch leaf {name} had shape {tuple(shape0)} in the first batch and has "
+            f"{tuple(shape)} now; a leaf keeps its number of axes (one fewer would "
+            "broadcast silently in the loss): reshape it to the first batch's layout"
+        )
+    for axis in range(1, len(shape)):
+        if shape[axis] == 1 and shape0[axis] > 1:
+            raise ValueError(
+                f"batch leaf {name} had shape {tuple(shape0)} in the first batch and has "
+                f"{tuple(shape)} now: axis {axis} went from {shape0[axis]} to 1, which would "
+                "broadcast silently against the model's output; give it the first batch's "
+                "width"
+            )
+    if tuple(shape[1:]) != tuple(shape0[1:]):
+        return (
+            f"batch leaf {name} changed from {tuple(shape0)} in the first batch to "
+            f"{tuple(shape)}: the step will recompile for each new shape (fine for "
+            "bucketed sequence lengths; pad to a few fixed lengths to compile fewer). "
+            "Warned once per leaf"
+        )
+    return None
+
+
+def axis_hint(err: Exception, axis_name: str) -> Exception | None:
+    """``err`` from tracing the step, when the model uses an axis name the step does not
+    bind (``BatchNorm(axis_name="batch")`` with the default ``axis_name``)."""
+    found = re.search(r"unbound axis name: ([^\s.,]+)", str(err))
+    if not isinstance(err, NameError) or found is None:
+        return None
+    name = found.group(1).strip("'\"")
+    return ValueError(
+        f"loss_fn (or the model, e.g. BatchNorm(axis_name={name!r})) uses the axis name "
+        f"{name!r}, but this step binds its device axis as {axis_name!r}: build it with "
+        f"make_train_step(..., axis_name={name!r}). Nothing ran; the state is unchanged"
+    )
+
+
+def not_variables(params: Any) -> None:
+    """Warns when ``params`` is a whole Flax ``variables`` dict: every leaf of it is
+    trained, BatchNorm statistics included (and weight decay reaches them)."""
+    if not (isinstance(params, Mapping) and "params" in params and len(params) > 1):
+        return
+    others = sorted(str(k) for k in params if k != "params")
+    warnings.warn(
+        f"params looks like a whole Flax variables dict (collections 'params' and "
+        f"{others}): every leaf is trained as a parameter, {others[0]} included, and "
+        "weight decay (adamw) reaches it. Pass the collections apart: params, model_state "
+        "= jaxstep.flax.linen_split(variables); state = step.init(params, "
+        "model_state=model_state)",
+        stacklevel=3,
+    )

@@ -44,6 +44,10 @@ class Diagnosis:
       grad_leaves: for a non-finite gradient that comes back on replay: the gradient
         leaves it reached on the first failing device, in tree order (the error names
         only the first of them).
+      root_devices: when a collective in the model (cross-device BatchNorm, a
+        ``pmean`` in the loss) carried the failure to every device: the ids of the
+        devices whose own rows fail alone, where it started. The error then leads
+        with them.
     """
 
     verdict: str
@@ -51,6 +55,7 @@ class Diagnosis:
     examples: tuple[int, ...] = ()
     replays: tuple[tuple[int, tuple[int, ...]], ...] = ()
     grad_leaves: tuple[str, ...] = ()
+    root_devices: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         text = f"{self.verdict}: " + "; ".join(self.evidence)
@@ -133,14 +138,7 @@ def _verdict(
             replays=tuple(replays),
         )
     if len(same) == n:
-        return Diagnosis(
-            "inconclusive",
-            (
-                "every device fails again on replay: the cause is in the model or the update, "
-                "not in one device or one chunk",
-            ),
-            replays=tuple(replays),
-        )
+        return _spread(step, error, batch, replays)
     moved = run(1)  # device i now holds chunk (i + 1) % n
     replays.append((1, tuple(ids[i] for i in moved)))
     chunks_then = set(same)
@@ -176,6 +174,38 @@ def _verdict(
         "device alone explains it",
     )
     return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+
+
+def _spread(
+    step: TrainStep,
+    error: TrainingWorkerError,
+    batch: Any,
+    replays: list[tuple[int, tuple[int, ...]]],
+) -> Diagnosis:
+    """Every device fails again on replay: either the model or the update is at fault,
+    or one device's rows fail and a collective in the model carries the failure to the
+    others. Each example alone (collectives see a one-example axis) tells which."""
+    assert error.state is not None  # checked by diagnose
+    n, ids = len(step.devices), [d.id for d in step.devices]
+    examples = step.failing_examples(error.state, batch, list(range(n)), error.step)
+    evidence: tuple[str, ...]
+    if not examples:
+        evidence = (
+            "every device fails again on replay, and no example fails alone: the cause is "
+            "in the model or the update (or needs several rows together), not in one "
+            "device or one chunk",
+        )
+        return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+    size = validate.batch(batch, n) // n
+    roots = tuple(dict.fromkeys(ids[e // size] for e in examples))
+    evidence = (
+        "every device fails again on replay",
+        f"each example alone, on one device: {len(examples)} fail(s), all in the rows of "
+        f"device(s) {list(roots)}, and every other example passes: the failure starts in "
+        "that data, and a collective in the model (cross-device BatchNorm, a pmean in "
+        "the loss) carries it to every device",
+    )
+    return Diagnosis("data", evidence, tuple(examples), tuple(replays), root_devices=roots)
 
 
 def _with_grad_leaves(

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import os
 import time
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.distributed import _runtime as distributed
+from jaxstep.loop._arguments import check_fit
 from jaxstep.loop._history import History
 from jaxstep.loop._history import scalar_aux
 from jaxstep.loop._watchdog import Watcher
@@ -101,10 +103,17 @@ def fit(
       ValueError, TypeError: a batch was malformed; ``error.state`` holds the state
         before it, nothing lost.
     """
-    if num_steps is not None and num_steps < 0:
-        raise ValueError(f"num_steps must be >= 0 or None, got {num_steps}")
-    if step_timeout is not None and not step_timeout > 0:
-        raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+    callbacks = check_fit(
+        step,
+        state,
+        batches,
+        num_steps=num_steps,
+        history=history,
+        callbacks=callbacks,
+        step_timeout=step_timeout,
+    )
+    if not resume:
+        step.check_state(state)
     if diagnose and distributed.spans_processes(step.devices):
         raise ValueError(
             "diagnose=True replays a failed step with its chunks moved to other devices, "
@@ -221,6 +230,13 @@ def fit(
             distributed.finish_in_flight(last.health, err)
         raise
     run.close()  # waits for the last write
+    if last is None and num_steps != 0:
+        warnings.warn(
+            "fit's batches yielded no batch: nothing was trained and the state is returned "
+            "as given (an exhausted iterator? pass a fresh one, or a callable start -> "
+            "iterable)",
+            stacklevel=2,
+        )
     for cb in callbacks:
         if hasattr(cb, "on_fit_end"):
             cb.on_fit_end(history)

@@ -52,6 +52,7 @@ def loss(
     fault applied."""
     kwargs = {} if model_state is None else {"model_state": model_state}
     value, aux = validate.loss_output(program.loss_fn(*args, **kwargs), program.has_aux)
+    validate.aux_leaves(aux)  # at trace time
     if ctx is not None:
         value = program.faults.loss(value, ctx)
     return value, aux

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from jaxstep.core._names import leaf_name
+
 KINDS = ("input", "loss", "grad", "param", "stall")
 MODES = ("device", "transient", "data")
 
@@ -160,7 +162,7 @@ class Injector:
     def input(self, batch: Any, ctx: Context) -> Any:
         for k, f in self._each("input"):
             paths = jax.tree_util.tree_leaves_with_path(batch)
-            names = [jax.tree_util.keystr(p) for p, _ in paths]
+            names = [leaf_name(p) for p, _ in paths]
             floats = [n for n, (_, x) in zip(names, paths, strict=True) if _is_float(x)]
             target = f.leaf or (floats[0] if floats else None)
             if target not in floats:
@@ -173,7 +175,7 @@ class Injector:
             def poison(
                 path: Any, x: jax.Array, on: Any = on & row_hit, target: str = target, f: Fault = f
             ) -> Any:
-                if jax.tree_util.keystr(path) != target:
+                if leaf_name(path) != target:
                     return x
                 mask = on.reshape((-1,) + (1,) * (x.ndim - 1))
                 return jnp.where(mask, jnp.asarray(f.value, x.dtype), x)
@@ -189,7 +191,7 @@ class Injector:
     def tree(self, kind: str, tree: Any, ctx: Context) -> Any:
         """Writes the fault value into one leaf of ``tree`` (gradients or parameters)."""
         for k, f in self._each(kind):
-            names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+            names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
             target = f.leaf or names[0]
             if target not in names:
                 raise ValueError(f"{kind} fault on leaf {f.leaf!r}: the leaves are {names}")
@@ -198,7 +200,7 @@ class Injector:
             def poison(
                 path: Any, x: jax.Array, on: Any = on, target: str = target, f: Fault = f
             ) -> Any:
-                if jax.tree_util.keystr(path) != target:
+                if leaf_name(path) != target:
                     return x
                 return jnp.where(on, jnp.asarray(f.value, x.dtype), x)
 
@@ -209,7 +211,7 @@ class Injector:
 def float_leaves(tree: Any) -> list[str]:
     """The ``keystr`` names of the float leaves of ``tree``: what an input fault may name."""
     paths = jax.tree_util.tree_leaves_with_path(tree)
-    return [jax.tree_util.keystr(p) for p, x in paths if _is_float(x)]
+    return [leaf_name(p) for p, x in paths if _is_float(x)]
 
 
 def _is_float(x: Any) -> bool:

@@ -122,6 +122,8 @@ def make_train_step(
     validate.positive_or_none("divergence_every", divergence_every)
     if loss_spike is not None and not isinstance(loss_spike, LossSpike):
         raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {loss_spike!r}")
+    if isinstance(faults, Fault):
+        faults = (faults,)  # one fault, not in a list
     for f in faults:
         if not isinstance(f, Fault):
             raise TypeError(f"faults must hold jaxstep.testing.Fault objects, got {f!r}")

@@ -4,21 +4,20 @@ leaf names errors are written with. Host code only; nothing here is traced."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxstep.core import TrainState
 from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
+from jaxstep.core._names import keystrs as keystrs
 from jaxstep.program import Injector
 from jaxstep.program import float_leaves
-
-
-def keystrs(tree: Any, prefix: str = "") -> list[str]:
-    """``prefix + keystr(path)`` of every leaf of ``tree``, in leaf order."""
-    return [prefix + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def join(batch: Any, n: int) -> Any:
@@ -52,8 +51,14 @@ class Inputs:
         microbatches: int,
         faults: Injector,
         describe: str,
+        *,
+        stacked: bool = False,
+        opt_state_for: Callable[[Any], Any] | None = None,
     ):
         self.devices = list(devices)
+        self.stacked = stacked  # pmap: state leaves carry a leading device axis
+        # params -> the optimizer state this step's init would build (shapes only)
+        self.opt_state_for = opt_state_for
         self.microbatches = microbatches
         self.faults = faults
         self.describe = describe  # the step's options, for "this state does not fit"
@@ -67,6 +72,8 @@ class Inputs:
         self._state_sig: Any = None
         self._batch_def: Any = None
         self._batch_key: Any = None
+        self._batch_sig: list[tuple[Any, Any]] = []  # the first batch's (shape, dtype)s
+        self._warned: set[str] = set()
         #: rows per device of the last batch checked (as this process passes it)
         self.rows_per_device = 0
 
@@ -89,6 +96,8 @@ class Inputs:
                 f"expected a jaxstep.TrainState, got {type(state).__name__}; build the "
                 "first one with step.init(params)"
             )
+        validate.alive(state)
+        self._check_placement(state)
         leaves, treedef = jax.tree.flatten(state)
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
         if self._state_sig is None:
@@ -103,6 +112,7 @@ class Inputs:
                 + self.names["model_state"]
             )
             self.faults.validate({"grad": self.names["params"], "param": self.names["params"]})
+            self._check_opt_state(state)
             self._state_sig = (treedef, shapes)
         elif (treedef, shapes) != self._state_sig:
             want_def, want_shapes = self._state_sig
@@ -128,21 +138,28 @@ class Inputs:
             structure differs from the first batch's.
         """
         leaves, treedef = jax.tree.flatten(batch)
-        # Hot path: the same structure and shapes as the last good batch need no walk.
-        key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
+        # Hot path: the same structure, shapes and dtypes as the last good batch: no walk.
+        key = (
+            treedef,
+            tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves),
+        )
         if key == self._batch_key:
             return leaves
+        validate.examples_list(batch)
         n, what = self._feeding_devices(leaves[0] if leaves else None)
         validate.batch(batch, n, self.microbatches, what)
         if self._batch_def is None:
             self.faults.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
-            self.names["input"] = keystrs(batch)
+            self.names["input"] = [name or "batch" for name in keystrs(batch)]
+            self._batch_sig = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
         elif treedef != self._batch_def:
             raise ValueError(
                 f"batch structure changed: the first batch was {self._batch_def}, this "
                 f"one is {treedef}; every batch must have the same pytree structure"
             )
+        else:
+            self._check_leaves(leaves)
         self._batch_key = key
         self.rows_per_device = int(leaves[0].shape[0]) // n
         return leaves
@@ -154,3 +171,84 @@ class Inputs:
         ):
             return len(self.devices), "devices"
         return len(processes.local_positions(self.devices)), "devices of this process"
+
+    def _check_leaves(self, leaves: Sequence[Any]) -> None:
+        """Each leaf against the first batch's: what may change between batches."""
+        names = self.names["input"]
+        for name, first, x in zip(names, self._batch_sig, leaves, strict=True):
+            now = (tuple(x.shape), np.dtype(x.dtype))
+            if now == first:
+                continue
+            warning = validate.changed_leaf(name or "batch", first, now)
+            if warning is not None and name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(warning, stacklevel=5)
+
+    def _check_placement(self, state: TrainState) -> None:
+        """The state's layout and devices match this step's (a state of the other
+        backend, or placed on other devices, is refused with the fix)."""
+        number = state.step
+        ndim = getattr(number, "ndim", 0)
+        fix = (
+            "move it with state = step.place_state(other_step.host_state(state)) (any "
+            "device count, either backend), or jaxstep.restore(step, checkpoint_dir)"
+        )
+        if ndim != (1 if self.stacked else 0):
+            made, want = ("pmap", "shard_map") if ndim else ("shard_map", "pmap")
+            raise ValueError(
+                f"this state does not fit this step: it was placed for a {made} step "
+                f"(state.step has shape {getattr(number, 'shape', ())}), and this step uses "
+                f"backend={want!r}: {fix}"
+            )
+        if isinstance(number, jax.Array):
+            held = {int(d.id) for d in number.sharding.device_set}  # type: ignore[attr-defined]
+            want_ids = {d.id for d in self.devices}
+            if held != want_ids:
+                raise ValueError(
+                    f"this state does not fit this step: it lives on devices {sorted(held)}, "
+                    f"and this step runs on devices {sorted(want_ids)}: {fix}"
+                )
+
+    def _check_opt_state(self, state: TrainState) -> None:
+        """``state.opt_state`` is what this step's optimizer builds for these params."""
+        if self.opt_state_for is None:
+            return
+        params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                tuple(x.shape)[1:] if self.stacked else x.shape, x.dtype
+            ),
+            state.params,
+        )
+        try:
+            want = self.opt_state_for(params)
+        except Exception:  # an optimizer whose init cannot be traced: not checked
+            return
+        got_leaves, got_def = jax.tree.flatten(state.opt_state)
+        want_leaves, want_def = jax.tree.flatten(want)
+        got_def, want_def = str(got_def), str(want_def)
+        fix = (
+            "the state was made by a step with another optimizer or for other params: "
+            "build it with this step's init (state = step.init(params)), or build the step "
+            "with the optimizer the state was made with"
+        )
+        if got_def != want_def:
+            raise ValueError(
+                f"this state does not fit this step: state.opt_state does not match its "
+                f"optimizer: expected "
+                f"{_short(want_def)}, got {_short(got_def)}; {fix}"
+            )
+        names = keystrs(state.opt_state, "opt_state")
+        for name, a, b in zip(names, got_leaves, want_leaves, strict=True):
+            shape = tuple(a.shape)[1:] if self.stacked else tuple(a.shape)
+            if shape != tuple(b.shape) or np.dtype(a.dtype) != np.dtype(b.dtype):
+                raise ValueError(
+                    f"this state does not fit this step: state.opt_state leaf {name} has shape "
+                    f"{shape} {a.dtype}, but this "
+                    f"step's optimizer builds {tuple(b.shape)} {b.dtype} for these params; "
+                    f"{fix}"
+                )
+
+
+def _short(treedef: Any, limit: int = 160) -> str:
+    text = str(treedef)
+    return text if len(text) <= limit else text[:limit] + "..."

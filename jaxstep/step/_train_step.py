@@ -125,6 +125,8 @@ class TrainStep:
             microbatches,
             self._faults,
             f"{backend} backend, loss_spike={'on' if loss_spike else 'off'}",
+            stacked=self._backend.stacked,
+            opt_state_for=lambda params: jax.eval_shape(optimizer.init, params),
         )
         self.names = self._inputs.names
         self._info: Any = None
@@ -150,10 +152,15 @@ class TrainStep:
             step and device.
 
         Raises:
-          TypeError: a parameter leaf is not a float array, or a model state is given
-            to a step built without ``has_aux=True``.
+          TypeError: a parameter leaf is not a float array, ``rng`` is not a PRNG key,
+            or a model state is given to a step built without ``has_aux=True``.
+          ValueError: ``params`` is empty or holds non-finite values.
         """
         validate.params(params)
+        validate.trainable(params)
+        validate.not_variables(params)
+        if rng is not None:
+            validate.key(rng)
         if model_state is not None:
             validate.model_state_leaves(model_state, self.has_aux)
             model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
@@ -217,7 +224,9 @@ class TrainStep:
         try:  # free when nothing is raised (Python 3.11): no per-shape bookkeeping needed
             state, out, self._extras = fn(state, placed, self._extras)
         except Exception as err:  # tracing a new shape failed: say if it looks pre-split
-            hint = validate.presplit_hint(err, batch, len(self.devices))
+            hint = validate.axis_hint(err, self.axis_name) or validate.presplit_hint(
+                err, batch, len(self.devices)
+            )
             if hint is None:
                 raise
             raise hint from err
@@ -365,6 +374,12 @@ class TrainStep:
             "chunk": np.asarray(chunks, np.int32),
         }
         return self._backend.place_extras(values, self._split)
+
+    def check_state(self, state: TrainState) -> None:
+        """Raises the error a step would raise for ``state`` (not a TrainState, donated
+        by an earlier call, placed for the other backend or on other devices, built for
+        another optimizer or other params), without running anything."""
+        self._check_state(state)
 
     def _check_state(self, state: Any) -> None:
         if state is not self._last_state:  # the state this step returned last: checked
