@@ -8,9 +8,9 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from tests.test_flax_models import _imagenet_step
-from tests.test_flax_models import _images
-from tests.test_flax_models import _rows
+from tests.flax.test_flax_models import _imagenet_step
+from tests.flax.test_flax_models import _images
+from tests.flax.test_flax_models import _rows
 
 
 def test_an_overflow_before_a_cross_device_batchnorm_is_traced_to_its_device(backend):

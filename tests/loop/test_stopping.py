@@ -21,7 +21,7 @@ from tests.models import loss_fn
 from tests.models import make_batches
 
 NUM = 8
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def _step(backend, **kw):
