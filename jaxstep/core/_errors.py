@@ -139,17 +139,10 @@ class TrainingWorkerError(RuntimeError):
         ]
         if self.note:
             lines.append(self.note)
-        roots = tuple(getattr(self.diagnosis, "root_devices", ()) or ())
+        roots = self._diagnosed_roots()
         for other in self.failures[1:]:
-            # A finite input with a non-finite loss, beside a device whose input was
-            # not finite: what a collective in the model (cross-device BatchNorm) does.
-            spread = (
-                Status.INPUT_NONFINITE in first.status
-                and Status.INPUT_NONFINITE not in other.status
-                and Status.LOSS_NONFINITE in other.status
-            )
             follows = ""
-            if spread:
+            if self._spread(other):
                 follows = (
                     f" (likely follows from device {first.device_id}'s input: a collective "
                     "in the model carries it)"
@@ -194,6 +187,32 @@ class TrainingWorkerError(RuntimeError):
             held = "state, failing batch" if self.state is not None else "failing batch"
             lines.append(f"emergency save ({held}, this report): {self.checkpoint}")
         return "\n".join(lines)
+
+    @property
+    def root_causes(self) -> tuple[Failure, ...]:
+        """The failures that do not follow from another device's: ``failures`` less
+        those a collective in the model carried from the first (a finite input whose
+        loss is not finite beside the device whose input was not finite; or, after a
+        replay diagnosis, every device whose own rows pass alone). What
+        :func:`jaxstep.testing.assert_fails` calls blamed."""
+        roots = self._diagnosed_roots()
+        first, *others = self.failures
+        kept = [f for f in others if not (self._spread(f) or (roots and f.device_id not in roots))]
+        return (first, *kept)
+
+    def _spread(self, other: Failure) -> bool:
+        """A finite input with a non-finite loss, beside a first device whose input was
+        not finite: what a collective in the model (cross-device BatchNorm) does."""
+        first = self.failures[0]
+        return (
+            other is not first
+            and Status.INPUT_NONFINITE in first.status
+            and Status.INPUT_NONFINITE not in other.status
+            and Status.LOSS_NONFINITE in other.status
+        )
+
+    def _diagnosed_roots(self) -> tuple[int, ...]:
+        return tuple(getattr(self.diagnosis, "root_devices", ()) or ())
 
     def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
         """A copy of this error with ``diagnosis`` set (and shown in the message). When

@@ -31,23 +31,31 @@ def assert_fails(
     step: int,
     status: Status | int = _UNCHECKED,
     leaf: str | None = _UNCHECKED,
+    has_status: Status | int = _UNCHECKED,
 ) -> TrainingWorkerError:
     """Asserts that a run failed on exactly this device, at this step, for this cause.
 
-    Checks ``err.device_id``, ``err.step``, and that ``err.failures`` names this device
-    and no other (a healthy device blamed fails the assertion), then the status flags
-    (exactly) and the leaf, when given.
+    Checks ``err.device_id``, ``err.step``, and that the error blames this device and
+    no other (a healthy device blamed fails the assertion), then the status flags and
+    the leaf, when given. Blamed are ``err.root_causes``: a device whose failure
+    follows from the first's through a collective in the model (cross-device
+    BatchNorm spreads one device's NaN input to every device's loss; the message says
+    "likely follows from device 3's input") is not blamed.
 
     Args:
       err_or_callable: a :class:`jaxstep.TrainingWorkerError`, a
         ``pytest.raises(...)`` result holding one, or a function of no arguments that
         should raise one (e.g. ``lambda: jaxstep.fit(step, state, batches)``).
       device_id: the ``jax.Device.id`` that must fail (not its position); a sequence
-        when several devices fail at that step, in the step's device order.
+        (in any order) when several devices fail at that step; the first failure
+        (``err.device_id``) must be one of them.
       step: the step that must fail.
       status: the exact :class:`jaxstep.Status` flags of the first failing device. A
         NaN in the input also makes the loss and gradients non-finite:
         ``Status.INPUT_NONFINITE | Status.LOSS_NONFINITE | Status.GRAD_NONFINITE``.
+        Omitted: not checked.
+      has_status: flags the first failing device must have, among others (e.g.
+        ``Status.INPUT_NONFINITE`` where BatchNorm adds ``MODEL_STATE_NONFINITE``).
         Omitted: not checked.
       leaf: the ``jax.tree_util.keystr`` of the leaf named, e.g. ``"['w']"`` (a
         parameter also as ``"params['w']"``, as ``corrupt_replica`` takes it), or None
@@ -72,15 +80,20 @@ def assert_fails(
     want = f"a failure on device {_ids(want_ids)} at step {step}"
     if status is not _UNCHECKED:
         want += f" with status {_flags(status)}"
+    if has_status is not _UNCHECKED:
+        want += f" with status including {_flags(has_status)}"
     if leaf is not _UNCHECKED:
         want += f" in leaf {leaf!r}"
     err = _error(err_or_callable, want)
     problems = []
-    got_ids = [f.device_id for f in err.failures]
-    if got_ids != want_ids:
+    got_ids = [f.device_id for f in err.root_causes]
+    followers = [f.device_id for f in err.failures if f.device_id not in got_ids]
+    if sorted(got_ids) != sorted(want_ids) or err.device_id not in want_ids:
         healthy_blamed = [i for i in got_ids if i not in want_ids]
         missed = [i for i in want_ids if i not in got_ids]
-        parts = [f"failing devices are {_ids(got_ids)}"]
+        parts = [f"failing devices are {_ids([f.device_id for f in err.failures])}"]
+        if followers:
+            parts[0] += f" ({_ids(followers)} follow from device {err.device_id}: not blamed)"
         if healthy_blamed:
             parts.append(f"blamed, but should be healthy: {_ids(healthy_blamed)}")
         if missed:
@@ -90,6 +103,8 @@ def assert_fails(
         problems.append(f"failed at step {err.step}, not {step}")
     if status is not _UNCHECKED and err.status != status:
         problems.append(f"status is {_flags(err.status)}, not {_flags(status)}")
+    if has_status is not _UNCHECKED and (err.status & has_status) != has_status:
+        problems.append(f"status is {_flags(err.status)}, without {_flags(has_status)}")
     if leaf is not _UNCHECKED and _param_leaf(err.leaf) != _param_leaf(leaf):
         problems.append(f"leaf is {err.leaf!r}, not {leaf!r}")
     if problems:

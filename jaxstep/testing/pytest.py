@@ -137,9 +137,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    import jaxstep
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version
 
-    where = f"jaxstep {jaxstep.__version__} from {Path(jaxstep.__file__).parent}"
+    try:
+        release = version("jaxstep")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        release = "(not installed)"
+    where = f"jaxstep {release} from {Path(__file__).parents[1]}"
     import jax
 
     n = _devices(config)
