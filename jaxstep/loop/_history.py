@@ -97,9 +97,15 @@ class History:
         return len(self.metrics)
 
     def as_arrays(self) -> dict[str, np.ndarray]:
-        """Every field as an array: per-device ones are ``(steps, devices)``."""
+        """Every field as an array: per-device ones are ``(steps, devices)``; each
+        scalar of ``aux`` (``metrics``) as ``"metrics/<name>"``, NaN at steps without it."""
         n = len(self.device_ids)
-        return {
+        names = sorted({name for m in self.metrics for name in m})
+        metrics = {
+            f"metrics/{name}": np.asarray([m.get(name, np.nan) for m in self.metrics], np.float64)
+            for name in names
+        }
+        return metrics | {
             "device_ids": np.asarray(self.device_ids, np.int64),
             "step": np.asarray(self.step, np.int64),
             "loss": np.asarray(self.loss, np.float32),

@@ -3,6 +3,7 @@ shares with its caller loses none."""
 
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -21,3 +22,19 @@ def test_num_steps_does_not_swallow_a_batch_of_a_shared_iterator():
     assert pulled == [0, 1, 2, 3]
     assert int(np.asarray(state.step)) == 4
     assert list(itertools.islice(source, 1))  # batch 4 is still there
+
+
+def test_history_as_arrays_holds_each_aux_scalar(backend):
+    def loss(params, batch):
+        value = loss_fn(params, batch)
+        return value, {"mean_y": jnp.mean(batch["y"]), "twice": 2.0 * value}
+
+    step = jaxstep.make_train_step(loss, optax.sgd(0.1), backend=backend, has_aux=True)
+    history = jaxstep.History()
+    batches = make_batches(3)
+    jaxstep.fit(step, step.init(init_params()), batches, history=history)
+    arrays = history.as_arrays()
+    np.testing.assert_allclose(
+        arrays["metrics/mean_y"], [np.mean(b["y"]) for b in batches], rtol=1e-5
+    )
+    np.testing.assert_allclose(arrays["metrics/twice"], 2 * np.asarray(history.loss), rtol=1e-5)
