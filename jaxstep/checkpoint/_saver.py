@@ -3,9 +3,9 @@ each checkpoint step, written from a worker thread once that step's replica chec
 passed (so every checkpoint is verified); on a failure, ``error.batches`` and an
 emergency save of the last good state, the failing batch and the error report.
 
-Hooks, in fit's order: :meth:`Run.begin` (validate, resume), :meth:`Run.before` (each
-dispatch), :meth:`Run.settled` (each health table read), :meth:`Run.failed`,
-:meth:`Run.close`.
+Hooks, in fit's order: :meth:`FitCheckpoints.begin` (validate, resume),
+:meth:`FitCheckpoints.before` (each dispatch), :meth:`FitCheckpoints.settled` (each
+health table read), :meth:`FitCheckpoints.failed`, :meth:`FitCheckpoints.close`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _version() -> str:
         return "unknown"
 
 
-class Run:
+class FitCheckpoints:
     """One fit call's checkpointing. Build it with :meth:`begin`."""
 
     def __init__(
@@ -108,7 +108,7 @@ class Run:
         checkpoint_every: int | None,
         keep: int | None,
         resume: bool,
-    ) -> tuple[Any, Source, Run]:
+    ) -> tuple[Any, Source, FitCheckpoints]:
         """Validates the arguments, restores the latest verified checkpoint when
         ``resume``, and opens ``batches`` at the data position.
 

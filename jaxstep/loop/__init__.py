@@ -1,5 +1,5 @@
 """The training loop: :func:`fit` (dispatch step t, settle step t-1), the
-:class:`History` it keeps, the watchdog that names a hung device, and the replay
+:class:`History` it keeps, the step watchdog that names a hung device, and the replay
 diagnosis of a failed step."""
 
 from jaxstep.loop._diagnose import Diagnosis as Diagnosis

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstep.checkpoint import Run
+from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import StepOutput
@@ -26,7 +26,7 @@ from jaxstep.core import TrainState
 from jaxstep.distributed import _runtime as distributed
 from jaxstep.loop._history import History
 from jaxstep.loop._history import scalar_aux
-from jaxstep.loop._watchdog import Watcher
+from jaxstep.loop._watchdog import StepWatchdog
 from jaxstep.step import TrainStep
 
 
@@ -112,7 +112,7 @@ def fit(
             "devices span processes. The error still names the device and its rows; replay "
             "them on one host with make_train_step(..., devices=jax.local_devices())"
         )
-    state, source, run = Run.begin(
+    state, source, run = FitCheckpoints.begin(
         step,
         state,
         batches,
@@ -187,7 +187,7 @@ def fit(
     many = distributed.spans_processes(step.devices)
     watch_peers = many and distributed.watch() is not None
     first_step = next_step
-    watcher = Watcher(step, step_timeout) if step_timeout is not None else None
+    watcher = StepWatchdog(step, step_timeout) if step_timeout is not None else None
     last: StepOutput | None = None  # the newest dispatched step
     try:
         # islice: never pull a batch that will not be trained on (an iterator is shared).
