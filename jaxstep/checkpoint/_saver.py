@@ -19,6 +19,7 @@ import socket
 import time
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -39,6 +40,11 @@ from jaxstep.checkpoint._store import load
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+
+if TYPE_CHECKING:
+    from jaxstep.checkpoint._store import Loaded
+    from jaxstep.step import TrainStep
 
 log = logging.getLogger("jaxstep")
 
@@ -73,7 +79,7 @@ class FitCheckpoints:
     """One fit call's checkpointing. Build it with :meth:`begin`."""
 
     def __init__(
-        self, step: Any, store: Store | None, every: int | None, source: Source, first: int
+        self, step: TrainStep, store: Store | None, every: int | None, source: Source, first: int
     ):
         self.step = step
         self.store = store
@@ -100,15 +106,15 @@ class FitCheckpoints:
     @classmethod
     def begin(
         cls,
-        step: Any,
-        state: Any,
+        step: TrainStep,
+        state: TrainState,
         batches: Any,
         *,
         checkpoint_dir: str | os.PathLike[str] | None,
         checkpoint_every: int | None,
         keep: int | None,
         resume: bool,
-    ) -> tuple[Any, Source, FitCheckpoints]:
+    ) -> tuple[TrainState, Source, FitCheckpoints]:
         """Validates the arguments, restores the latest verified checkpoint when
         ``resume``, and opens ``batches`` at the data position.
 
@@ -156,7 +162,7 @@ class FitCheckpoints:
                 )
         return state, source, cls(step, store, checkpoint_every, source, first)
 
-    def before(self, state: Any) -> None:
+    def before(self, state: TrainState) -> None:
         """Called with each state just before it is dispatched (and donated)."""
         number = self.number
         self.number += 1
@@ -283,7 +289,13 @@ class FitCheckpoints:
             self.store.close()
 
 
-def _validate(step: Any, directory: Any, every: int | None, keep: int | None, resume: bool) -> None:
+def _validate(
+    step: TrainStep,
+    directory: str | os.PathLike[str] | None,
+    every: int | None,
+    keep: int | None,
+    resume: bool,
+) -> None:
     if every is not None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_every must be an int >= 1 or None, got {every!r}")
@@ -310,7 +322,7 @@ def _validate(step: Any, directory: Any, every: int | None, keep: int | None, re
         )
 
 
-def _check_positions(loaded: Any, devices: Any) -> None:
+def _check_positions(loaded: Loaded, devices: Sequence[jax.Device]) -> None:
     """A checkpoint of another process count resumes only when its data positions do
     not depend on the process (a callable source: the position is the step)."""
     saved = loaded.meta.get("data_by_process")
