@@ -107,7 +107,7 @@ def test_a_rejected_batch_settles_the_step_before_it_and_abandon_keeps_the_state
     short = {k: v[:30] for k, v in make_batches(1)[0].items()}  # 30 rows over 8 devices
     with pytest.raises(ValueError) as info:
         loop.advance(short)
-    assert info.value.state is before  # type: ignore[attr-defined]
+    assert info.value.state is before
     assert loop.history.step == [0, 1]  # the step in flight was settled first
     loop.abandon(info.value)
     assert loop.state is before
