@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstep  # noqa: E402
-from jaxstep.checkpoint._saver import Run  # noqa: E402
+from jaxstep.checkpoint import FitCheckpoints  # noqa: E402
 from jaxstep.checkpoint._store import Store  # noqa: E402
 from jaxstep.checkpoint._store import local_copy  # noqa: E402
 
@@ -123,7 +123,8 @@ def main() -> None:
 
     for name in states:  # warm-up: compile both programs, first write
         block(name)
-    Run.before, Run.settled = timed(Run.before), timed(Run.settled)
+    FitCheckpoints.before = timed(FitCheckpoints.before)
+    FitCheckpoints.settled = timed(FitCheckpoints.settled)
     times: dict[str, list[float]] = {name: [] for name in states}
     for _ in range(args.rounds):
         for name in states:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
@@ -79,7 +80,10 @@ def forget(key: str, among: Iterable[int]) -> None:
 
 
 def agree_on_restore(
-    directory: Any, step: int | None, devices: Sequence[jax.Device], timeout_s: float = 60.0
+    directory: str | os.PathLike[str],
+    step: int | None,
+    devices: Sequence[jax.Device],
+    timeout_s: float = 60.0,
 ) -> None:
     """Checks that every process is about to restore the same checkpoint step.
 

@@ -15,6 +15,7 @@ import dataclasses
 import io
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ def save(
     meta: dict[str, Any],
     failing: Position,
     stacked: bool,
-    devices: Any,
+    devices: Sequence[jax.Device],
 ) -> str:
     """Writes the emergency save of ``error`` under ``directory``; returns its path (the
     same path on every process of a multi-process run)."""

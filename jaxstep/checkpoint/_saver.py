@@ -3,9 +3,9 @@ each checkpoint step, written from a worker thread once that step's replica chec
 passed (so every checkpoint is verified); on a failure, ``error.batches`` and an
 emergency save of the last good state, the failing batch and the error report.
 
-Hooks, in fit's order: :meth:`Run.begin` (validate, resume), :meth:`Run.before` (each
-dispatch), :meth:`Run.settled` (each health table read), :meth:`Run.failed`,
-:meth:`Run.close`.
+Hooks, in fit's order: :meth:`FitCheckpoints.begin` (validate, resume),
+:meth:`FitCheckpoints.before` (each dispatch), :meth:`FitCheckpoints.settled` (each
+health table read), :meth:`FitCheckpoints.failed`, :meth:`FitCheckpoints.close`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -40,6 +41,11 @@ from jaxstep.checkpoint._store import load
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+
+if TYPE_CHECKING:
+    from jaxstep.checkpoint._store import Loaded
+    from jaxstep.step import TrainStep
 
 log = logging.getLogger("jaxstep")
 
@@ -70,11 +76,11 @@ def _version() -> str:
         return "unknown"
 
 
-class Run:
+class FitCheckpoints:
     """One fit call's checkpointing. Build it with :meth:`begin`."""
 
     def __init__(
-        self, step: Any, store: Store | None, every: int | None, source: Source, first: int
+        self, step: TrainStep, store: Store | None, every: int | None, source: Source, first: int
     ):
         self.step = step
         self.store = store
@@ -101,15 +107,15 @@ class Run:
     @classmethod
     def begin(
         cls,
-        step: Any,
-        state: Any,
+        step: TrainStep,
+        state: TrainState,
         batches: Any,
         *,
         checkpoint_dir: str | os.PathLike[str] | None,
         checkpoint_every: int | None,
         keep: int | None,
         resume: bool,
-    ) -> tuple[Any, Source, Run]:
+    ) -> tuple[TrainState, Source, FitCheckpoints]:
         """Validates the arguments, restores the latest verified checkpoint when
         ``resume``, and opens ``batches`` at the data position.
 
@@ -157,7 +163,7 @@ class Run:
                 )
         return state, source, cls(step, store, checkpoint_every, source, first)
 
-    def before(self, state: Any) -> None:
+    def before(self, state: TrainState) -> None:
         """Called with each state just before it is dispatched (and donated)."""
         number = self.number
         self.number += 1
@@ -284,7 +290,13 @@ class Run:
             self.store.close()
 
 
-def _validate(step: Any, directory: Any, every: int | None, keep: int | None, resume: bool) -> None:
+def _validate(
+    step: TrainStep,
+    directory: str | os.PathLike[str] | None,
+    every: int | None,
+    keep: int | None,
+    resume: bool,
+) -> None:
     if every is not None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_every must be an int >= 1 or None, got {every!r}")
@@ -335,7 +347,7 @@ def _check_directory(directory: str | os.PathLike[str]) -> None:
         )
 
 
-def _check_positions(loaded: Any, devices: Any) -> None:
+def _check_positions(loaded: Loaded, devices: Sequence[jax.Device]) -> None:
     """A checkpoint of another process count resumes only when its data positions do
     not depend on the process (a callable source: the position is the step)."""
     saved = loaded.meta.get("data_by_process")

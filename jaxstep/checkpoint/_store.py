@@ -24,6 +24,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -33,6 +34,9 @@ from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
 from jaxstep.checkpoint._position import Position
 from jaxstep.core import TrainState
+
+if TYPE_CHECKING:
+    from jaxstep.step import TrainStep
 
 log = logging.getLogger("jaxstep")
 
@@ -151,7 +155,7 @@ def _open(directory: str | os.PathLike[str]) -> Store:
 class Loaded:
     """A checkpoint read back: one host copy of the state and its metadata."""
 
-    host: Any  # TrainState of numpy arrays (and typed keys)
+    host: TrainState | None  # of numpy arrays (and typed keys); None: not rebuildable
     leaves: list[Any]
     layout: Layout
     meta: dict[str, Any]
@@ -266,7 +270,7 @@ def _tmp_step(name: str) -> int:
     return int(head) if head.isdigit() else -1
 
 
-def conform(step: Any, loaded: Loaded, template: Any = None) -> TrainState:
+def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None) -> TrainState:
     """The loaded host state, checked against (and shaped like) this run's state.
 
     ``template`` (a state of this step, e.g. from ``step.init``) is what the state must
@@ -324,6 +328,7 @@ def conform(step: Any, loaded: Loaded, template: Any = None) -> TrainState:
     if loaded.host is None:
         saved.build(leaves)  # raises, saying why
     host = loaded.host
+    assert host is not None
     spike = getattr(step, "loss_spike", None)
     if spike is not None and "spike" in host.monitor:
         n = len(step.devices)
@@ -353,7 +358,9 @@ def _raise_if(differ: list[str], loaded: Loaded) -> None:
         )
 
 
-def restore(step: Any, checkpoint_dir: str | os.PathLike[str], *, at: int | None = None) -> Any:
+def restore(
+    step: TrainStep, checkpoint_dir: str | os.PathLike[str], *, at: int | None = None
+) -> TrainState:
     """Restores the latest verified checkpoint (or step ``at``) onto ``step``'s devices.
 
     Any device count and either backend: a checkpoint holds one replica of the state.

@@ -1,6 +1,7 @@
 """Many processes, one run: ``jax.distributed`` set-up, which process feeds which rows,
-host names, the lost-process watchdog, error reports (:mod:`.reports`) and the local
-launcher (``python -m jaxstep.launch``). See docs/multihost.md.
+host names, the peer heartbeats that name a lost process (:func:`watch`,
+:func:`monitor`), error reports (:mod:`.reports`) and the local launcher
+(``python -m jaxstep.launch``). See docs/multihost.md.
 
 Every process runs the same program; a step's devices span all of them, and each
 process passes only the rows of the chunks whose devices it holds, in the step's
@@ -17,6 +18,8 @@ from jaxstep.core._processes import place_local_batch as place_local_batch
 from jaxstep.core._processes import process_pid as process_pid
 from jaxstep.core._processes import spans_processes as spans_processes
 from jaxstep.distributed import reports as reports
+from jaxstep.distributed._heartbeats import PeerHeartbeats as PeerHeartbeats
+from jaxstep.distributed._heartbeats import share_heartbeats as share_heartbeats
 from jaxstep.distributed._runtime import DEFAULT_LOST_TIMEOUT as DEFAULT_LOST_TIMEOUT
 from jaxstep.distributed._runtime import ENV_COORDINATOR as ENV_COORDINATOR
 from jaxstep.distributed._runtime import ENV_LOST_TIMEOUT as ENV_LOST_TIMEOUT
@@ -42,6 +45,7 @@ __all__ = [
     "ENV_LOST_TIMEOUT",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "PeerHeartbeats",
     "finish_in_flight",
     "host_name",
     "initialize",
@@ -60,6 +64,7 @@ __all__ = [
     "record",
     "reports",
     "root_cause",
+    "share_heartbeats",
     "spans_processes",
     "wait_ready",
     "watch",

@@ -23,8 +23,11 @@ log = logging.getLogger("jaxstep")
 _NEVER_BEAT = 3  # a process that never beat gets this many timeouts to start
 
 
-class Monitor:
-    """Heartbeats through the coordination service's key-value store.
+class PeerHeartbeats:
+    """Whether each peer process is alive: heartbeats through the coordination
+    service's key-value store (started by :func:`jaxstep.distributed.watch`). Not to be
+    confused with the step watchdog of ``fit(step_timeout=...)``, which watches one
+    step on this process's devices.
 
     A daemon thread sets ``jaxstep/alive/{me}`` to a counter every ``timeout / 10``
     seconds and reads every process's counter in one call. A process whose counter

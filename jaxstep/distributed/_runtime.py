@@ -1,5 +1,5 @@
 """Many processes, one run: ``jax.distributed`` set-up, which process feeds which rows,
-host names, error reports, and the watchdog that names a lost process.
+host names, error reports, and the peer heartbeats that name a lost process.
 
 Every process runs the same program; a step's devices span all of them, and each
 process passes only the rows of the chunks whose devices it holds, in the step's
@@ -43,7 +43,7 @@ from jaxstep.core._processes import place_local_batch as place_local_batch
 from jaxstep.core._processes import process_pid as process_pid
 from jaxstep.core._processes import spans_processes as spans_processes
 from jaxstep.distributed import reports
-from jaxstep.distributed._heartbeats import Monitor
+from jaxstep.distributed._heartbeats import PeerHeartbeats
 
 log = logging.getLogger("jaxstep")
 
@@ -71,7 +71,8 @@ def initialize(
     heartbeat_timeout_seconds: int = 100,
     **kwargs: Any,
 ) -> None:
-    """Joins (or starts) the multi-process run, then starts the lost-process watchdog.
+    """Joins (or starts) the multi-process run, then starts the peer heartbeats
+    (:func:`watch`) that name a lost process.
 
     Under ``python -m jaxstep.launch`` the coordinator, process count and id come from
     ``$JAXSTEP_COORDINATOR``, ``$JAXSTEP_NUM_PROCESSES`` and ``$JAXSTEP_PROCESS_ID``;
@@ -131,23 +132,40 @@ def initialize(
     watch(timeout)
 
 
-def watch(lost_timeout: float | None = None) -> Monitor | None:
-    """Publishes this process's host name and pid and starts the lost-process watchdog
-    (once). :func:`initialize` does it; :func:`jaxstep.fit` does it too when
-    ``jax.distributed.initialize`` was called directly. None: not multi-process."""
-    global _monitor
+def watch(lost_timeout: float | None = None) -> PeerHeartbeats | None:
+    """Starts this process's peer heartbeats (once) and publishes its host name and pid.
+
+    Liveness comes in two kinds in jaxstep. *Peer heartbeats* (this function) watch
+    whole processes: a thread beats through the coordination service's store, and a
+    peer whose beat stops for ``lost_timeout`` seconds is declared lost, so ``fit``
+    raises a ``HUNG`` error naming its devices instead of waiting in a collective
+    that cannot finish. The *step watchdog* of ``fit(step_timeout=...)`` watches one
+    step on this process's devices; it is unrelated to this function.
+
+    :func:`initialize` calls it; :func:`jaxstep.fit` calls it too when
+    ``jax.distributed.initialize`` was called directly.
+
+    Args:
+      lost_timeout: seconds without a heartbeat before a peer is lost (default
+        ``$JAXSTEP_LOST_TIMEOUT`` or 10 s); ignored once the heartbeats run.
+
+    Returns:
+      The running heartbeats (as :func:`monitor` returns them), or None when this is
+      not a multi-process run.
+    """
+    global _peers
     client = _client()
-    if client is None or _monitor is not None:
-        return _monitor
+    if client is None or _peers is not None:
+        return _peers
     me = jax.process_index()
     client.key_value_set(
         f"{_KEY}host/{me}",
         json.dumps({"host": socket.gethostname(), "pid": os.getpid()}),
         allow_overwrite=True,
     )
-    _monitor = Monitor(client, me, jax.process_count(), _lost_timeout(lost_timeout))
-    _monitor.start()
-    return _monitor
+    _peers = PeerHeartbeats(client, me, jax.process_count(), _lost_timeout(lost_timeout))
+    _peers.start()
+    return _peers
 
 
 def _lost_timeout(value: float | None) -> float:
@@ -158,18 +176,23 @@ def _lost_timeout(value: float | None) -> float:
     return float(value)
 
 
-# ------------------------------------------------------------ lost processes
-_monitor: Monitor | None = None
+# ---------------------------------------------- lost processes (peer heartbeats)
+_peers: PeerHeartbeats | None = None
 
 
-def monitor() -> Monitor | None:
-    """This process's lost-process watchdog (None outside a multi-process run)."""
-    return _monitor
+def monitor() -> PeerHeartbeats | None:
+    """This process's peer heartbeats, as :func:`watch` started them: their
+    ``lost()`` names the processes declared lost so far, and why. None before
+    :func:`watch` (or :func:`initialize`) ran, and outside a multi-process run.
+
+    Only whole processes are watched here; a hung step on this process's own
+    devices is the step watchdog's (``fit(step_timeout=...)``)."""
+    return _peers
 
 
 def lost_processes() -> dict[int, str]:
     """Processes declared lost so far, and why."""
-    return {} if _monitor is None else _monitor.lost()
+    return {} if _peers is None else _peers.lost()
 
 
 def wait_ready(array: jax.Array, step: int, devices: Sequence[jax.Device]) -> None:
@@ -181,11 +204,11 @@ def wait_ready(array: jax.Array, step: int, devices: Sequence[jax.Device]) -> No
       TrainingWorkerError: a process of the run is lost (status ``HUNG``, naming its
         devices), after the Python stacks went to the ``jaxstep`` logger.
     """
-    if _monitor is None:
+    if _peers is None:
         return
     pause = 1e-4
     while not array.is_ready():  # type: ignore[attr-defined]
-        lost = _monitor.lost()
+        lost = _peers.lost()
         if lost:
             raise lost_error(lost, step, devices)
         time.sleep(pause)
@@ -198,24 +221,24 @@ def finish_in_flight(array: jax.Array, err: BaseException) -> None:
     too, so that no process leaves in the middle of a collective (gloo aborts a
     peer that receives half a message). Returns at once when that step cannot
     finish: a peer is lost, or ``err`` is a hang."""
-    if _monitor is None or (isinstance(err, TrainingWorkerError) and err.status & Status.HUNG):
+    if _peers is None or (isinstance(err, TrainingWorkerError) and err.status & Status.HUNG):
         return
-    deadline = time.monotonic() + _monitor.timeout
+    deadline = time.monotonic() + _peers.timeout
     while not array.is_ready() and time.monotonic() < deadline:  # type: ignore[attr-defined]
-        if _monitor.lost():
+        if _peers.lost():
             return
         time.sleep(0.005)
 
 
 def lost_after(err: BaseException, step: int, devices: Sequence[jax.Device]) -> BaseException:
     """For a runtime error from a collective: the lost-process error if a peer turns
-    out lost within the watchdog's timeout (a dead peer's socket can fail the
+    out lost within the heartbeats' timeout (a dead peer's socket can fail the
     collective before the heartbeats run out), else ``err`` itself."""
-    if _monitor is None:
+    if _peers is None:
         return err
-    deadline = time.monotonic() + _monitor.timeout + 2 * _monitor.interval
+    deadline = time.monotonic() + _peers.timeout + 2 * _peers.interval
     while time.monotonic() < deadline:
-        lost = _monitor.lost()
+        lost = _peers.lost()
         if lost:
             return lost_error(lost, step, devices)
         time.sleep(0.05)
@@ -328,10 +351,10 @@ def record(fn: _F) -> _F:
             path = write_error_report(exc)
             if path is not None:
                 log.error("jaxstep: error report written to %s", path)
-            if not is_multiprocess() or _monitor is None:
+            if not is_multiprocess() or _peers is None:
                 raise
             if _shared_verdict(exc):
-                _monitor.stop()
+                _peers.stop()
                 raise
             traceback.print_exception(exc)
             if isinstance(exc, TrainingWorkerError):  # a hang or a lost peer: all leave
@@ -339,8 +362,8 @@ def record(fn: _F) -> _F:
             first = (str(exc).splitlines() or [""])[0][:200]
             _leave(exit_code=1, note=f"failed: {type(exc).__name__}: {first}")
             raise  # not reached
-        if _monitor is not None:
-            _monitor.stop()
+        if _peers is not None:
+            _peers.stop()
         return result
 
     return wrapper  # type: ignore[return-value]
@@ -357,10 +380,10 @@ def _leave(exit_code: int, note: str, wait_s: float = 10.0) -> NoReturn:
     """Tells the others (``note``) and exits at once; process 0 first waits (up to
     ``wait_s``) for the others to leave, since they abort when its coordination service
     goes before them."""
-    if _monitor is not None:
-        _monitor.mark(note)
-        if _monitor.me == 0:
-            _monitor.wait_for_others(wait_s)
+    if _peers is not None:
+        _peers.mark(note)
+        if _peers.me == 0:
+            _peers.wait_for_others(wait_s)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

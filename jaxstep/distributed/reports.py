@@ -19,8 +19,15 @@ import socket
 import time
 import traceback
 from collections.abc import Mapping
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 from typing import Any
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from jaxstep.core import Failure
 
 ENV_ERROR_DIR = "JAXSTEP_ERROR_DIR"
 
@@ -35,7 +42,7 @@ def report_path(directory: str | os.PathLike[str], process_index: int) -> Path:
     return Path(directory) / f"error-p{process_index}.json"
 
 
-def _failure_dict(failure: Any) -> dict[str, Any]:
+def _failure_dict(failure: Failure) -> dict[str, Any]:
     out = dataclasses.asdict(failure)
     out["status"] = str(getattr(failure.status, "name", failure.status))
     out["status_value"] = int(failure.status)
@@ -116,7 +123,9 @@ def root_cause(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def complete(
-    directory: str | os.PathLike[str], returncodes: Mapping[int, int | None], procs: Any = None
+    directory: str | os.PathLike[str],
+    returncodes: Mapping[int, int | None],
+    procs: Sequence[subprocess.Popen[bytes]] | None = None,
 ) -> None:
     """After a local job: a report for each process that failed without writing one
     (killed by a signal, crashed in C++), and a root cause marked if none is.

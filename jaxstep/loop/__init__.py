@@ -1,11 +1,26 @@
-"""The training loop: :func:`fit` (dispatch step t, settle step t-1), the
-:class:`History` it keeps, the watchdog that names a hung device, and the replay
-diagnosis of a failed step."""
+"""The training loop: :func:`fit` (dispatch step t, settle step t-1), a short driver
+over :class:`Loop`'s named steps; the :class:`History` it keeps, the :class:`Callbacks`
+fan-out, the step watchdog that names a hung device, and the replay diagnosis of a
+failed step."""
 
+from jaxstep.loop._callbacks import Callback as Callback
+from jaxstep.loop._callbacks import Callbacks as Callbacks
 from jaxstep.loop._diagnose import Diagnosis as Diagnosis
 from jaxstep.loop._diagnose import diagnose as diagnose
+from jaxstep.loop._driver import Loop as Loop
+from jaxstep.loop._driver import Pending as Pending
+from jaxstep.loop._failure import replica_state as replica_state
 from jaxstep.loop._fit import fit as fit
-from jaxstep.loop._fit import replica_state as replica_state
 from jaxstep.loop._history import History as History
 
-__all__ = ["Diagnosis", "History", "diagnose", "fit", "replica_state"]
+__all__ = [
+    "Callback",
+    "Callbacks",
+    "Diagnosis",
+    "History",
+    "Loop",
+    "Pending",
+    "diagnose",
+    "fit",
+    "replica_state",
+]

@@ -1,31 +1,15 @@
-"""The record of a run: one entry per finished step (from its health table), and
-the hooks :func:`jaxstep.fit` calls."""
+"""The record of a run: one entry per finished step (from its health table)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxstep.core import HealthTable
-from jaxstep.core import TrainingWorkerError
-
-
-class Callback(Protocol):
-    """Hooks into :func:`fit`; define the methods you need (all optional)."""
-
-    def on_step_end(self, table: HealthTable) -> None: ...
-
-    def on_failure(self, error: TrainingWorkerError) -> None: ...
-
-    def on_fit_start(self, step: Any, history: History) -> None: ...
-
-    def on_fit_end(self, history: History) -> None: ...
-
 
 # History fields filled from the health tables, decoded when first read.
 _DECODED = frozenset({"step", "loss", "device_loss", "device_grad_norm", "status", "skipped"})

@@ -1,6 +1,7 @@
-"""The hang watchdog of ``fit(step_timeout=...)``: each step runs on a dispatch thread
-with per-device heartbeats; past the deadline the devices that did not finish their
-local part are named in a ``HUNG`` error."""
+"""The step watchdog of ``fit(step_timeout=...)``: each step runs on a dispatch thread
+with per-device heartbeat callbacks; past the deadline the devices that did not finish
+their local part are named in a ``HUNG`` error. (Whole processes that stop are the
+peer heartbeats' to name: :mod:`jaxstep.distributed`.)"""
 
 from __future__ import annotations
 
@@ -11,22 +12,21 @@ import time
 import traceback
 from typing import Any
 
+from jaxstep import distributed
 from jaxstep.core import Failure
 from jaxstep.core import Status
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
-from jaxstep.distributed import _heartbeats as heartbeats
-from jaxstep.distributed import _runtime as distributed
 from jaxstep.step import TrainStep
 
 log = logging.getLogger("jaxstep")
 
 
-class Watcher:
-    """Runs each step on a dispatch thread and waits for it with a deadline, so a
-    hung device is named instead of hanging the host (CPU runs steps with host
-    callbacks synchronously, so the wait must not be on the dispatching thread)."""
+class StepWatchdog:
+    """Runs each step on a dispatch thread and waits for it with a deadline, so a hung
+    device is named instead of hanging the host (CPU runs steps with host callbacks
+    synchronously, so the wait must not be on the dispatching thread)."""
 
     def __init__(self, step: TrainStep, timeout: float):
         self.step = step
@@ -64,7 +64,7 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
     if many:
         # Each process saw only its own devices' heartbeats: pool them, so every
         # process names the same devices.
-        done, _ = heartbeats.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
+        done, _ = distributed.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
     late = [i for i in range(len(step.devices)) if i not in done]
     where = "before reaching the first collective"
     if not late:  # every device reached the collective: the hang is in or after it

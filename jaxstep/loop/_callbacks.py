@@ -1,0 +1,77 @@
+"""The hooks :func:`jaxstep.fit` calls, and one object that fans each call out to every
+callback that has the hook (CLU's ``MultiWriter``), resolved once per fit call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
+
+from jaxstep.core import HealthTable
+from jaxstep.core import TrainingWorkerError
+
+if TYPE_CHECKING:
+    from jaxstep.loop._history import History
+    from jaxstep.step import TrainStep
+
+
+class Callback(Protocol):
+    """Hooks into :func:`fit`; define the methods you need (all optional)."""
+
+    def on_fit_start(self, step: TrainStep, history: History) -> None: ...
+
+    def on_step_end(self, table: HealthTable) -> None: ...
+
+    def on_failure(self, error: TrainingWorkerError) -> None: ...
+
+    def on_fit_end(self, history: History) -> None: ...
+
+
+class Callbacks:
+    """Every callback's hooks as one callback: each ``on_...`` call goes to the
+    callbacks that define it, in the order given. Which callback has which hook is
+    looked up once, here, not at each step.
+
+    >>> class Count:
+    ...     steps = 0
+    ...     def on_step_end(self, table):
+    ...         self.steps += 1
+    >>> count = Count()
+    >>> hooks = Callbacks([count, object()])
+    >>> hooks.on_step_end(None); hooks.on_fit_end(None)  # object() has neither hook
+    >>> count.steps
+    1
+    """
+
+    __slots__ = ("_end", "_failure", "_start", "_step_end")
+
+    def __init__(self, callbacks: Iterable[object] = ()):
+        callbacks = list(callbacks)
+        self._start = _bound(callbacks, "on_fit_start")
+        self._step_end = _bound(callbacks, "on_step_end")
+        self._failure = _bound(callbacks, "on_failure")
+        self._end = _bound(callbacks, "on_fit_end")
+
+    def on_fit_start(self, step: TrainStep, history: History) -> None:
+        for hook in self._start:
+            hook(step, history)
+
+    def on_step_end(self, table: HealthTable) -> None:
+        """After ``history`` has the step (the hot path: a loop over the bound hooks)."""
+        for hook in self._step_end:
+            hook(table)
+
+    def on_failure(self, error: TrainingWorkerError) -> None:
+        for hook in self._failure:
+            hook(error)
+
+    def on_fit_end(self, history: History) -> None:
+        """After the last step, when nothing failed."""
+        for hook in self._end:
+            hook(history)
+
+
+def _bound(callbacks: list[object], name: str) -> list[Callable[..., Any]]:
+    return [getattr(cb, name) for cb in callbacks if hasattr(cb, name)]

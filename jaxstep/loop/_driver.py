@@ -1,0 +1,209 @@
+"""One fit call's state and its steps by name: :meth:`Loop.start`, :meth:`Loop.advance`
+(dispatch a batch, then settle the step before it, already finished),
+:meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
+:meth:`Loop.abandon` (an exception leaves) and :meth:`Loop.finish`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import NamedTuple
+
+from jaxstep import distributed
+from jaxstep.core import StepOutput
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+from jaxstep.loop._callbacks import Callbacks
+from jaxstep.loop._failure import failure_error
+from jaxstep.loop._history import History
+from jaxstep.loop._history import scalar_aux
+from jaxstep.loop._watchdog import StepWatchdog
+
+if TYPE_CHECKING:
+    from jaxstep.checkpoint import FitCheckpoints
+    from jaxstep.step import TrainStep
+
+
+class Pending(NamedTuple):
+    """A dispatched step whose health table has not been read yet."""
+
+    out: StepOutput
+    batch: Any
+    number: int  # the step it runs (as counted from the state fit started with)
+    rows: int  # rows per device of its batch, as this process passed it
+
+
+class Loop:
+    """What one :func:`jaxstep.fit` call holds between its steps: the newest state,
+    the step in flight (:class:`Pending`, at most one), the history, the checkpoints,
+    the callbacks and, when asked for, the step watchdog.
+
+    ``state`` is always the newest state dispatched (or the one fit started from):
+    a batch that is rejected or an exception that leaves fit does not change it.
+    """
+
+    __slots__ = (
+        "callbacks",
+        "checkpoints",
+        "device_count",
+        "diagnose",
+        "history",
+        "last",
+        "last_time",
+        "next_step",
+        "number",
+        "pending",
+        "state",
+        "step",
+        "watch_peers",
+        "watchdog",
+    )
+
+    def __init__(
+        self,
+        step: TrainStep,
+        state: TrainState,
+        checkpoints: FitCheckpoints,
+        *,
+        history: History | None = None,
+        callbacks: Callbacks | Sequence[Any] = (),
+        diagnose: bool = False,
+        step_timeout: float | None = None,
+    ):
+        self.step = step
+        self.state = state
+        self.checkpoints = checkpoints
+        self.history = History() if history is None else history
+        self.callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks)
+        self.diagnose = diagnose
+        self.device_count = len(step.devices)
+        self.watchdog = None if step_timeout is None else StepWatchdog(step, step_timeout)
+        self.watch_peers = False  # set by start: several processes, peer heartbeats on
+        self.pending: Pending | None = None  # dispatched, its table not read yet
+        self.last: StepOutput | None = None  # the newest dispatched step
+        self.number = 0  # the number of the next step dispatched
+        self.next_step = 0  # the step after the newest one settled (the watchdog's)
+        self.last_time = 0.0  # when the previous step was settled
+
+    def start(self) -> None:
+        """Checks that the state is not halted, then starts the run: the history's
+        device ids, the callbacks' ``on_fit_start``, the peer heartbeats."""
+        step = self.step
+        halted, number = step.first_copy((self.state.halted, self.state.step))  # two reads
+        if bool(halted):
+            raise ValueError(
+                "the state is halted by an earlier failure; resume from error.state (or "
+                "step.clear_halt(state)) once the cause is fixed"
+            )
+        self.history.device_ids = [d.id for d in step.devices]
+        self.number = self.next_step = int(number)
+        step.heartbeats.clear()
+        self.callbacks.on_fit_start(step, self.history)
+        self.last_time = time.perf_counter()
+        many = distributed.spans_processes(step.devices)
+        self.watch_peers = many and distributed.watch() is not None
+
+    def advance(self, batch: Any) -> None:
+        """Dispatches ``batch``, then settles the step before it (finished by now: the
+        host never waits on the step it just dispatched). With the step watchdog the
+        step has finished when its dispatch returns: it is settled at once.
+
+        Raises:
+          ValueError, TypeError: ``batch`` was rejected before it ran (after any failure
+            of the step before it); ``error.state`` holds the state before it.
+          TrainingWorkerError: a step failed, hung, or lost a peer.
+        """
+        watchdog, pending = self.watchdog, self.pending
+        self.checkpoints.before(self.state)
+        try:
+            if watchdog is not None:
+                self.state, out = watchdog.run(self.state, batch, self.next_step)
+            else:
+                self.state, out = self.step.dispatch(self.state, batch)
+            self.last = out
+        except (ValueError, TypeError) as err:
+            if pending is not None:  # a failure of the previous step comes first
+                self.settle(pending, [batch])
+            err.state = self.state  # type: ignore[union-attr]
+            err.add_note("the state before this batch is in error.state; nothing was lost")
+            raise
+        except TrainingWorkerError as err:  # a hung step
+            raise self._report(err, [batch]) from None
+        if pending is not None:
+            self.settle(pending, [batch])
+        number = self.number
+        self.number = number + 1
+        pending = self.pending = Pending(out, batch, number, self.step.rows_per_device)
+        if watchdog is not None:
+            self.pending = None
+            self.settle(pending)
+
+    def settle(self, pending: Pending, pulled: Sequence[Any] = ()) -> None:
+        """Reads ``pending``'s health table and appends it to the history; the
+        checkpoints and the callbacks see it. ``pulled``: the batches pulled after it,
+        which its failure must hand back untrained.
+
+        Raises:
+          TrainingWorkerError: the step failed (``error.state``: the last good state,
+            from :attr:`state`), or a peer process was lost while waiting for it.
+        """
+        step = self.step
+        try:
+            if self.watch_peers:  # never block where a lost peer would leave this process stuck
+                distributed.wait_ready(pending.out.health, pending.number, step.devices)
+            table = step.table(pending.out)
+        except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
+            raise self._report(err, [pending.batch, *pulled]) from None
+        except Exception as err:  # a collective failed: a lost peer is the likely cause
+            if not self.watch_peers:
+                raise
+            lost = distributed.lost_after(err, pending.number, step.devices)
+            if isinstance(lost, TrainingWorkerError):
+                raise self._report(lost, [pending.batch, *pulled]) from err
+            raise lost from err
+        now = time.perf_counter()
+        n = self.device_count
+        metrics = {} if pending.out.aux is None else scalar_aux(pending.out.aux, n)
+        self.history.append(table, metrics, n * pending.rows / max(now - self.last_time, 1e-9))
+        self.last_time = now
+        self.next_step = table.step + 1
+        if self.checkpoints.waiting:
+            self.checkpoints.settled(table)
+        self.callbacks.on_step_end(table)
+        if table.failed and table.halted:
+            error = failure_error(step, table, pending.rows, self.state, self.history)
+            if self.diagnose:
+                from jaxstep.loop._diagnose import diagnose as replay
+
+                error = error.with_diagnosis(replay(step, error, pending.batch))
+            # Nothing pulled is lost: the failing batch and those after it, untrained.
+            raise self._report(error, [pending.batch, *pulled])
+
+    def drain(self) -> None:
+        """Settles the step still in flight, if any (after the last batch)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.settle(pending)
+
+    def abandon(self, err: BaseException) -> None:
+        """An exception (``err``) leaves fit: with peer processes, first let the newest
+        dispatched step finish, so no collective is left half done (a peer still in it
+        would abort). :attr:`state` is left as it stands."""
+        if self.watch_peers and self.last is not None:
+            distributed.finish_in_flight(self.last.health, err)
+
+    def finish(self) -> TrainState:
+        """After the last step settled: waits for the last checkpoint write, calls the
+        callbacks' ``on_fit_end`` and returns the final state."""
+        self.checkpoints.close()
+        self.callbacks.on_fit_end(self.history)
+        return self.state
+
+    def _report(self, error: TrainingWorkerError, batches: Sequence[Any]) -> TrainingWorkerError:
+        """A failure, a hang or a lost peer: the untrained ``batches`` (failing batch
+        first) and the emergency save go on the error, and the callbacks hear of it."""
+        error = self.checkpoints.failed(error, batches)
+        self.callbacks.on_failure(error)
+        return error

@@ -1,0 +1,81 @@
+"""What a failed step's error says: its failures from the health table, the last good
+state (rebuilt from a healthy replica when one diverged) and a note on how good it is."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstep.core import HealthTable
+from jaxstep.core import Status
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+from jaxstep.loop._history import History
+from jaxstep.step import TrainStep
+
+
+def failure_error(
+    step: TrainStep, table: HealthTable, rows: int, current: TrainState, history: History
+) -> TrainingWorkerError:
+    """The error of a failed step from its health table; ``error.state`` the last good
+    state (from ``current``, the halted state as it stands), and a note on how good it
+    is. ``rows``: rows per device of the failing batch, as this process passed it."""
+    failures = step.failures(table, rows)
+    note = None
+    bad = {f.device_id for f in failures}
+    here = jax.process_index()  # a healthy copy this process can read
+    good = [i for i, d in enumerate(step.devices) if d.id not in bad and d.process_index == here]
+    if any(f.status & Status.DIVERGED for f in failures) and good:
+        state = replica_state(step, current, good[0])
+        note = (
+            f"error.state was rebuilt from the copy on device {step.devices[good[0]].id}, "
+            "which agrees with the majority"
+        )
+    elif any(f.status & Status.DIVERGED for f in failures):
+        state = step.clear_halt(current)
+        note = (
+            "no majority of replicas agrees (two devices, or every copy differs): error.state "
+            "is the state as it stands; compare it with your last checkpoint"
+        )
+    else:
+        state = step.clear_halt(current)
+        if step.on_failure == "skip":
+            note = (
+                f"{table.consecutive_skips + 1} failed steps in a row "
+                f"(max_consecutive_skips={step.max_consecutive_skips})"
+            )
+        # Without verify_update an overflowing update is committed, and what fails
+        # later fails because of it: say so rather than call this state good.
+        if not step.verify_update and not _params_finite(step.host_state(state).params):
+            note = (
+                "the parameters in error.state are already non-finite: an earlier update "
+                "overflowed (from finite gradients), and this failure follows from it. "
+                "make_train_step(verify_update=True) stops such an update before it is "
+                "committed"
+            )
+            return TrainingWorkerError(
+                failures, state=state, note=note, history=history, state_is_good=False
+            )
+    return TrainingWorkerError(failures, state=state, note=note, history=history)
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.array(True)]))
+
+
+def _params_finite(params: Any) -> bool:
+    """One device-side reduction and one scalar read: only on the failure path."""
+    return bool(_all_finite(params))
+
+
+def replica_state(step: TrainStep, state: TrainState, position: int) -> TrainState:
+    """The state as held by ``step.devices[position]``, placed afresh on every device
+    (unhalted): how a run recovers from one corrupted replica."""
+    host = step.local_copy(state, position)
+    return step.place_state(dataclasses.replace(host, halted=np.zeros((), bool)))
