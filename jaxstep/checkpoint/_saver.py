@@ -96,6 +96,7 @@ class FitCheckpoints:
         self._layout: Layout | None = None
         self._done = set(store.steps()) if store is not None else set()
         self._futures: list[concurrent.futures.Future[None]] = []
+        self._closed = False
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-checkpoint")
             if store is not None and every is not None
@@ -163,12 +164,15 @@ class FitCheckpoints:
                 )
         return state, source, cls(step, store, checkpoint_every, source, first)
 
-    def before(self, state: TrainState) -> None:
-        """Called with each state just before it is dispatched (and donated)."""
+    def before(self, state: TrainState) -> bool:
+        """Called with each state just before it is dispatched (and donated). Returns
+        whether this step must run the replica check: at a checkpoint step, on every
+        process alike (the same program everywhere), so the checkpoint is verified."""
         number = self.number
         self.number += 1
-        if self._pool is None or number % self.every or number in self._done:  # type: ignore[operator]
-            return
+        check = self.every is not None and self.store is not None and number % self.every == 0
+        if self._pool is None or not check or number in self._done:
+            return check
         if self._layout is None:
             self._layout = Layout.of(state, stacked=self.step.stacked)
         # The batch for this step was pulled just before: the position is before it.
@@ -177,8 +181,9 @@ class FitCheckpoints:
             # it once the step's collective finished, so it is there by then
             coordination.publish(f"{self._key}{number}", position.to_json())
             if not self.writer:
-                return
+                return True
         self._snap = _Snapshot(number, local_copy(state, stacked=self.step.stacked), position)
+        return True
 
     @property
     def waiting(self) -> bool:
@@ -280,9 +285,50 @@ class FitCheckpoints:
             )
         return error.replace(checkpoint=path, note=note)
 
+    def stopped(self, state: TrainState, untrained: int) -> str | None:
+        """``fit`` stops early (Ctrl-C, an exception): saves ``state`` as the checkpoint
+        of its step, verified when its replicas agree, with the data position before the
+        ``untrained`` batches pulled last, so ``resume=True`` goes on from it. Returns
+        where, or None (no checkpoint directory; several processes, whose positions
+        would need every peer: their latest periodic checkpoint stands)."""
+        if self.store is None:
+            return None
+        if len(self.processes) > 1:
+            log.warning("fit stopped early: with several processes no state is saved")
+            return None
+        self.drain(_DRAIN_TIMEOUT)
+        number = int(np.asarray(self.step.first_copy(state.step)))
+        where = str(self.store.directory / str(number))
+        if number in self._done:  # this very state was written as a checkpoint
+            return where
+        verified = self.step.replicas_agree(state)
+        stacked = self.step.stacked
+        layout = self._layout or Layout.of(state, stacked=stacked)
+        position = self.source.position(self.source.count - untrained)
+        meta = self._meta(number, verified=verified)
+        meta.update(
+            data=position.to_json(),
+            exact_resume=self.source.exact,
+            verified_by=(
+                f"the replicas of all {len(self.step.devices)} devices compared when fit "
+                "stopped early"
+                if verified
+                else "not verified: the replicas differed when fit stopped"
+            ),
+            layout=layout.to_json(),
+        )
+        leaves = jax.device_get(local_copy(state, stacked=stacked))
+        self.store.save(number, {"state": leaves, "meta": meta})
+        self._done.add(number)
+        return where
+
     def close(self) -> None:
         """Waits for the queued writes (a while) and releases the writer; a write still
-        going on finishes in the background (the interpreter waits for it at exit)."""
+        going on finishes in the background (the interpreter waits for it at exit).
+        Called on every way out of fit; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.drain(_DRAIN_TIMEOUT)
         if self._pool is not None:
             self._pool.shutdown(wait=all(f.done() for f in self._futures))
@@ -302,14 +348,6 @@ def _validate(
             raise ValueError(f"checkpoint_every must be an int >= 1 or None, got {every!r}")
         if directory is None:
             raise ValueError(f"checkpoint_every={every} needs checkpoint_dir=... to write to")
-        check = step.divergence_every
-        if check is None or every % check:
-            raise ValueError(
-                f"checkpoint_every={every} with divergence_every={check}: a checkpoint is "
-                "saved only from a state whose replicas were compared, so checkpoint_every "
-                "must be a multiple of the step's divergence_every; use checkpoint_every="
-                f"{_multiple(every, check)} or make_train_step(..., divergence_every={every})"
-            )
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
     if resume and directory is None:
@@ -361,10 +399,6 @@ def _check_positions(loaded: Loaded, devices: Sequence[jax.Device]) -> None:
             f"be mapped. Resume it with {len(saved)} processes, or feed batches from a "
             "callable source (batch = source(step)), whose position is the step"
         )
-
-
-def _multiple(every: int, check: int | None) -> int:
-    return every if check is None else max(check, (every // check) * check)
 
 
 def _has_checkpoint(directory: str | os.PathLike[str]) -> bool:

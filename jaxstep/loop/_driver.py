@@ -1,20 +1,28 @@
 """One fit call's state and its steps by name: :meth:`Loop.start`, :meth:`Loop.advance`
 (dispatch a batch, then settle the step before it, already finished),
 :meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
-:meth:`Loop.abandon` (an exception leaves) and :meth:`Loop.finish`."""
+:meth:`Loop.abandon` (an exception leaves: the state and the untrained batches go on
+it) and :meth:`Loop.finish`."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import NamedTuple
 
 from jaxstep import distributed
+from jaxstep.core import HealthTable
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core import _validate as validate
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History
@@ -49,14 +57,18 @@ class Loop:
         "checkpoints",
         "device_count",
         "diagnose",
+        "held",
         "history",
+        "interrupted",
         "last",
         "last_time",
         "next_step",
         "number",
         "pending",
+        "read",
         "state",
         "step",
+        "unconfirmed",
         "watch_peers",
         "watchdog",
     )
@@ -86,6 +98,12 @@ class Loop:
         self.number = 0  # the number of the next step dispatched
         self.next_step = 0  # the step after the newest one settled (the watchdog's)
         self.last_time = 0.0  # when the previous step was settled
+        self.held: Any = None  # a batch pulled and not yet dispatched (or rejected)
+        # dispatched steps whose settling has not completed, oldest first, and the
+        # tables already read of them: what an early stop must still account for
+        self.unconfirmed: list[Pending] = []
+        self.read: dict[int, HealthTable] = {}
+        self.interrupted = False  # a first Ctrl-C: stop after the step in flight
 
     def start(self) -> None:
         """Checks that the state is not halted, then starts the run: the history's
@@ -116,29 +134,34 @@ class Loop:
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
         watchdog, pending = self.watchdog, self.pending
-        self.checkpoints.before(self.state)
+        self.held = batch
+        check = self.checkpoints.before(self.state)  # a checkpoint step: check replicas
         try:
             if watchdog is not None:
-                self.state, out = watchdog.run(self.state, batch, self.next_step)
+                self.state, out = watchdog.run(self.state, batch, self.next_step, check)
             else:
-                self.state, out = self.step.dispatch(self.state, batch)
+                self.state, out = self.step.dispatch(self.state, batch, check_replicas=check)
             self.last = out
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError):
+            self.pending = None
             if pending is not None:  # a failure of the previous step comes first
                 self.settle(pending, [batch])
-            err.state = self.state  # type: ignore[union-attr]
-            err.add_note("the state before this batch is in error.state; nothing was lost")
-            raise
+            raise  # abandon puts the state and this batch on the error
         except TrainingWorkerError as err:  # a hung step
+            self.held = None
             raise self._report(err, [batch]) from None
-        if pending is not None:
-            self.settle(pending, [batch])
+        self.held = None
         number = self.number
         self.number = number + 1
-        pending = self.pending = Pending(out, batch, number, self.step.rows_per_device)
+        new = self.pending = Pending(out, batch, number, self.step.rows_per_device)
+        self.unconfirmed.append(new)
+        if pending is not None:
+            self.settle(pending, [batch])
         if watchdog is not None:
             self.pending = None
-            self.settle(pending)
+            self.settle(new)
+        if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
+            raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
 
     def settle(self, pending: Pending, pulled: Sequence[Any] = ()) -> None:
         """Reads ``pending``'s health table and appends it to the history; the
@@ -163,6 +186,7 @@ class Loop:
             if isinstance(lost, TrainingWorkerError):
                 raise self._report(lost, [pending.batch, *pulled]) from err
             raise lost from err
+        self.read[pending.number] = table
         now = time.perf_counter()
         n = self.device_count
         metrics = {} if pending.out.aux is None else scalar_aux(pending.out.aux, n)
@@ -180,6 +204,9 @@ class Loop:
                 error = error.with_diagnosis(replay(step, error, pending.batch))
             # Nothing pulled is lost: the failing batch and those after it, untrained.
             raise self._report(error, [pending.batch, *pulled])
+        self.read.pop(pending.number, None)
+        if self.unconfirmed and self.unconfirmed[0] is pending:
+            self.unconfirmed.pop(0)
 
     def drain(self) -> None:
         """Settles the step still in flight, if any (after the last batch)."""
@@ -188,11 +215,96 @@ class Loop:
             self.settle(pending)
 
     def abandon(self, err: BaseException) -> None:
-        """An exception (``err``) leaves fit: with peer processes, first let the newest
+        """An exception (``err``) leaves fit. With peer processes, first lets the newest
         dispatched step finish, so no collective is left half done (a peer still in it
-        would abort). :attr:`state` is left as it stands."""
+        would abort). A :class:`TrainingWorkerError` already carries what it must;
+        anything else (Ctrl-C, a callback's or the data source's exception,
+        ``SystemExit``, a rejected batch) gets ``err.state``, the last good state
+        (usable: nothing of it donated), and ``err.batches``, every batch pulled and not
+        trained, in order, with a note saying so; with a checkpoint directory the state
+        is saved first, so ``resume=True`` goes on from it. The checkpoint writer is
+        closed on every path."""
         if self.watch_peers and self.last is not None:
             distributed.finish_in_flight(self.last.health, err)
+        if isinstance(err, TrainingWorkerError):
+            self.checkpoints.close()
+            return
+        try:
+            untrained, failed = self._settle_unconfirmed()
+        except Exception as why:  # the steps in flight cannot be read: say so, lose nothing
+            untrained, failed = [p.batch for p in self.unconfirmed], f"(unread: {why!r})"
+        if self.held is not None:
+            untrained.append(self.held)
+        state: TrainState | None = self.state
+        try:
+            validate.alive(state)
+            if failed is not None:
+                state = self.step.clear_halt(self.state)
+        except ValueError:
+            state = None  # a second Ctrl-C inside a dispatch: the state was donated
+        saved = None
+        if state is not None:
+            try:
+                saved = self.checkpoints.stopped(state, len(untrained))
+            except Exception as why:
+                err.add_note(f"jaxstep: saving the state on the way out failed: {why!r}")
+        self.checkpoints.close()
+        _attach(err, state, untrained, failed, saved)
+
+    def _settle_unconfirmed(self) -> tuple[list[Any], str | None]:
+        """Reads the tables of the steps whose settling did not complete (no callbacks:
+        one of them may be what raised); returns the batches from the first failed one
+        on (untrained: a halted state changed nothing after it) and that failure."""
+        untrained: list[Any] = []
+        failed: str | None = None
+        for pending in self.unconfirmed:
+            table = self.read.get(pending.number)
+            if table is None:
+                table = self.step.table(pending.out)
+                metrics = {}
+                if pending.out.aux is not None:
+                    metrics = scalar_aux(pending.out.aux, self.device_count)
+                self.history.append(table, metrics)
+                if self.checkpoints.waiting:
+                    self.checkpoints.settled(table)
+            if failed is None and table.failed and table.halted:
+                first = self.step.failures(table, pending.rows)[0]
+                failed = f"step {table.step} failed too (device {first.device_id}: {first.reason})"
+            if failed is not None:
+                untrained.append(pending.batch)
+        self.unconfirmed.clear()
+        self.pending = None
+        return untrained, failed
+
+    @contextlib.contextmanager
+    def deferred_interrupts(self) -> Iterator[None]:
+        """A first Ctrl-C (SIGINT) only marks the loop: :meth:`advance` raises
+        ``KeyboardInterrupt`` once the step in flight is dispatched and the one before
+        it settled, so no state is caught half donated. A second one raises at once.
+        Only in the main thread, and only over Python's own handler (a notebook
+        kernel's or the user's handler is left alone)."""
+        if (
+            threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+
+        def first(signum: int, frame: Any) -> None:
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+            print(
+                "jaxstep: stopping after the step in flight (Ctrl-C again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        signal.signal(signal.SIGINT, first)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def finish(self) -> TrainState:
         """After the last step settled: waits for the last checkpoint write, calls the
@@ -207,3 +319,37 @@ class Loop:
         error = self.checkpoints.failed(error, batches)
         self.callbacks.on_failure(error)
         return error
+
+
+def _attach(
+    err: BaseException,
+    state: TrainState | None,
+    untrained: list[Any],
+    failed: str | None,
+    saved: str | None,
+) -> None:
+    """``err.state``, ``err.batches`` and a note saying where they are."""
+    try:
+        err.state = state  # type: ignore[attr-defined]
+        err.batches = untrained  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type that takes no attributes
+        return
+    if state is None:
+        lines = [
+            "jaxstep: the state was lost (a second Ctrl-C stopped a step while it held "
+            "the state); restore the latest checkpoint"
+        ]
+    else:
+        lines = ["jaxstep: the last good state is in error.state"]
+    held = len(untrained)
+    lines.append(
+        f"error.batches holds the {held} batch(es) pulled and not trained, in order: "
+        "fit(step, error.state, itertools.chain(error.batches, rest)) loses nothing"
+        if held
+        else "every batch pulled was trained (error.batches is empty)"
+    )
+    if failed is not None:
+        lines.append(failed)
+    if saved is not None:
+        lines.append(f"the state was saved to {saved}: fit(..., resume=True) goes on from it")
+    err.add_note("; ".join(lines))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from typing import Any
 from jaxstep import distributed
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.core import TrainState
+from jaxstep.loop._arguments import check_fit
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._driver import Loop
 from jaxstep.loop._history import History
@@ -64,8 +66,9 @@ def fit(
       checkpoint_dir: where to write checkpoints (an orbax ``CheckpointManager``
         root) and, on a failure, the emergency save (``error.checkpoint``).
       checkpoint_every: save the state every this many steps, from a writer thread,
-        once that step's replica check has passed (so it must be a multiple of the
-        step's ``divergence_every``); None: only emergency saves.
+        once that step's replica check has passed (a checkpoint step runs the check
+        whatever the step's ``divergence_every``: every checkpoint is verified); None:
+        only emergency saves and the save of an early stop.
       keep: how many periodic checkpoints to keep (None: all).
       resume: restore the latest verified checkpoint of ``checkpoint_dir`` (if any)
         instead of ``state``, which then only gives the expected structure, and go
@@ -80,10 +83,27 @@ def fit(
         ``error.state`` is the last good state (None for a hang); ``error.batches``
         the failing batch and every batch pulled after it, untrained, in order;
         ``error.checkpoint`` the emergency save (with ``checkpoint_dir``).
-      ValueError, TypeError: a batch was malformed; ``error.state`` holds the state
-        before it, nothing lost.
+      ValueError, TypeError: an argument was wrong (before anything ran), or a batch
+        was malformed.
+      BaseException: whatever else ends fit early (Ctrl-C's ``KeyboardInterrupt``, a
+        callback's or the data source's exception, ``SystemExit``) leaves with its own
+        type, carrying ``error.state`` (the last good state, usable) and
+        ``error.batches`` (pulled and not trained, in order); with ``checkpoint_dir``
+        the state is saved first, so ``resume=True`` goes on from it. A first Ctrl-C
+        lets the step in flight finish; a second stops at once.
     """
-    _check(step, num_steps, step_timeout, diagnose)
+    callbacks = check_fit(
+        step,
+        state,
+        batches,
+        num_steps=num_steps,
+        history=history,
+        callbacks=callbacks,
+        step_timeout=step_timeout,
+    )
+    _check(step, diagnose)
+    if not resume:  # on resume the state only gives the structure
+        step.check_state(state)
     state, source, checkpoints = FitCheckpoints.begin(
         step,
         state,
@@ -102,25 +122,27 @@ def fit(
         diagnose=diagnose,
         step_timeout=step_timeout,
     )
-    loop.start()
     try:
-        # islice: never pull a batch that will not be trained on (an iterator is shared).
-        for batch in itertools.islice(source, num_steps):
-            loop.advance(batch)
+        loop.start()
+        with loop.deferred_interrupts():
+            # islice: never pull a batch that will not be trained (an iterator is shared).
+            for batch in itertools.islice(source, num_steps):
+                loop.advance(batch)
         loop.drain()
-    except BaseException as err:
+    except BaseException as err:  # Ctrl-C included: the state and batches go on err
         loop.abandon(err)
         raise
+    if loop.last is None and num_steps != 0:
+        warnings.warn(
+            "fit's batches yielded no batch: nothing was trained and the state is returned "
+            "as given (an exhausted iterator? pass a fresh one, or a callable start -> "
+            "iterable)",
+            stacklevel=2,
+        )
     return loop.finish()
 
 
-def _check(
-    step: TrainStep, num_steps: int | None, step_timeout: float | None, diagnose: bool
-) -> None:
-    if num_steps is not None and num_steps < 0:
-        raise ValueError(f"num_steps must be >= 0 or None, got {num_steps}")
-    if step_timeout is not None and not step_timeout > 0:
-        raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
+def _check(step: TrainStep, diagnose: bool) -> None:
     if diagnose and distributed.spans_processes(step.devices):
         raise ValueError(
             "diagnose=True replays a failed step with its chunks moved to other devices, "

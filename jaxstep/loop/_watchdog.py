@@ -33,11 +33,15 @@ class StepWatchdog:
         self.timeout = timeout
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
 
-    def run(self, state: TrainState, batch: Any, expected: int) -> tuple[TrainState, StepOutput]:
-        for replicas in (False, self.step.divergence_every is not None):
+    def run(
+        self, state: TrainState, batch: Any, expected: int, check_replicas: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        for replicas in (False, check_replicas or self.step.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             self.step.compile(state, batch, heartbeat=True, replicas=replicas)
-        future = self.pool.submit(self.step.dispatch, state, batch, heartbeat=True)
+        future = self.pool.submit(
+            self.step.dispatch, state, batch, heartbeat=True, check_replicas=check_replicas
+        )
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
         while not (future.done() and future.result()[1].health.is_ready()):  # type: ignore[attr-defined]

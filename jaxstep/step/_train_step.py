@@ -30,6 +30,7 @@ from jaxstep.program import DynamicLossScale
 from jaxstep.program import Fault
 from jaxstep.program import Injector
 from jaxstep.program import LossSpike
+from jaxstep.program import _across as monitors
 from jaxstep.program import _body as prog
 from jaxstep.program import _device as local
 from jaxstep.step._backends import AXIS
@@ -130,6 +131,7 @@ class TrainStep:
         )
         self.names = self._inputs.names
         self._info: Any = None
+        self._fingerprints: Any = None  # replicas_agree's program
         self._last_state: Any = None
 
     @property
@@ -204,19 +206,27 @@ class TrainStep:
         return self.dispatch(state, batch, presplit=presplit)
 
     def dispatch(
-        self, state: TrainState, batch: Any, *, heartbeat: bool = False, presplit: bool = False
+        self,
+        state: TrainState,
+        batch: Any,
+        *,
+        heartbeat: bool = False,
+        presplit: bool = False,
+        check_replicas: bool = False,
     ) -> tuple[TrainState, StepOutput]:
         """Like calling the step; ``heartbeat=True`` also records, in
         ``self.heartbeats``, each device finishing its local part (a host callback
         per device and step: what ``fit(step_timeout=...)`` uses to name a hung device).
-        On CPU a step with host callbacks runs synchronously."""
+        On CPU a step with host callbacks runs synchronously. ``check_replicas=True``
+        runs the replica check at this step whatever ``divergence_every`` says (what
+        ``fit`` does at a checkpoint step, so every checkpoint is verified)."""
         if presplit:
             batch = self.join(batch)
         self._check_state(state)
         leaves = self._inputs.check_batch(batch)
         number = self._step_number(state)
         placed = self._backend.place_batch(batch, leaves)
-        replicas = self._replica_step(number)
+        replicas = check_replicas or self._replica_step(number)
         if heartbeat:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
         else:
@@ -365,6 +375,23 @@ class TrainStep:
         memory analysis)."""
         placed = self._backend.place_batch(batch)
         return self._compiled[(False, False)].lower(state, placed, self._extras)  # type: ignore[attr-defined]
+
+    def replicas_agree(self, state: TrainState) -> bool:
+        """Whether every device holds the same bits of ``state``'s params, optimizer
+        state and model state: the replica check of the step, run alone (one small
+        program: each device's fingerprint, gathered; compiled on first use)."""
+        if self._fingerprints is None:
+            axis = self.axis_name
+
+            def prints(s: TrainState) -> jax.Array:
+                mine = monitors.fingerprint(jax.tree.leaves((s.params, s.opt_state, s.model_state)))
+                return jax.lax.all_gather(mine, axis)
+
+            self._fingerprints = self._backend.compile_state_fn(prints)
+        gathered = np.asarray(self._fingerprints(state))
+        if self.stacked:
+            gathered = gathered[0]
+        return bool(np.all(gathered == gathered[:1]))
 
     def _make_extras(self, chunks: np.ndarray) -> dict[str, Any]:
         if not self._faults:
