@@ -6,9 +6,20 @@ home::
     fig = jaxstep.plot.overview(history, "run.png")
 """
 
-from jaxstep.callbacks._plot import grad_norm_heatmap as grad_norm_heatmap
-from jaxstep.callbacks._plot import loss_curves as loss_curves
-from jaxstep.callbacks._plot import marks as marks
-from jaxstep.callbacks._plot import overview as overview
+from jaxstep.callbacks.plot import COLORBAR_LABEL as COLORBAR_LABEL
+from jaxstep.callbacks.plot import FAILURE_COLOR as FAILURE_COLOR
+from jaxstep.callbacks.plot import OVERFLOW_COLOR as OVERFLOW_COLOR
+from jaxstep.callbacks.plot import grad_norm_heatmap as grad_norm_heatmap
+from jaxstep.callbacks.plot import loss_curves as loss_curves
+from jaxstep.callbacks.plot import marks as marks
+from jaxstep.callbacks.plot import overview as overview
 
-__all__ = ["grad_norm_heatmap", "loss_curves", "marks", "overview"]
+__all__ = [
+    "COLORBAR_LABEL",
+    "FAILURE_COLOR",
+    "OVERFLOW_COLOR",
+    "grad_norm_heatmap",
+    "loss_curves",
+    "marks",
+    "overview",
+]

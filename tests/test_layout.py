@@ -167,7 +167,7 @@ def test_the_walk_finds_imports_in_functions_and_marks_type_checking_ones():
         "    from jaxstep.loop import History\n"
         "def f():\n"
         "    import jaxstep\n"
-        "    from jaxstep.cli import _data\n"
+        "    from jaxstep.cli import data\n"
         "    from . import _passes\n"
     )
     found = {(i.target, i.top_level, i.type_checking) for i in imports("jaxstep.step._build", text)}
@@ -175,7 +175,7 @@ def test_the_walk_finds_imports_in_functions_and_marks_type_checking_ones():
         ("jaxstep.core", True, False),
         ("jaxstep.loop", True, True),
         ("jaxstep", False, False),
-        ("jaxstep.cli._data", False, False),
+        ("jaxstep.cli.data", False, False),
         ("jaxstep.step._passes", False, False),
     }
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -4,11 +4,11 @@ progress line, the metric writers (JSONL, TensorBoard) and the plots (public hom
 
 from jaxstep.callbacks._metrics import JsonlWriter as JsonlWriter
 from jaxstep.callbacks._metrics import TensorBoardWriter as TensorBoardWriter
-from jaxstep.callbacks._plot import grad_norm_heatmap as grad_norm_heatmap
-from jaxstep.callbacks._plot import loss_curves as loss_curves
-from jaxstep.callbacks._plot import marks as marks
-from jaxstep.callbacks._plot import overview as overview
 from jaxstep.callbacks._progress import Progress as Progress
+from jaxstep.callbacks.plot import grad_norm_heatmap as grad_norm_heatmap
+from jaxstep.callbacks.plot import loss_curves as loss_curves
+from jaxstep.callbacks.plot import marks as marks
+from jaxstep.callbacks.plot import overview as overview
 
 __all__ = [
     "JsonlWriter",

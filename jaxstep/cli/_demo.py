@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import jax
     import numpy as np
 
-    from jaxstep.cli._data import Split
+    from jaxstep.cli.data import Split
     from jaxstep.core import TrainingWorkerError
     from jaxstep.core import TrainState
     from jaxstep.loop import History
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     import jax
     import optax
 
-    from jaxstep.cli import _data as data
+    from jaxstep.cli import data as data
     from jaxstep.loop import History
     from jaxstep.step import make_train_step
 

@@ -142,11 +142,12 @@ class Loop:
             else:
                 self.state, out = self.step.dispatch(self.state, batch, check_replicas=check)
             self.last = out
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as err:
             self.pending = None
             if pending is not None:  # a failure of the previous step comes first
                 self.settle(pending, [batch])
-            raise  # abandon puts the state and this batch on the error
+            err.state = self.state  # type: ignore[union-attr]
+            raise
         except TrainingWorkerError as err:  # a hung step
             self.held = None
             raise self._report(err, [batch]) from None

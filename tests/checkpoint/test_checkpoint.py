@@ -315,8 +315,6 @@ def test_a_data_position_past_the_end_is_an_error(tmp_path):
 def test_arguments_that_cannot_give_verified_checkpoints_are_rejected(tmp_path):
     step = _step("shard_map", 4)
     state = step.init(init_params())
-    with pytest.raises(ValueError, match=r"checkpoint_every=6 with divergence_every=4.*=4 or"):
-        jaxstep.fit(step, state, make_batches(1), checkpoint_dir=tmp_path, checkpoint_every=6)
     with pytest.raises(ValueError, match="needs checkpoint_dir"):
         jaxstep.fit(step, state, make_batches(1), checkpoint_every=4)
     with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
