@@ -430,3 +430,22 @@ def not_variables(params: Any) -> None:
         "model_state=model_state)",
         stacklevel=3,
     )
+
+
+def looks_presplit(tree: Any, n: int) -> str | None:
+    """A warning when a global batch looks pre-split ``(n_devices, per_device, ...)``,
+    as the pmap tutorial builds it: every leaf's leading axis is the device count and
+    they share a second axis. Taken as it is, it trains on ``n`` examples of the
+    wrong shape."""
+    shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(tree)]
+    if not shapes or any(len(s) < 2 or s[0] != n for s in shapes):
+        return None
+    if len({s[1] for s in shapes}) != 1 or shapes[0][1] < 2:
+        return None
+    shown = ", ".join(str(s) for s in shapes[:4])
+    return (
+        f"every batch leaf's leading axis is the number of devices ({n}) and they share a "
+        f"second axis ({shown}): if the batch is pre-split as (n_devices, per_device, ...), "
+        "as pmap code builds it, pass presplit=True (step(state, batch, presplit=True), "
+        f"fit(..., presplit=True)); as it is, it is a global batch of {n} examples"
+    )

@@ -65,6 +65,7 @@ class Loop:
         "next_step",
         "number",
         "pending",
+        "presplit",
         "read",
         "state",
         "step",
@@ -83,6 +84,7 @@ class Loop:
         callbacks: Callbacks | Sequence[Any] = (),
         diagnose: bool = False,
         step_timeout: float | None = None,
+        presplit: bool = False,
     ):
         self.step = step
         self.state = state
@@ -90,6 +92,7 @@ class Loop:
         self.history = History() if history is None else history
         self.callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks)
         self.diagnose = diagnose
+        self.presplit = presplit  # batches come as (n_devices, per_device, ...)
         self.device_count = len(step.devices)
         self.watchdog = None if step_timeout is None else StepWatchdog(step, step_timeout)
         self.watch_peers = False  # set by start: several processes, peer heartbeats on
@@ -138,9 +141,13 @@ class Loop:
         check = self.checkpoints.before(self.state)  # a checkpoint step: check replicas
         try:
             if watchdog is not None:
-                self.state, out = watchdog.run(self.state, batch, self.next_step, check)
+                self.state, out = watchdog.run(
+                    self.state, batch, self.next_step, check, presplit=self.presplit
+                )
             else:
-                self.state, out = self.step.dispatch(self.state, batch, check_replicas=check)
+                self.state, out = self.step.dispatch(
+                    self.state, batch, check_replicas=check, presplit=self.presplit
+                )
             self.last = out
         except (ValueError, TypeError) as err:
             self.pending = None

@@ -35,6 +35,7 @@ def fit(
     checkpoint_every: int | None = None,
     keep: int | None = 3,
     resume: bool = False,
+    presplit: bool = False,
 ) -> TrainState:
     """Trains ``state`` on ``batches`` and returns the final state.
 
@@ -70,6 +71,9 @@ def fit(
         whatever the step's ``divergence_every``: every checkpoint is verified); None:
         only emergency saves and the save of an early stop.
       keep: how many periodic checkpoints to keep (None: all).
+      presplit: every batch is pre-split ``(n_devices, per_device, ...)``, as pmap code
+        builds it (``step(state, batch, presplit=True)`` for each); ``error.batches``
+        hands them back as they were given.
       resume: restore the latest verified checkpoint of ``checkpoint_dir`` (if any)
         instead of ``state``, which then only gives the expected structure, and go
         on from its data position.
@@ -121,6 +125,7 @@ def fit(
         callbacks=Callbacks(callbacks),
         diagnose=diagnose,
         step_timeout=step_timeout,
+        presplit=presplit,
     )
     try:
         loop.start()

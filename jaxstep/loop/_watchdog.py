@@ -34,8 +34,16 @@ class StepWatchdog:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
 
     def run(
-        self, state: TrainState, batch: Any, expected: int, check_replicas: bool = False
+        self,
+        state: TrainState,
+        batch: Any,
+        expected: int,
+        check_replicas: bool = False,
+        *,
+        presplit: bool = False,
     ) -> tuple[TrainState, StepOutput]:
+        if presplit:
+            batch = self.step.join(batch)
         for replicas in (False, check_replicas or self.step.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             self.step.compile(state, batch, heartbeat=True, replicas=replicas)

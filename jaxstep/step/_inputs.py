@@ -74,6 +74,8 @@ class Inputs:
         self._batch_key: Any = None
         self._batch_sig: list[tuple[Any, Any]] = []  # the first batch's (shape, dtype)s
         self._warned: set[str] = set()
+        #: set by a pre-split call (``presplit=True``): no "looks pre-split" warning
+        self.presplit_warned = False
         #: rows per device of the last batch checked (as this process passes it)
         self.rows_per_device = 0
 
@@ -148,6 +150,9 @@ class Inputs:
         validate.examples_list(batch)
         n, what = self._feeding_devices(leaves[0] if leaves else None)
         validate.batch(batch, n, self.microbatches, what)
+        if not self.presplit_warned and (hint := validate.looks_presplit(batch, n)):
+            self.presplit_warned = True
+            warnings.warn(hint, stacklevel=5)
         if self._batch_def is None:
             self.faults.validate({"input": float_leaves(batch)})
             self._batch_def = treedef

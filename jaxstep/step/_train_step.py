@@ -221,6 +221,7 @@ class TrainStep:
         runs the replica check at this step whatever ``divergence_every`` says (what
         ``fit`` does at a checkpoint step, so every checkpoint is verified)."""
         if presplit:
+            self._inputs.presplit_warned = True  # it is pre-split, and said so
             batch = self.join(batch)
         self._check_state(state)
         leaves = self._inputs.check_batch(batch)

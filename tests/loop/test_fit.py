@@ -3,9 +3,11 @@ shares with its caller loses none."""
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxstep
 from tests.models import init_params
@@ -38,3 +40,25 @@ def test_history_as_arrays_holds_each_aux_scalar(backend):
         arrays["metrics/mean_y"], [np.mean(b["y"]) for b in batches], rtol=1e-5
     )
     np.testing.assert_allclose(arrays["metrics/twice"], 2 * np.asarray(history.loss), rtol=1e-5)
+
+
+def test_fit_takes_presplit_batches_and_warns_when_a_batch_looks_presplit(backend):
+    def loss(params, batch):
+        return jnp.mean((batch["x"] * params["w"] - batch["y"]) ** 2)
+
+    n = len(jax.devices())
+    rng = np.random.default_rng(0)
+    flat = [
+        {"x": rng.normal(size=(n * 4, 1)).astype(np.float32), "y": np.ones((n * 4, 1), np.float32)}
+        for _ in range(3)
+    ]
+    split = [jax.tree.map(lambda x: x.reshape(n, 4, 1), b) for b in flat]
+    step = jaxstep.make_train_step(loss, optax.sgd(0.1), backend=backend)
+    a = jaxstep.fit(step, step.init({"w": jnp.zeros(())}), flat)
+    b = jaxstep.fit(step, step.init({"w": jnp.zeros(())}), split, presplit=True)
+    np.testing.assert_array_equal(
+        np.asarray(step.host_state(a).params["w"]), np.asarray(step.host_state(b).params["w"])
+    )
+    fresh = jaxstep.make_train_step(loss, optax.sgd(0.1), backend=backend)
+    with pytest.warns(UserWarning, match=r"presplit=True"):
+        jaxstep.fit(fresh, fresh.init({"w": jnp.zeros(())}), split[:1])
