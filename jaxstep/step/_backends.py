@@ -127,7 +127,7 @@ class ShardMapBackend:
         if entry is None or entry[0] is not sharding:
             entry = self._equivalent[key] = (
                 sharding,
-                sharding.is_equivalent_to(self.split, x.ndim),
+                sharding.is_equivalent_to(self.split, x.ndim) and _auto_mesh(sharding),
             )
         return entry[1]
 
@@ -155,6 +155,32 @@ class ShardMapBackend:
             lambda x: next(np.asarray(s.data) for s in x.addressable_shards if s.device == device),
             tree,
         )
+
+
+def _auto_mesh(sharding: jax.sharding.Sharding) -> bool:
+    """Whether ``sharding``'s mesh has only ``Auto`` axes. An array placed on a mesh
+    with ``Explicit`` axes (``jax.make_mesh``'s default since JAX 0.9, as the
+    shard_map tutorial builds it) carries its axis names into the types of what it
+    flows into: the step must take it on its own mesh first (``jax.device_put``
+    between equivalent shardings moves no data)."""
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    return all(t == jax.sharding.AxisType.Auto for t in types)
+
+
+def _own_placement(batch: Any, devices: Sequence[jax.Device], axis: str) -> Any:
+    """``batch`` with every device array on a mesh of ``devices`` named ``axis`` (its
+    rows split the same way): an array placed on the user's mesh (other axis names,
+    ``Explicit`` axes) cannot be reshaped under pmap as it is."""
+    mesh = Mesh(np.array(devices, dtype=object), (axis,))
+    own = NamedSharding(mesh, P(axis))
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not _auto_mesh(x.sharding):
+            return jax.device_put(x, own)
+        return x
+
+    return jax.tree.map(one, batch)
 
 
 class PmapBackend:
@@ -186,6 +212,7 @@ class PmapBackend:
 
     def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any:
         n = len(self.devices)
+        batch = _own_placement(batch, self.devices, self.axis)
         return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
