@@ -15,8 +15,22 @@ from jaxstep.core._state import StepOutput as StepOutput
 from jaxstep.core._state import TrainState as TrainState
 from jaxstep.core._state import from_host as from_host
 from jaxstep.core._state import map_host as map_host
+from jaxstep.core._types import BACKEND_NAMES as BACKEND_NAMES
+from jaxstep.core._types import POLICIES as POLICIES
+from jaxstep.core._types import BackendName as BackendName
+from jaxstep.core._types import Batch as Batch
+from jaxstep.core._types import Params as Params
+from jaxstep.core._types import Policy as Policy
+from jaxstep.core._types import PyTree as PyTree
 
 __all__ = [
+    "BACKEND_NAMES",
+    "POLICIES",
+    "BackendName",
+    "Batch",
+    "Params",
+    "Policy",
+    "PyTree",
     "COL",
     "COLUMNS",
     "Failure",
