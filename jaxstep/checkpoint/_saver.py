@@ -289,7 +289,7 @@ def _validate(step: Any, directory: Any, every: int | None, keep: int | None, re
             raise ValueError(f"checkpoint_every must be an int >= 1 or None, got {every!r}")
         if directory is None:
             raise ValueError(f"checkpoint_every={every} needs checkpoint_dir=... to write to")
-        check = step.divergence_every
+        check = step.options.divergence_every
         if check is None or every % check:
             raise ValueError(
                 f"checkpoint_every={every} with divergence_every={check}: a checkpoint is "

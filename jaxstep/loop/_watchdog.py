@@ -34,7 +34,7 @@ class Watcher:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
 
     def run(self, state: TrainState, batch: Any, expected: int) -> tuple[TrainState, StepOutput]:
-        for replicas in (False, self.step.divergence_every is not None):
+        for replicas in (False, self.step.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             self.step.compile(state, batch, heartbeat=True, replicas=replicas)
         future = self.pool.submit(self.step.dispatch, state, batch, heartbeat=True)

@@ -3,7 +3,7 @@
 its local part (:mod:`jaxstep.program._device`: input, loss, gradients, checks) -> one
 all-reduce of (gradients, model state, health rows) -> the same verdict on every
 device -> the optimizer update under ``lax.cond``. Pure functions over an immutable
-:class:`~jaxstep.program._device.Program`; nothing here touches host state.
+:class:`~jaxstep.program._options.Options`; nothing here touches host state.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import _health as health
 from jaxstep.program import _across as monitors
-from jaxstep.program._device import Program
 from jaxstep.program._device import microbatched
 from jaxstep.program._faults import Context
+from jaxstep.program._options import Options
 
-__all__ = ["ALWAYS_HALT", "Beat", "Program", "body", "update", "verdict"]
+__all__ = ["ALWAYS_HALT", "Beat", "body", "update", "verdict"]
 
 # Failures that skipping a step cannot cure: they halt under either policy.
 ALWAYS_HALT = Status.DIVERGED | Status.HUNG
@@ -41,7 +41,7 @@ Beat = Callable[[Any, Any, Any], Any]
 
 
 def body(
-    program: Program,
+    options: Options,
     state: TrainState,
     batch: Any,
     extras: dict[str, Any],
@@ -52,32 +52,32 @@ def body(
     """One device's step. ``replicas``: the every-``divergence_every``-th variant that
     also fingerprints this device's copy of the state; ``beat``: call it once the
     local part is done (before the collective)."""
-    axis, n = program.axis_name, program.n
+    axis, n = options.axis_name, options.n
     index = jax.lax.axis_index(axis)
     ctx, token = None, jnp.zeros((), jnp.int32)
     rows = jax.tree.leaves(batch)[0].shape[0]
-    if program.faults:
+    if options.injector:
         ctx = Context(
             step=state.step,
-            device_id=jnp.asarray(program.device_ids, jnp.int32)[index],
+            device_id=jnp.asarray(options.device_ids, jnp.int32)[index],
             chunk=extras["chunk"].reshape(-1)[0],
             rows=jnp.arange(rows),
             fired=extras["fired"],
         )
-        program.faults.check_rows(rows)
-        token = program.faults.stall(ctx, token)
+        options.injector.check_rows(rows)
+        token = options.injector.stall(ctx, token)
 
     # 1. input, 2. loss and gradients, 3. local health: all before any collective.
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index)
     work, microbatch, check_names = microbatched(
-        program, state, batch, key, ctx, program.microbatches
+        options, state, batch, key, ctx, options.microbatches
     )
     grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
     status = work.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
     if ctx is not None:
-        grads = program.faults.tree("grad", grads, ctx)
+        grads = options.injector.tree("grad", grads, ctx)
         # an injected gradient fault is checked like a real one
         injected, injected_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
         bad = ~jnp.isfinite(injected)
@@ -117,8 +117,8 @@ def body(
     if prints is not None:
         extra.append(monitors.split16(prints))
     if ctx is not None:
-        extra.append(program.faults.fire_flags(ctx).astype(jnp.float32))
-    halting = int(halting_status(program))
+        extra.append(options.injector.fire_flags(ctx).astype(jnp.float32))
+    halting = int(halting_status(options))
     summed = [
         (status & ~int(Status.OVERFLOW)) != 0,
         (status & int(Status.OVERFLOW)) != 0,
@@ -156,13 +156,13 @@ def body(
         seen = seen.add(added, halting)
         columns["diverged_leaf"] = first
     if ctx is not None:
-        fired = jnp.any(rest[:, rest.shape[1] - len(program.faults.faults) :] > 0, axis=0)
+        fired = jnp.any(rest[:, rest.shape[1] - len(options.injector.faults) :] > 0, axis=0)
         extras = dict(extras, fired=extras["fired"] | fired)
 
     # 5.-8. the verdict, the same on every device, and the update it allows.
     losses = rows_[:, COL["loss"]]
     new_state, status, columns = update(
-        program,
+        options,
         state,
         losses,
         status,
@@ -179,11 +179,11 @@ def body(
     return new_state, StepOutput(metrics=metrics, health=table, aux=work.aux, info=info), extras
 
 
-def halting_status(program: Program) -> Status:
+def halting_status(options: Options) -> Status:
     """Failures that halt under either policy: skipping cannot repair a diverged
     replica, nor parameters that are already non-finite (found by the periodic
     check; ``verify_update`` never commits them)."""
-    return ALWAYS_HALT if program.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
+    return ALWAYS_HALT if options.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
 
 
 class Seen(NamedTuple):
@@ -228,7 +228,7 @@ def replica_check(state: TrainState) -> tuple[jax.Array, jax.Array]:
 
 
 def update(
-    program: Program,
+    options: Options,
     state: TrainState,
     losses: jax.Array,
     status: jax.Array,
@@ -246,31 +246,31 @@ def update(
     ``grad_sums`` are the gradients summed over the devices (divided here, inside the
     optimizer's pass). Returns the new state, every device's status and the table
     columns to write."""
-    n = program.n
+    n = options.n
 
     def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
         params, opt_state, _ = operands
         grads = jax.tree.map(lambda g: g / n, grad_sums)
-        updates, opt_state = program.optimizer.update(grads, opt_state, params)
+        updates, opt_state = options.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, model_state
 
     old = (state.params, state.opt_state, state.model_state)
     columns = dict(columns)
-    if program.verify_update:
+    if options.verify_update:
         new = apply(old)
-        checked = new[0] if ctx is None else program.faults.tree("param", new[0], ctx)
+        checked = new[0] if ctx is None else options.injector.tree("param", new[0], ctx)
         leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
         mine = jnp.arange(n) == index
-        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), program.axis_name)
+        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
         # After a bad gradient every replica's update is bad too: that is the
         # gradient's fault, so parameters are blamed only when nothing else failed.
         bad = (leaves >= 0) & ~seen.failed & ~seen.overflow
         columns["param_leaf"] = jnp.where(bad, leaves, -1)
         added = jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
         status = status | added
-        seen = seen.add(added, int(halting_status(program)))
-    status, ok, fields, verdict_columns = verdict(program, state, losses, status, seen)
-    if program.verify_update:
+        seen = seen.add(added, int(halting_status(options)))
+    status, ok, fields, verdict_columns = verdict(options, state, losses, status, seen)
+    if options.verify_update:
         params, opt_state, model_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     else:
         params, opt_state, model_state = jax.lax.cond(ok, apply, lambda operands: operands, old)
@@ -281,7 +281,7 @@ def update(
 
 
 def verdict(
-    program: Program,
+    options: Options,
     state: TrainState,
     losses: jax.Array,
     status: jax.Array,
@@ -291,18 +291,18 @@ def verdict(
     step-wide verdict columns of the table). ``seen``: what ``status`` holds, step-wide
     (failed, overflow, must halt)."""
     monitor = state.monitor
-    spike = program.loss_spike
+    spike = options.loss_spike
     if spike is not None:
         spiked = spike.check(state.monitor["spike"], losses) & (status == 0)
         added = jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
         status = status | added
-        seen = seen.add(added, int(halting_status(program)))
+        seen = seen.add(added, int(halting_status(options)))
     overflow, failed, must_halt = seen.overflow, seen.failed, seen.halt
-    scaler = program.loss_scale
+    scaler = options.loss_scale
     if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
         failed |= overflow & scaler.at_minimum(state.loss_scale)
-    if program.on_failure == "skip":
-        limit = program.max_consecutive_skips
+    if options.on_failure == "skip":
+        limit = options.max_consecutive_skips
         halt_now = must_halt
         if limit is not None:
             halt_now |= failed & (state.consecutive_skips + 1 >= limit)

@@ -1,59 +1,32 @@
 """A device's own part of the step, before any collective: the loss and gradients of
 its chunk (or of each micro-batch of it, in a ``lax.scan``) and their health. Pure
-functions over the frozen :class:`Program` the step was built with."""
+functions of the frozen :class:`~jaxstep.program._options.Options` the step was built with."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxstep.core import Status
 from jaxstep.core import TrainState
 from jaxstep.core import _health as health
 from jaxstep.core import _validate as validate
-from jaxstep.program._across import LossSpike
 from jaxstep.program._faults import Context
-from jaxstep.program._faults import Injector
-from jaxstep.program._scaling import DynamicLossScale
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """Everything the per-device program depends on, fixed when the step is built."""
-
-    loss_fn: Callable[..., Any]
-    optimizer: optax.GradientTransformation
-    has_aux: bool
-    on_failure: str
-    max_consecutive_skips: int | None
-    loss_spike: LossSpike | None
-    verify_update: bool
-    faults: Injector
-    device_ids: tuple[int, ...]
-    axis_name: str
-    microbatches: int = 1
-    loss_scale: DynamicLossScale | None = None
-
-    @property
-    def n(self) -> int:
-        return len(self.device_ids)
+from jaxstep.program._options import Options
 
 
 def loss(
-    program: Program, *args: Any, ctx: Context | None, model_state: Any = None
+    options: Options, *args: Any, ctx: Context | None, model_state: Any = None
 ) -> tuple[jax.Array, Any]:
     """``loss_fn(*args[, model_state=...])`` as ``(loss, aux)``, with an injected loss
     fault applied."""
     kwargs = {} if model_state is None else {"model_state": model_state}
-    value, aux = validate.loss_output(program.loss_fn(*args, **kwargs), program.has_aux)
+    value, aux = validate.loss_output(options.loss_fn(*args, **kwargs), options.has_aux)
     if ctx is not None:
-        value = program.faults.loss(value, ctx)
+        value = options.injector.loss(value, ctx)
     return value, aux
 
 
@@ -73,7 +46,7 @@ class Local(NamedTuple):
 
 
 def local(
-    program: Program,
+    options: Options,
     state: TrainState,
     batch: Any,
     key: jax.Array | None,
@@ -83,15 +56,15 @@ def local(
     """Loss, gradients and health of one (micro-)batch on this device, before any
     collective. Returns the work and the names of the user checks."""
     if ctx is not None:
-        batch = program.faults.input(batch, ctx)
+        batch = options.injector.input(batch, ctx)
     scale = None if state.loss_scale is None else state.loss_scale.scale
 
     def loss_fn(*args: Any) -> tuple[jax.Array, Any]:
-        value, aux = loss(program, *args, ctx=ctx, model_state=model_state)
+        value, aux = loss(options, *args, ctx=ctx, model_state=model_state)
         scaled = value if scale is None else value * scale.astype(value.dtype)
         return scaled, (value, aux)
 
-    validate.rng_for(program.loss_fn, key is not None)  # at trace time only
+    validate.rng_for(options.loss_fn, key is not None)  # at trace time only
     args = (state.params, batch) if key is None else (state.params, batch, key)
     (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
     if scale is not None:
@@ -125,7 +98,7 @@ def local(
 
 
 def microbatched(
-    program: Program,
+    options: Options,
     state: TrainState,
     batch: Any,
     key: jax.Array | None,
@@ -136,7 +109,7 @@ def microbatched(
     gradients averaged, the model state threaded through, and the health of the
     first failing micro-batch (also returned, or -1)."""
     if microbatches == 1:
-        work, found = local(program, state, batch, key, state.model_state, ctx)
+        work, found = local(options, state, batch, key, state.model_state, ctx)
         return work, jnp.where(work.status != 0, 0, -1).astype(jnp.int32), found
     rows = jax.tree.leaves(batch)[0].shape[0]
     size = rows // microbatches
@@ -149,7 +122,7 @@ def microbatched(
         part, m = xs
         sub = None if key is None else jax.random.fold_in(key, m)
         sub_ctx = None if ctx is None else ctx._replace(rows=m * size + jnp.arange(size))
-        work, names = local(program, state, part, sub, model_state, sub_ctx)
+        work, names = local(options, state, part, sub, model_state, sub_ctx)
         total = jax.tree.map(jnp.add, total, work.grads)
         return (total, work.model_state), work._replace(grads=None, model_state=None)
 
@@ -183,7 +156,7 @@ def _mean_or_last(x: jax.Array) -> jax.Array:
 
 
 def example_failed(
-    program: Program,
+    options: Options,
     state: TrainState,
     example: Any,
     chunk: jax.Array,
@@ -194,15 +167,15 @@ def example_failed(
     replay diagnosis maps this over the examples of a failing chunk. Collectives in
     the model see a one-example axis (the caller binds ``axis_name``)."""
     example = jax.tree.map(lambda x: x[None], example)
-    work, grads = _replayed(program, state, example, jnp.int32(-1), chunk, row[None])
+    work, grads = _replayed(options, state, example, jnp.int32(-1), chunk, row[None])
     bad = (work.status & ~int(Status.OVERFLOW)) != 0
-    if program.faults:  # an injected gradient fault is checked like a real one
+    if options.injector:  # an injected gradient fault is checked like a real one
         bad |= health.first_nonfinite(jax.tree.leaves(grads))[0]
     return bad
 
 
 def grad_leaves_finite(
-    program: Program,
+    options: Options,
     state: TrainState,
     chunk_batch: Any,
     device_id: jax.Array,
@@ -215,12 +188,12 @@ def grad_leaves_finite(
     replay diagnosis. Collectives in the model see a one-chunk axis (the caller binds
     ``axis_name``)."""
     rows = jnp.arange(jax.tree.leaves(chunk_batch)[0].shape[0])
-    _, grads = _replayed(program, state, chunk_batch, device_id, chunk, rows)
+    _, grads = _replayed(options, state, chunk_batch, device_id, chunk, rows)
     return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
 
 
 def _replayed(
-    program: Program,
+    options: Options,
     state: TrainState,
     batch: Any,
     device_id: jax.Array,
@@ -232,12 +205,12 @@ def _replayed(
     (-1: faults bound to a device do not fire). Returns the work and its gradients
     with any injected gradient fault applied."""
     ctx = None
-    if program.faults:
-        fired = jnp.zeros(len(program.faults.faults), bool)
+    if options.injector:
+        fired = jnp.zeros(len(options.injector.faults), bool)
         ctx = Context(state.step, device_id, chunk, rows, fired)
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
-    work, _ = local(program, state, batch, key, state.model_state, ctx)
-    grads = work.grads if ctx is None else program.faults.tree("grad", work.grads, ctx)
+    work, _ = local(options, state, batch, key, state.model_state, ctx)
+    grads = work.grads if ctx is None else options.injector.tree("grad", work.grads, ctx)
     return work, grads

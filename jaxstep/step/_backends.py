@@ -24,8 +24,7 @@ from jaxstep.core import StepOutput
 from jaxstep.core import _processes as processes
 from jaxstep.core import from_host
 from jaxstep.core import map_host
-
-AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
+from jaxstep.program import AXIS
 
 Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]

@@ -17,14 +17,15 @@ import numpy as np
 
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
+from jaxstep.program import Options
 from jaxstep.program import _device as local
 
 
 class Passes:
     """What :class:`jaxstep.TrainStep` runs for :func:`jaxstep.diagnose`."""
 
-    def __init__(self, program: local.Program, axis_name: str, n: int):
-        self.program, self.axis_name, self.n = program, axis_name, n
+    def __init__(self, options: Options, n: int):
+        self.options, self.n = options, n
         self._examples: Any = None
         self._grad_leaves: Any = None
 
@@ -34,11 +35,11 @@ class Passes:
         """Global batch indices of the examples of ``chunks`` that fail on their own;
         ``copy``: one device's numpy copy of the state (``step.local_copy``)."""
         if self._examples is None:
-            program, axis = self.program, self.axis_name
+            options, axis = self.options, self.options.axis_name
 
             def one(state: TrainState, example: Any, chunk: jax.Array, row: jax.Array) -> Any:
                 def alone(ex: Any) -> jax.Array:
-                    return local.example_failed(program, state, ex, chunk, row)
+                    return local.example_failed(options, state, ex, chunk, row)
 
                 return _with_axis(alone, axis, example)
 
@@ -56,11 +57,11 @@ class Passes:
         """Indices (tree order) of the gradient leaves that are not finite for chunk
         ``position`` of ``batch`` as device ``device_id`` ran it."""
         if self._grad_leaves is None:
-            program, axis = self.program, self.axis_name
+            options, axis = self.options, self.options.axis_name
 
             def one(state: TrainState, part: Any, device: jax.Array, chunk: jax.Array) -> Any:
                 def alone(p: Any) -> jax.Array:
-                    return local.grad_leaves_finite(program, state, p, device, chunk)
+                    return local.grad_leaves_finite(options, state, p, device, chunk)
 
                 return _with_axis(alone, axis, part)
 

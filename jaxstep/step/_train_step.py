@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxstep.core import BackendName
 from jaxstep.core import Failure
 from jaxstep.core import HealthTable
 from jaxstep.core import StepOutput
@@ -26,74 +27,23 @@ from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
 from jaxstep.core import failures_from_table
 from jaxstep.core import from_host
-from jaxstep.program import DynamicLossScale
-from jaxstep.program import Fault
-from jaxstep.program import Injector
-from jaxstep.program import LossSpike
+from jaxstep.program import Options
 from jaxstep.program import _body as prog
-from jaxstep.program import _device as local
-from jaxstep.step._backends import AXIS
 from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
 from jaxstep.step._inputs import Inputs
 from jaxstep.step._inputs import join
 from jaxstep.step._passes import Passes
 
-POLICIES = ("raise", "skip")
-
 
 class TrainStep:
     """A compiled, checked training step. Build it with :func:`make_train_step`."""
 
-    def __init__(
-        self,
-        loss_fn: Callable[..., Any],
-        optimizer: optax.GradientTransformation,
-        *,
-        backend: str,
-        devices: Sequence[jax.Device],
-        has_aux: bool,
-        on_failure: str,
-        max_consecutive_skips: int | None,
-        divergence_every: int | None,
-        loss_spike: LossSpike | None,
-        verify_update: bool,
-        faults: Sequence[Fault],
-        donate: bool,
-        axis_name: str = AXIS,
-        microbatches: int = 1,
-        loss_scale: DynamicLossScale | None = None,
-    ):
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.has_aux = has_aux
-        self.on_failure = on_failure
-        self.max_consecutive_skips = max_consecutive_skips
-        self.divergence_every = divergence_every
-        self.loss_spike = loss_spike
-        self.microbatches = microbatches
-        self.loss_scale = loss_scale
-        self.verify_update = verify_update
-        self.axis_name = axis_name
-        self.devices: list[jax.Device] = list(devices)
-        self.backend = backend
-        self._backend: Backend = BACKENDS[backend](self.devices, axis_name)
-        self._faults = Injector(faults, self.devices)
-        self.program = local.Program(
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            has_aux=has_aux,
-            on_failure=on_failure,
-            max_consecutive_skips=max_consecutive_skips,
-            loss_spike=loss_spike,
-            verify_update=verify_update,
-            faults=self._faults,
-            device_ids=tuple(d.id for d in self.devices),
-            axis_name=axis_name,
-            microbatches=microbatches,
-            loss_scale=loss_scale,
-        )
-        self._donate = donate
+    def __init__(self, options: Options):
+        self.options = options
+        self.devices: list[jax.Device] = list(options.devices)
+        self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name)
+        self._faults = options.injector
         # Small arrays threaded through every call: fault bookkeeping only.
         self._split = {"fired": False, "chunk": True} if self._faults else {}
         self._extras = self._make_extras(np.arange(len(self.devices)))
@@ -102,10 +52,8 @@ class TrainStep:
         # divergence_every-th step so the other steps carry none of its cost.
         self._compiled = {
             (hb, rc): self._backend.compile(
-                functools.partial(
-                    prog.body, self.program, beat=self._beat if hb else None, replicas=rc
-                ),
-                donate,
+                functools.partial(prog.body, options, beat=self._beat if hb else None, replicas=rc),
+                options.donate,
                 self._split,
             )
             for hb in (False, True)
@@ -116,19 +64,44 @@ class TrainStep:
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
         self._aot: dict[Any, Any] = {}
-        self._passes = Passes(self.program, self.axis_name, len(self.devices))  # diagnosis
+        self._passes = Passes(options, len(self.devices))  # diagnosis
         #: device position -> last step whose local part it finished (heartbeat mode).
         self.heartbeats: dict[int, int] = {}
         # The state and batch it takes, and their leaf names (``names``).
         self._inputs = Inputs(
             self.devices,
-            microbatches,
+            options.microbatches,
             self._faults,
-            f"{backend} backend, loss_spike={'on' if loss_spike else 'off'}",
+            f"{options.backend} backend, loss_spike={'on' if options.loss_spike else 'off'}",
         )
         self.names = self._inputs.names
         self._info: Any = None
         self._last_state: Any = None
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        """The loss function the step differentiates."""
+        return self.options.loss_fn
+
+    @property
+    def optimizer(self) -> optax.GradientTransformation:
+        """The optax transformation the step applies to the mean gradient."""
+        return self.options.optimizer
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether ``loss_fn`` returns ``(loss, aux)``."""
+        return self.options.has_aux
+
+    @property
+    def backend(self) -> BackendName:
+        """``"shard_map"`` or ``"pmap"``."""
+        return self.options.backend
+
+    @property
+    def axis_name(self) -> str:
+        """The device axis's name, bound for ``loss_fn``'s collectives."""
+        return self.options.axis_name
 
     @property
     def stacked(self) -> bool:
@@ -171,9 +144,9 @@ class TrainStep:
             halted=jnp.zeros((), bool),
             consecutive_skips=jnp.zeros((), jnp.int32),
             total_skips=jnp.zeros((), jnp.int32),
-            monitor={"spike": self.loss_spike.init(n)} if self.loss_spike else {},
+            monitor={"spike": self.options.loss_spike.init(n)} if self.options.loss_spike else {},
             model_state=model_state,
-            loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
+            loss_scale=None if self.options.loss_scale is None else self.options.loss_scale.init(),
         )
         placed = self._backend.place_state(state)
         self._check_state(placed)  # records the state's shape
@@ -258,7 +231,8 @@ class TrainStep:
         return int(self.first_copy(state.step))
 
     def _replica_step(self, number: int) -> bool:
-        return self.divergence_every is not None and number % self.divergence_every == 0
+        every = self.options.divergence_every
+        return every is not None and number % every == 0
 
     def replay(
         self, state: TrainState, batch: Any, *, rotation: int = 0
@@ -320,7 +294,7 @@ class TrainStep:
         # One host needs no host name in every message; many do.
         hosts = processes.host_name if processes.spans_processes(self.devices) else None
         return failures_from_table(
-            table, self.devices, self.names, rows_per_device, self.microbatches, hosts
+            table, self.devices, self.names, rows_per_device, self.options.microbatches, hosts
         )
 
     def clear_halt(self, state: TrainState) -> TrainState:
