@@ -130,7 +130,7 @@ def fit(
     history = History() if history is None else history
     history.device_ids = [d.id for d in step.devices]
     next_step = int(next_step)
-    step.heartbeats.clear()
+    step._internals.heartbeats.clear()
     for cb in callbacks:
         if hasattr(cb, "on_fit_start"):
             cb.on_fit_start(step, history)
@@ -209,7 +209,7 @@ def fit(
                 raise hung(err, [batch]) from None
             if pending is not None:
                 settle(pending, state, [batch])
-            pending = _Pending(out, batch, first_step + count, step.rows_per_device)
+            pending = _Pending(out, batch, first_step + count, step._internals.rows_per_device)
             if watcher is not None:  # the step has finished: settle it now
                 settle(pending, state)
                 pending = None

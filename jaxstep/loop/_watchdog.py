@@ -59,7 +59,7 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
         for ident, frame in sys._current_frames().items()
     )
     log.error("step %d did not finish within %.1f s; Python stacks:\n%s", expected, timeout, stacks)
-    done = {i for i, beat in dict(step.heartbeats).items() if beat >= expected}
+    done = {i for i, beat in dict(step._internals.heartbeats).items() if beat >= expected}
     many = distributed.spans_processes(step.devices)
     if many:
         # Each process saw only its own devices' heartbeats: pool them, so every

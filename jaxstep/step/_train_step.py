@@ -37,7 +37,14 @@ from jaxstep.step._passes import Passes
 
 
 class TrainStep:
-    """A compiled, checked training step. Build it with :func:`make_train_step`."""
+    """A compiled, checked training step. Build it with :func:`make_train_step`.
+
+    Its face: ``init``, calling it (``dispatch``), ``table``, ``failures``,
+    ``replay``, ``clear_halt``, ``compile`` / ``lower``; moving states: ``host_state``,
+    ``place_state``, ``local_copy``, ``first_copy``, ``join``; and what it was built
+    with: ``options`` (every option, one :class:`~jaxstep.program.Options`), ``devices``,
+    ``backend``, ``axis_name``, ``loss_fn``, ``optimizer``, ``has_aux``, ``stacked``,
+    ``names``. What only jaxstep's loop reads sits in ``step._internals``."""
 
     def __init__(self, options: Options):
         self.options = options
@@ -64,9 +71,7 @@ class TrainStep:
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
         self._aot: dict[Any, Any] = {}
-        self._passes = Passes(options, len(self.devices))  # diagnosis
-        #: device position -> last step whose local part it finished (heartbeat mode).
-        self.heartbeats: dict[int, int] = {}
+        self._internals = Internals(self)
         # The state and batch it takes, and their leaf names (``names``).
         self._inputs = Inputs(
             self.devices,
@@ -173,7 +178,7 @@ class TrainStep:
         self, state: TrainState, batch: Any, *, heartbeat: bool = False, presplit: bool = False
     ) -> tuple[TrainState, StepOutput]:
         """Like calling the step; ``heartbeat=True`` also records, in
-        ``self.heartbeats``, each device finishing its local part (a host callback
+        ``step._internals.heartbeats``, each device finishing its local part (a host callback
         per device and step: what ``fit(step_timeout=...)`` uses to name a hung device).
         On CPU a step with host callbacks runs synchronously."""
         if presplit:
@@ -256,38 +261,9 @@ class TrainStep:
         self._learn(out.info)
         return new_state, out
 
-    def failing_examples(
-        self, state: TrainState, batch: Any, chunks: Sequence[int], step: int
-    ) -> list[int]:
-        """Global batch indices of the examples of ``chunks`` that fail on their own
-        (input, loss, gradient, model state or a user check) from ``state`` at step
-        ``step``: the per-example health pass of the replay diagnosis. Runs on one
-        device; ``axis_name`` is bound to a one-example axis, so a model that
-        communicates (cross-device BatchNorm) sees each example alone."""
-        self._inputs.check_batch(batch)
-        return self._passes.failing_examples(self.local_copy(state, 0), batch, chunks, step)
-
-    def nonfinite_grad_leaves(
-        self, state: TrainState, batch: Any, position: int, step: int
-    ) -> list[str]:
-        """Names of the gradient leaves that are not finite for the rows
-        ``devices[position]`` holds of ``batch``, run from ``state`` at step ``step`` as
-        that device ran them (one pass over the whole chunk, on one device;
-        ``axis_name`` is bound to a one-chunk axis): which layers a non-finite
-        gradient reached. Used by :func:`jaxstep.diagnose`."""
-        self._inputs.check_batch(batch)
-        copy, device = self.local_copy(state, 0), self.devices[position].id
-        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step)
-        return [self.names["params"][i] for i in bad]
-
     def table(self, out: StepOutput) -> HealthTable:
         """Reads a step's health table on the host (waits for that step)."""
         return HealthTable.from_array(self._backend.host_table(out.health))
-
-    @property
-    def rows_per_device(self) -> int:
-        """Rows per device of the batch dispatched last, as this process passed it."""
-        return self._inputs.rows_per_device
 
     def failures(self, table: HealthTable, rows_per_device: int | None = None) -> list[Failure]:
         """The failing devices of a step, in device order."""
@@ -345,5 +321,50 @@ class TrainStep:
             self._inputs.check_state(state)
 
     def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
-        self.heartbeats[int(index)] = int(step)
+        self._internals.heartbeats[int(index)] = int(step)
         return np.asarray(status, np.int32)
+
+
+class Internals:
+    """What jaxstep's own upper layers read of a :class:`TrainStep` and users do not
+    call (``step._internals``): the heartbeats of ``fit(step_timeout=...)``, the rows
+    per device of the batch dispatched last, and the replay diagnosis's two passes
+    over one failing chunk. Kept off the step's face, in one named place."""
+
+    def __init__(self, step: TrainStep):
+        self._step = step
+        self._passes = Passes(step.options, len(step.devices))
+        #: device position -> last step whose local part it finished (heartbeat mode).
+        self.heartbeats: dict[int, int] = {}
+
+    @property
+    def rows_per_device(self) -> int:
+        """Rows per device of the batch dispatched last, as this process passed it."""
+        return self._step._inputs.rows_per_device
+
+    def failing_examples(
+        self, state: TrainState, batch: Any, chunks: Sequence[int], step_number: int
+    ) -> list[int]:
+        """Global batch indices of the examples of ``chunks`` that fail on their own
+        (input, loss, gradient, model state or a user check) from ``state`` at step
+        ``step_number``: the per-example health pass of the replay diagnosis. Runs on
+        one device; ``axis_name`` is bound to a one-example axis, so a model that
+        communicates (cross-device BatchNorm) sees each example alone."""
+        step = self._step
+        step._inputs.check_batch(batch)
+        copy = step.local_copy(state, 0)
+        return self._passes.failing_examples(copy, batch, chunks, step_number)
+
+    def nonfinite_grad_leaves(
+        self, state: TrainState, batch: Any, position: int, step_number: int
+    ) -> list[str]:
+        """Names of the gradient leaves that are not finite for the rows
+        ``devices[position]`` holds of ``batch``, run from ``state`` at step
+        ``step_number`` as that device ran them (one pass over the whole chunk, on one
+        device; ``axis_name`` is bound to a one-chunk axis): which layers a non-finite
+        gradient reached. Used by :func:`jaxstep.diagnose`."""
+        step = self._step
+        step._inputs.check_batch(batch)
+        copy, device = step.local_copy(state, 0), step.devices[position].id
+        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step_number)
+        return [step.names["params"][i] for i in bad]
