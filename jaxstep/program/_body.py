@@ -25,7 +25,8 @@ from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import _health as health
-from jaxstep.program import _across as monitors
+from jaxstep.program import _across as across
+from jaxstep.program._device import Local
 from jaxstep.program._device import microbatched
 from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
@@ -52,8 +53,42 @@ def body(
     """One device's step. ``replicas``: the every-``divergence_every``-th variant that
     also fingerprints this device's copy of the state; ``beat``: call it once the
     local part is done (before the collective)."""
-    axis, n = options.axis_name, options.n
-    index = jax.lax.axis_index(axis)
+    index = jax.lax.axis_index(options.axis_name)
+    ctx, token = _fault_context(options, state, batch, extras, index)
+    # 1. input, 2. loss and gradients, 3. local health: all before any collective.
+    part = local_part(options, state, batch, ctx, token, index, beat=beat, replicas=replicas)
+    # 4. the first collective, 5. the checks that compare the devices' rows.
+    reduced = all_reduce(options, state, part, ctx, index)
+    status, seen, columns, extras = compare_devices(options, reduced, part, ctx, extras)
+    # 6.-8. the verdict, the same on every device, and the update it allows.
+    losses = reduced.rows[:, COL["loss"]]
+    new_state, status, columns = update(
+        options,
+        state,
+        losses,
+        status,
+        seen,
+        columns,
+        reduced.grad_sums,
+        reduced.model_state,
+        ctx,
+        index,
+    )
+    table = health.to_table(reduced.rows, {**columns, "status": status})
+    metrics = {"loss": jnp.mean(losses)}
+    info = StepInfo(checks=part.checks)
+    return (
+        new_state,
+        StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info),
+        extras,
+    )
+
+
+def _fault_context(
+    options: Options, state: TrainState, batch: Any, extras: dict[str, Any], index: jax.Array
+) -> tuple[Context | None, jax.Array]:
+    """The injected faults' view of this device's step (None without faults) and the
+    token an injected stall sets."""
     ctx, token = None, jnp.zeros((), jnp.int32)
     rows = jax.tree.leaves(batch)[0].shape[0]
     if options.injector:
@@ -66,8 +101,32 @@ def body(
         )
         options.injector.check_rows(rows)
         token = options.injector.stall(ctx, token)
+    return ctx, token
 
-    # 1. input, 2. loss and gradients, 3. local health: all before any collective.
+
+class LocalPart(NamedTuple):
+    """This device's part of the step, ready for the all-reduce."""
+
+    work: Local  # its loss, gradients and health, before any collective
+    grads: Any  # the gradients it sends (injected faults and the heartbeat's term in)
+    row: dict[str, Any]  # its health row, status included
+    prints: jax.Array | None  # its fingerprints (the replica-check variant), or None
+    checks: tuple[str, ...]  # the names of the user checks
+
+
+def local_part(
+    options: Options,
+    state: TrainState,
+    batch: Any,
+    ctx: Context | None,
+    token: jax.Array,
+    index: jax.Array,
+    *,
+    beat: Beat | None,
+    replicas: bool,
+) -> LocalPart:
+    """This device's loss, gradients and health row, before any collective; with
+    ``replicas`` its fingerprints too, and with ``beat`` the host told it is done."""
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index)
@@ -84,7 +143,7 @@ def body(
         squares = jnp.where(bad, injected + squares, squares)
         grad_leaf = health.earliest(grad_leaf, injected_leaf)
         status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
-    row = {
+    row: dict[str, Any] = {
         "input_leaf": work.input_leaf,
         "grad_leaf": grad_leaf,
         "param_leaf": -1,
@@ -108,14 +167,35 @@ def body(
         grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
         status |= zero
     row["status"] = status
+    return LocalPart(work, grads, row, prints, check_names)
 
-    # 4. the first collective: the health rows (one-hot, so the sum is a gather),
-    # the count of devices failing or halting so far (summed: the verdict needs no
-    # reduction over the table), the float model state, the fingerprints and the
-    # fault flags ride in the gradients' all-reduce.
+
+class Reduced(NamedTuple):
+    """What every device holds after the all-reduce."""
+
+    grad_sums: Any  # the gradients summed over the devices (divided in the update)
+    model_state: Any  # the new model state, its float leaves averaged
+    rows: jax.Array  # every device's health row, as packed
+    seen: Seen  # the step-wide facts summed alongside
+    rest: jax.Array  # (n, k): the fingerprints' halves, then the faults' fire flags
+    status: jax.Array  # (n,) every device's status
+
+
+def all_reduce(
+    options: Options,
+    state: TrainState,
+    part: LocalPart,
+    ctx: Context | None,
+    index: jax.Array,
+) -> Reduced:
+    """The first collective: the health rows (one-hot, so the sum is a gather), the
+    count of devices failing or halting so far (summed: the verdict needs no
+    reduction over the table), the float model state, the fingerprints and the fault
+    flags ride in the gradients' all-reduce."""
+    n, status = options.n, part.row["status"]
     extra = []
-    if prints is not None:
-        extra.append(monitors.split16(prints))
+    if part.prints is not None:
+        extra.append(across.split16(part.prints))
     if ctx is not None:
         extra.append(options.injector.fire_flags(ctx).astype(jnp.float32))
     halting = int(halting_status(options))
@@ -130,14 +210,14 @@ def body(
         jnp.where(index == 0, state.step // 65536, 0),
         jnp.where(index == 0, state.step % 65536, 0),
     ]
-    sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
-    floats = _floats(work.model_state)
+    sent = health.onehot_rows(part.row, index, n, summed, jnp.concatenate(extra) if extra else None)
+    floats = _floats(part.work.model_state)
     # The gradients stay summed here: the division by n happens inside the update,
     # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
-    grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), axis)
-    model_state = _with_floats(work.model_state, jax.tree.map(lambda x: x / n, floats))
+    grad_sums, floats, gathered = jax.lax.psum((part.grads, floats, sent), options.axis_name)
+    model_state = _with_floats(part.work.model_state, jax.tree.map(lambda x: x / n, floats))
     width = len(COLUMNS) + len(summed)
-    rows_ = gathered[:, : len(COLUMNS)]  # every device's row, as packed
+    rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
     seen = Seen(
         failed=counts[0] > 0,
@@ -147,36 +227,34 @@ def body(
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
     )
     rest = gathered[:, width:]
-    status = rows_[:, COL["status"]].astype(jnp.int32)
-    columns: dict[str, jax.Array] = {}  # the table's columns changed after the gather
-    if prints is not None:
-        diverged, first = monitors.minority(monitors.join16(rest[:, : 2 * prints.shape[0]]))
+    status = rows[:, COL["status"]].astype(jnp.int32)
+    return Reduced(grad_sums, model_state, rows, seen, rest, status)
+
+
+def compare_devices(
+    options: Options,
+    reduced: Reduced,
+    part: LocalPart,
+    ctx: Context | None,
+    extras: dict[str, Any],
+) -> tuple[jax.Array, Seen, dict[str, jax.Array], dict[str, Any]]:
+    """What the gathered rows tell that no device knew alone: which replicas diverged
+    (the fingerprints' minority) and which faults fired anywhere. Returns every
+    device's status, the step-wide facts, the table's columns changed after the gather
+    and the extras."""
+    status, seen, rest = reduced.status, reduced.seen, reduced.rest
+    columns: dict[str, jax.Array] = {}
+    if part.prints is not None:
+        prints = part.prints
+        diverged, first = across.minority(across.join16(rest[:, : 2 * prints.shape[0]]))
         added = jnp.where(diverged, int(Status.DIVERGED), 0)
         status |= added
-        seen = seen.add(added, halting)
+        seen = seen.add(added, int(halting_status(options)))
         columns["diverged_leaf"] = first
     if ctx is not None:
         fired = jnp.any(rest[:, rest.shape[1] - len(options.injector.faults) :] > 0, axis=0)
         extras = dict(extras, fired=extras["fired"] | fired)
-
-    # 5.-8. the verdict, the same on every device, and the update it allows.
-    losses = rows_[:, COL["loss"]]
-    new_state, status, columns = update(
-        options,
-        state,
-        losses,
-        status,
-        seen,
-        columns,
-        grad_sums,
-        model_state,
-        ctx,
-        index,
-    )
-    table = health.to_table(rows_, {**columns, "status": status})
-    metrics = {"loss": jnp.mean(losses)}
-    info = StepInfo(checks=check_names)
-    return new_state, StepOutput(metrics=metrics, health=table, aux=work.aux, info=info), extras
+    return status, seen, columns, extras
 
 
 def halting_status(options: Options) -> Status:
@@ -224,7 +302,7 @@ def replica_check(state: TrainState) -> tuple[jax.Array, jax.Array]:
     program only."""
     leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
     n_params = len(jax.tree.leaves(state.params))
-    return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+    return across.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
 
 
 def update(
