@@ -14,7 +14,7 @@ from jaxstep.core._state import StepInfo as StepInfo
 from jaxstep.core._state import StepOutput as StepOutput
 from jaxstep.core._state import TrainState as TrainState
 from jaxstep.core._state import from_host as from_host
-from jaxstep.core._state import map_host as map_host
+from jaxstep.core._state import to_host as to_host
 from jaxstep.core._types import BACKEND_NAMES as BACKEND_NAMES
 from jaxstep.core._types import POLICIES as POLICIES
 from jaxstep.core._types import BackendName as BackendName
@@ -43,5 +43,5 @@ __all__ = [
     "TrainingWorkerError",
     "failures_from_table",
     "from_host",
-    "map_host",
+    "to_host",
 ]

@@ -95,7 +95,7 @@ def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def map_host(fn: Any, tree: Any) -> Any:
+def to_host(fn: Any, tree: Any) -> Any:
     """``fn`` over every leaf as numpy; typed PRNG keys (which numpy cannot hold) go
     through their raw key data and come back as :class:`HostKey`."""
 
@@ -108,7 +108,7 @@ def map_host(fn: Any, tree: Any) -> Any:
 
 
 def from_host(tree: Any) -> Any:
-    """Undoes the :class:`HostKey` wrapping of :func:`map_host`."""
+    """Undoes the :class:`HostKey` wrapping of :func:`to_host`."""
     return jax.tree.map(
         lambda x: (
             jax.random.wrap_key_data(jnp.asarray(x.data), impl=x.impl)

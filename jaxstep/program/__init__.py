@@ -3,9 +3,9 @@ before the one all-reduce, the verdict every device agrees on, and the guarded u
 Pure functions of the frozen :class:`Options` the step was built with (checked there,
 once); nothing here touches the host."""
 
-from jaxstep.program._across import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
-from jaxstep.program._across import LossSpike as LossSpike
 from jaxstep.program._body import body as body
+from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
+from jaxstep.program._cross_checks import LossSpike as LossSpike
 from jaxstep.program._faults import Fault as Fault
 from jaxstep.program._faults import Injector as Injector
 from jaxstep.program._faults import float_leaves as float_leaves

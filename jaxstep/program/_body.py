@@ -25,9 +25,9 @@ from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import _health as health
-from jaxstep.program import _across as across
-from jaxstep.program._device import Local
-from jaxstep.program._device import microbatched
+from jaxstep.program import _cross_checks as cross_checks
+from jaxstep.program._device import DeviceWork
+from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
 
@@ -36,7 +36,7 @@ __all__ = ["ALWAYS_HALT", "Beat", "body", "update", "verdict"]
 # Failures that skipping a step cannot cure: they halt under either policy.
 ALWAYS_HALT = Status.DIVERGED | Status.HUNG
 
-#: ``beat(position, step, status) -> status``: a host callback telling the host that a
+#: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
 #: device finished its local part (``fit(step_timeout=...)``).
 Beat = Callable[[Any, Any, Any], Any]
 
@@ -107,7 +107,7 @@ def _fault_context(
 class LocalPart(NamedTuple):
     """This device's part of the step, ready for the all-reduce."""
 
-    work: Local  # its loss, gradients and health, before any collective
+    work: DeviceWork  # its loss, gradients and health, before any collective
     grads: Any  # the gradients it sends (injected faults and the heartbeat's term in)
     row: dict[str, Any]  # its health row, status included
     prints: jax.Array | None  # its fingerprints (the replica-check variant), or None
@@ -130,7 +130,7 @@ def local_part(
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index)
-    work, microbatch, check_names = microbatched(
+    work, microbatch, check_names = microbatched_work(
         options, state, batch, key, ctx, options.microbatches
     )
     grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
@@ -195,7 +195,7 @@ def all_reduce(
     n, status = options.n, part.row["status"]
     extra = []
     if part.prints is not None:
-        extra.append(across.split16(part.prints))
+        extra.append(cross_checks.split16(part.prints))
     if ctx is not None:
         extra.append(options.injector.fire_flags(ctx).astype(jnp.float32))
     halting = int(halting_status(options))
@@ -246,7 +246,7 @@ def compare_devices(
     columns: dict[str, jax.Array] = {}
     if part.prints is not None:
         prints = part.prints
-        diverged, first = across.minority(across.join16(rest[:, : 2 * prints.shape[0]]))
+        diverged, first = cross_checks.minority(cross_checks.join16(rest[:, : 2 * prints.shape[0]]))
         added = jnp.where(diverged, int(Status.DIVERGED), 0)
         status |= added
         seen = seen.add(added, int(halting_status(options)))
@@ -302,7 +302,7 @@ def replica_check(state: TrainState) -> tuple[jax.Array, jax.Array]:
     program only."""
     leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
     n_params = len(jax.tree.leaves(state.params))
-    return across.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+    return cross_checks.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
 
 
 def update(

@@ -30,7 +30,7 @@ def loss(
     return value, aux
 
 
-class Local(NamedTuple):
+class DeviceWork(NamedTuple):
     """One device's (or one micro-batch's) work before the collective."""
 
     grads: Any
@@ -45,14 +45,14 @@ class Local(NamedTuple):
     aux: Any
 
 
-def local(
+def device_work(
     options: Options,
     state: TrainState,
     batch: Any,
     key: jax.Array | None,
     model_state: Any,
     ctx: Context | None,
-) -> tuple[Local, tuple[str, ...]]:
+) -> tuple[DeviceWork, tuple[str, ...]]:
     """Loss, gradients and health of one (micro-)batch on this device, before any
     collective. Returns the work and the names of the user checks."""
     if ctx is not None:
@@ -91,25 +91,25 @@ def local(
         | jnp.where(ms_bad, int(Status.MODEL_STATE_NONFINITE), 0)
         | jnp.where(health.any_true(check_failed), int(Status.CHECK_FAILED), 0)
     ).astype(jnp.int32)
-    work = Local(
+    work = DeviceWork(
         grads, new_ms, status, in_leaf, squares, grad_leaf, ms_leaf, check_failed, value, aux
     )
     return work, tuple(checks)
 
 
-def microbatched(
+def microbatched_work(
     options: Options,
     state: TrainState,
     batch: Any,
     key: jax.Array | None,
     ctx: Context | None,
     microbatches: int,
-) -> tuple[Local, jax.Array, tuple[str, ...]]:
-    """:func:`local` over ``microbatches`` equal slices of the chunk in a ``lax.scan``:
+) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
+    """:func:`device_work` over ``microbatches`` equal slices of the chunk in a ``lax.scan``:
     gradients averaged, the model state threaded through, and the health of the
     first failing micro-batch (also returned, or -1)."""
     if microbatches == 1:
-        work, found = local(options, state, batch, key, state.model_state, ctx)
+        work, found = device_work(options, state, batch, key, state.model_state, ctx)
         return work, jnp.where(work.status != 0, 0, -1).astype(jnp.int32), found
     rows = jax.tree.leaves(batch)[0].shape[0]
     size = rows // microbatches
@@ -122,7 +122,7 @@ def microbatched(
         part, m = xs
         sub = None if key is None else jax.random.fold_in(key, m)
         sub_ctx = None if ctx is None else ctx._replace(rows=m * size + jnp.arange(size))
-        work, names = local(options, state, part, sub, model_state, sub_ctx)
+        work, names = device_work(options, state, part, sub, model_state, sub_ctx)
         total = jax.tree.map(jnp.add, total, work.grads)
         return (total, work.model_state), work._replace(grads=None, model_state=None)
 
@@ -136,7 +136,7 @@ def microbatched(
     at = lambda x: x[pick]  # noqa: E731  the first failing micro-batch's value
     # the first failing micro-batch's finiteness; the norm is the mean gradient's
     squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
-    work = Local(
+    work = DeviceWork(
         grads=grads,
         model_state=model_state,
         status=at(each.status),
@@ -199,8 +199,8 @@ def _replayed(
     device_id: jax.Array,
     chunk: jax.Array,
     rows: jax.Array,
-) -> tuple[Local, Any]:
-    """:func:`local` for rows the diagnosis replays away from the step: the key and
+) -> tuple[DeviceWork, Any]:
+    """:func:`device_work` for rows the diagnosis replays away from the step: the key and
     the faults they had as rows ``rows`` of chunk ``chunk`` on device ``device_id``
     (-1: faults bound to a device do not fire). Returns the work and its gradients
     with any injected gradient fault applied."""
@@ -211,6 +211,6 @@ def _replayed(
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
-    work, _ = local(options, state, batch, key, state.model_state, ctx)
+    work, _ = device_work(options, state, batch, key, state.model_state, ctx)
     grads = work.grads if ctx is None else options.injector.tree("grad", work.grads, ctx)
     return work, grads

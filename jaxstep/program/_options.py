@@ -18,8 +18,8 @@ from jaxstep.core import BackendName
 from jaxstep.core import Policy
 from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
-from jaxstep.program._across import DEFAULT_DIVERGENCE_EVERY
-from jaxstep.program._across import LossSpike
+from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
+from jaxstep.program._cross_checks import LossSpike
 from jaxstep.program._faults import Fault
 from jaxstep.program._faults import Injector
 from jaxstep.program._scaling import DynamicLossScale

@@ -4,7 +4,12 @@ leading device axis). Both place chunk i of the global batch on ``devices[i]``.
 
 The body is ``body(state, batch, extras) -> (state, StepOutput, extras)``; ``extras``
 is a dict of small arrays the step threads through (empty unless faults are
-injected), each either replicated or split over the devices."""
+injected), each either replicated or split over the devices.
+
+Copies between host and devices are named by direction: ``place_*`` puts host data on
+the step's devices, ``read_*`` returns numpy copies of device data (through
+:func:`jaxstep.core.to_host`, whose inverse is ``from_host``), and ``one_replica`` is
+one device's copy of a state, left on that device."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxstep.core import StepOutput
 from jaxstep.core import _processes as processes
 from jaxstep.core import from_host
-from jaxstep.core import map_host
+from jaxstep.core import to_host
 from jaxstep.program import AXIS
 
 Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
@@ -43,10 +48,10 @@ class Backend(Protocol):
     def place_state(self, state: Any) -> Any: ...
     def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any: ...
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
-    def host_table(self, health: jax.Array) -> np.ndarray: ...
-    def first_copy(self, tree: Any) -> Any: ...
-    def unstack(self, tree: Any) -> Any: ...
-    def local_copy(self, tree: Any, position: int) -> Any: ...
+    def read_table(self, health: jax.Array) -> np.ndarray: ...
+    def read_first(self, tree: Any) -> Any: ...
+    def read_at(self, tree: Any, position: int) -> Any: ...
+    def one_replica(self, tree: Any) -> Any: ...
 
 
 class ShardMapBackend:
@@ -136,21 +141,21 @@ class ShardMapBackend:
             for k, v in extras.items()
         }
 
-    def host_table(self, health: jax.Array) -> np.ndarray:
+    def read_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))
 
-    def first_copy(self, tree: Any) -> Any:
+    def read_first(self, tree: Any) -> Any:
         """Numpy of the first addressable copy of every leaf (one read each)."""
-        return map_host(lambda x: np.asarray(x.addressable_data(0)), tree)
+        return to_host(lambda x: np.asarray(x.addressable_data(0)), tree)
 
-    def unstack(self, tree: Any) -> Any:
+    def one_replica(self, tree: Any) -> Any:
         return tree
 
-    def local_copy(self, tree: Any, position: int) -> Any:
+    def read_at(self, tree: Any, position: int) -> Any:
         """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as
         :class:`jaxstep.core.HostKey`)."""
         device = self.devices[position]
-        return map_host(
+        return to_host(
             lambda x: next(np.asarray(s.data) for s in x.addressable_shards if s.device == device),
             tree,
         )
@@ -193,14 +198,14 @@ class PmapBackend:
             for k, v in extras.items()
         }
 
-    def host_table(self, health: jax.Array) -> np.ndarray:
+    def read_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))[0]
 
-    def first_copy(self, tree: Any) -> Any:
+    def read_first(self, tree: Any) -> Any:
         """Numpy of the first addressable copy of every leaf, without the device axis."""
-        return map_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
+        return to_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
 
-    def unstack(self, tree: Any) -> Any:
+    def one_replica(self, tree: Any) -> Any:
         """The first addressable device's copy of every leaf, without the device axis,
         on that device. Read from the shard and put back: ``x[0]`` compiled a program
         per leaf shape (~2 s per call on a large state); this compiles nothing."""
@@ -210,12 +215,12 @@ class PmapBackend:
                 return np.asarray(x)[0]
             shard = x.addressable_shards[0]
             # a copy: the shard's buffer goes when a later step donates the state
-            host = map_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
+            host = to_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
             return jax.device_put(from_host(host), shard.device)
 
         return jax.tree.map(one, tree)
 
-    def local_copy(self, tree: Any, position: int) -> Any:
+    def read_at(self, tree: Any, position: int) -> Any:
         """The numpy copy of ``tree`` held by ``devices[position]``, read from that
         device's shard alone (typed keys as :class:`jaxstep.core.HostKey`)."""
         device = self.devices[position]
@@ -225,7 +230,7 @@ class PmapBackend:
                 return np.asarray(x)[position]
             return next(np.asarray(s.data)[0] for s in x.addressable_shards if s.device == device)
 
-        return map_host(read, tree)
+        return to_host(read, tree)
 
 
 BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

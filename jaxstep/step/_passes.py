@@ -18,7 +18,8 @@ import numpy as np
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
 from jaxstep.program import Options
-from jaxstep.program import _device as local
+from jaxstep.program._device import example_failed
+from jaxstep.program._device import grad_leaves_finite
 
 
 class Passes:
@@ -30,7 +31,7 @@ class Passes:
         self._grad_leaves: Any = None
 
     def failing_examples(
-        self, copy: TrainState, batch: Any, chunks: Sequence[int], step: int
+        self, copy: TrainState, batch: Any, chunks: Sequence[int], step_number: int
     ) -> list[int]:
         """Global batch indices of the examples of ``chunks`` that fail on their own;
         ``copy``: one device's numpy copy of the state (``step.local_copy``)."""
@@ -39,12 +40,12 @@ class Passes:
 
             def one(state: TrainState, example: Any, chunk: jax.Array, row: jax.Array) -> Any:
                 def alone(ex: Any) -> jax.Array:
-                    return local.example_failed(options, state, ex, chunk, row)
+                    return example_failed(options, state, ex, chunk, row)
 
                 return _with_axis(alone, axis, example)
 
             self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
-        state, size, part = self._split(copy, batch, step)
+        state, size, part = self._split(copy, batch, step_number)
         found: list[int] = []
         for c in chunks:
             flags = self._examples(state, part(c), jnp.int32(c), jnp.arange(size))
@@ -52,7 +53,7 @@ class Passes:
         return found
 
     def nonfinite_grad_leaves(
-        self, copy: TrainState, batch: Any, position: int, device_id: int, step: int
+        self, copy: TrainState, batch: Any, position: int, device_id: int, step_number: int
     ) -> list[int]:
         """Indices (tree order) of the gradient leaves that are not finite for chunk
         ``position`` of ``batch`` as device ``device_id`` ran it."""
@@ -61,21 +62,23 @@ class Passes:
 
             def one(state: TrainState, part: Any, device: jax.Array, chunk: jax.Array) -> Any:
                 def alone(p: Any) -> jax.Array:
-                    return local.grad_leaves_finite(options, state, p, device, chunk)
+                    return grad_leaves_finite(options, state, p, device, chunk)
 
                 return _with_axis(alone, axis, part)
 
             self._grad_leaves = jax.jit(one)
-        state, _, part = self._split(copy, batch, step)
+        state, _, part = self._split(copy, batch, step_number)
         args = (jnp.int32(device_id), jnp.int32(position))
         finite = np.asarray(self._grad_leaves(state, part(position), *args))
         return [int(i) for i in np.flatnonzero(~finite)]
 
     def _split(
-        self, copy: TrainState, batch: Any, step: int
+        self, copy: TrainState, batch: Any, step_number: int
     ) -> tuple[TrainState, int, Callable[[int], Any]]:
-        """The state at step ``step``, the rows per device, and chunk c of ``batch``."""
-        state = dataclasses.replace(from_host(copy), step=jnp.asarray(step, jnp.int32))
+        """The state at step ``step_number``, the rows per device, and chunk c of
+        ``batch``."""
+        step = jnp.asarray(step_number, jnp.int32)
+        state = dataclasses.replace(from_host(copy), step=step)
         size = jax.tree.leaves(batch)[0].shape[0] // self.n
 
         def part(c: int) -> Any:

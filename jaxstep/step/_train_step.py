@@ -66,7 +66,7 @@ class TrainStep:
             for hb in (False, True)
             for rc in (False, True)
         }
-        self._next_step = 0  # the step number of the state returned last
+        self._next_number = 0  # the step number of the state returned last
         self._clear_halt = self._backend.compile_state_fn(
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
@@ -187,7 +187,7 @@ class TrainStep:
         leaves = self._inputs.check_batch(batch)
         number = self._step_number(state)
         placed = self._backend.place_batch(batch, leaves)
-        replicas = self._replica_step(number)
+        replicas = self._checks_replicas(number)
         if heartbeat:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
         else:
@@ -199,7 +199,7 @@ class TrainStep:
             if hint is None:
                 raise
             raise hint from err
-        self._last_state, self._next_step = state, number + 1
+        self._last_state, self._next_number = state, number + 1
         if out.info is not self._info:
             self._learn(out.info)
         return state, out
@@ -232,12 +232,14 @@ class TrainStep:
     def _step_number(self, state: TrainState) -> int:
         """``state.step`` without a device read for the state this step returned last."""
         if state is self._last_state:
-            return self._next_step
+            return self._next_number
         return int(self.first_copy(state.step))
 
-    def _replica_step(self, number: int) -> bool:
+    def _checks_replicas(self, step_number: int) -> bool:
+        """Whether step ``step_number`` runs the replica check (the variant compiled
+        for every ``divergence_every``-th step)."""
         every = self.options.divergence_every
-        return every is not None and number % every == 0
+        return every is not None and step_number % every == 0
 
     def replay(
         self, state: TrainState, batch: Any, *, rotation: int = 0
@@ -256,14 +258,14 @@ class TrainStep:
         if self._faults:
             extras["chunk"] = self._make_extras(order)["chunk"]
         placed = self._backend.place_batch(moved)
-        fn = self._compiled[(False, self._replica_step(self._step_number(state)))]
+        fn = self._compiled[(False, self._checks_replicas(self._step_number(state)))]
         new_state, out, _ = fn(copy, placed, extras)
         self._learn(out.info)
         return new_state, out
 
     def table(self, out: StepOutput) -> HealthTable:
         """Reads a step's health table on the host (waits for that step)."""
-        return HealthTable.from_array(self._backend.host_table(out.health))
+        return HealthTable.from_array(self._backend.read_table(out.health))
 
     def failures(self, table: HealthTable, rows_per_device: int | None = None) -> list[Failure]:
         """The failing devices of a step, in device order."""
@@ -281,11 +283,11 @@ class TrainStep:
         """The numpy copy of ``tree`` held by this process's first device of the step
         (a small read: e.g. ``step.first_copy(state.step)``); typed keys come as
         :class:`jaxstep.core.HostKey`."""
-        return self._backend.first_copy(tree)
+        return self._backend.read_first(tree)
 
     def host_state(self, state: TrainState) -> TrainState:
         """One device's copy of the state, as on a single device (drops pmap's axis)."""
-        return self._backend.unstack(state)
+        return self._backend.one_replica(state)
 
     def place_state(self, state: TrainState) -> TrainState:
         """Places a single-copy state (numpy, another step's ``host_state``, or a
@@ -299,7 +301,7 @@ class TrainStep:
         """The numpy copy of a replicated (or pmap-stacked) ``tree`` held by
         ``devices[position]``; typed PRNG keys come as :class:`jaxstep.core.HostKey`
         (:meth:`place_state` takes them back)."""
-        return self._backend.local_copy(tree, position)
+        return self._backend.read_at(tree, position)
 
     def lower(self, state: TrainState, batch: Any) -> Any:
         """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
@@ -320,8 +322,8 @@ class TrainStep:
         if state is not self._last_state:  # the state this step returned last: checked
             self._inputs.check_state(state)
 
-    def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
-        self._internals.heartbeats[int(index)] = int(step)
+    def _beat(self, index: np.ndarray, step_number: np.ndarray, status: np.ndarray) -> np.ndarray:
+        self._internals.heartbeats[int(index)] = int(step_number)
         return np.asarray(status, np.int32)
 
 
