@@ -20,6 +20,9 @@ from jax.experimental import io_callback
 
 from jaxstep.core import COL
 from jaxstep.core import COLUMNS
+from jaxstep.core import Batch
+from jaxstep.core import Params
+from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
@@ -44,7 +47,7 @@ Beat = Callable[[Any, Any, Any], Any]
 def body(
     options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     extras: dict[str, Any],
     *,
     beat: Beat | None,
@@ -85,7 +88,7 @@ def body(
 
 
 def _fault_context(
-    options: Options, state: TrainState, batch: Any, extras: dict[str, Any], index: jax.Array
+    options: Options, state: TrainState, batch: Batch, extras: dict[str, Any], index: jax.Array
 ) -> tuple[Context | None, jax.Array]:
     """The injected faults' view of this device's step (None without faults) and the
     token an injected stall sets."""
@@ -108,7 +111,7 @@ class LocalPart(NamedTuple):
     """This device's part of the step, ready for the all-reduce."""
 
     work: DeviceWork  # its loss, gradients and health, before any collective
-    grads: Any  # the gradients it sends (injected faults and the heartbeat's term in)
+    grads: PyTree  # the gradients it sends (injected faults and the heartbeat's term in)
     row: dict[str, Any]  # its health row, status included
     prints: jax.Array | None  # its fingerprints (the replica-check variant), or None
     checks: tuple[str, ...]  # the names of the user checks
@@ -117,7 +120,7 @@ class LocalPart(NamedTuple):
 def local_part(
     options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     ctx: Context | None,
     token: jax.Array,
     index: jax.Array,
@@ -173,8 +176,8 @@ def local_part(
 class Reduced(NamedTuple):
     """What every device holds after the all-reduce."""
 
-    grad_sums: Any  # the gradients summed over the devices (divided in the update)
-    model_state: Any  # the new model state, its float leaves averaged
+    grad_sums: PyTree  # the gradients summed over the devices (divided in the update)
+    model_state: PyTree  # the new model state, its float leaves averaged
     rows: jax.Array  # every device's health row, as packed
     seen: Seen  # the step-wide facts summed alongside
     rest: jax.Array  # (n, k): the fingerprints' halves, then the faults' fire flags
@@ -286,11 +289,11 @@ class Seen(NamedTuple):
         )
 
 
-def _floats(tree: Any) -> list[jax.Array]:
+def _floats(tree: PyTree) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def _with_floats(tree: Any, floats: list[jax.Array]) -> Any:
+def _with_floats(tree: PyTree, floats: list[jax.Array]) -> PyTree:
     """``tree`` with its float leaves replaced, in order, by ``floats``."""
     it = iter(floats)
     return jax.tree.map(lambda x: next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
@@ -312,8 +315,8 @@ def update(
     status: jax.Array,
     seen: Seen,
     columns: dict[str, jax.Array],
-    grad_sums: Any,
-    model_state: Any,
+    grad_sums: PyTree,
+    model_state: PyTree,
     ctx: Context | None,
     index: jax.Array,
 ) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
@@ -326,7 +329,7 @@ def update(
     columns to write."""
     n = options.n
 
-    def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    def apply(operands: tuple[Params, PyTree, PyTree]) -> tuple[Params, PyTree, PyTree]:
         params, opt_state, _ = operands
         grads = jax.tree.map(lambda g: g / n, grad_sums)
         updates, opt_state = options.optimizer.update(grads, opt_state, params)
@@ -376,9 +379,10 @@ def verdict(
         status = status | added
         seen = seen.add(added, int(halting_status(options)))
     overflow, failed, must_halt = seen.overflow, seen.failed, seen.halt
-    scaler = options.loss_scale
+    scaler, scale_state = options.loss_scale, state.loss_scale
     if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
-        failed |= overflow & scaler.at_minimum(state.loss_scale)
+        assert scale_state is not None  # init gave it one; a state without fails its check
+        failed |= overflow & scaler.at_minimum(scale_state)
     if options.on_failure == "skip":
         limit = options.max_consecutive_skips
         halt_now = must_halt
@@ -408,6 +412,6 @@ def verdict(
         "total_skips": state.total_skips + skipped,
         "monitor": monitor,
     }
-    if scaler is not None:
-        fields["loss_scale"] = scaler.update(state.loss_scale, rescaled, ok)
+    if scaler is not None and scale_state is not None:  # both or neither (asserted above)
+        fields["loss_scale"] = scaler.update(scale_state, rescaled, ok)
     return status, ok, fields, columns

@@ -10,6 +10,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import TrainState
 from jaxstep.core import _health as health
@@ -19,8 +21,8 @@ from jaxstep.program._options import Options
 
 
 def loss(
-    options: Options, *args: Any, ctx: Context | None, model_state: Any = None
-) -> tuple[jax.Array, Any]:
+    options: Options, *args: Any, ctx: Context | None, model_state: PyTree = None
+) -> tuple[jax.Array, PyTree]:
     """``loss_fn(*args[, model_state=...])`` as ``(loss, aux)``, with an injected loss
     fault applied."""
     kwargs = {} if model_state is None else {"model_state": model_state}
@@ -33,8 +35,8 @@ def loss(
 class DeviceWork(NamedTuple):
     """One device's (or one micro-batch's) work before the collective."""
 
-    grads: Any
-    model_state: Any  # the new model state, or None
+    grads: PyTree
+    model_state: PyTree  # the new model state, or None
     status: jax.Array  # Status bits
     input_leaf: jax.Array
     grad_squares: jax.Array  # the sum of squares of every gradient leaf
@@ -42,15 +44,15 @@ class DeviceWork(NamedTuple):
     model_state_leaf: jax.Array
     check_failed: jax.Array  # (n_checks,) bool
     loss: jax.Array
-    aux: Any
+    aux: PyTree
 
 
 def device_work(
     options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     key: jax.Array | None,
-    model_state: Any,
+    model_state: PyTree,
     ctx: Context | None,
 ) -> tuple[DeviceWork, tuple[str, ...]]:
     """Loss, gradients and health of one (micro-)batch on this device, before any
@@ -59,7 +61,7 @@ def device_work(
         batch = options.injector.input(batch, ctx)
     scale = None if state.loss_scale is None else state.loss_scale.scale
 
-    def loss_fn(*args: Any) -> tuple[jax.Array, Any]:
+    def loss_fn(*args: Any) -> tuple[jax.Array, PyTree]:
         value, aux = loss(options, *args, ctx=ctx, model_state=model_state)
         scaled = value if scale is None else value * scale.astype(value.dtype)
         return scaled, (value, aux)
@@ -100,7 +102,7 @@ def device_work(
 def microbatched_work(
     options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     key: jax.Array | None,
     ctx: Context | None,
     microbatches: int,
@@ -116,7 +118,9 @@ def microbatched_work(
     parts = jax.tree.map(lambda x: x.reshape(microbatches, size, *x.shape[1:]), batch)
     names: tuple[str, ...] = ()
 
-    def one(carry: tuple[Any, Any], xs: tuple[Any, jax.Array]) -> tuple[Any, Any]:
+    def one(
+        carry: tuple[PyTree, PyTree], xs: tuple[Batch, jax.Array]
+    ) -> tuple[tuple[PyTree, PyTree], DeviceWork]:
         nonlocal names
         total, model_state = carry
         part, m = xs
@@ -158,7 +162,7 @@ def _mean_or_last(x: jax.Array) -> jax.Array:
 def example_failed(
     options: Options,
     state: TrainState,
-    example: Any,
+    example: Batch,
     chunk: jax.Array,
     row: jax.Array,
 ) -> jax.Array:
@@ -177,7 +181,7 @@ def example_failed(
 def grad_leaves_finite(
     options: Options,
     state: TrainState,
-    chunk_batch: Any,
+    chunk_batch: Batch,
     device_id: jax.Array,
     chunk: jax.Array,
 ) -> jax.Array:
@@ -195,11 +199,11 @@ def grad_leaves_finite(
 def _replayed(
     options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     device_id: jax.Array,
     chunk: jax.Array,
     rows: jax.Array,
-) -> tuple[DeviceWork, Any]:
+) -> tuple[DeviceWork, PyTree]:
     """:func:`device_work` for rows the diagnosis replays away from the step: the key and
     the faults they had as rows ``rows`` of chunk ``chunk`` on device ``device_id``
     (-1: faults bound to a device do not fire). Returns the work and its gradients

@@ -25,6 +25,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
 from jaxstep.core import StepOutput
 from jaxstep.core import _processes as processes
 from jaxstep.core import from_host
@@ -45,13 +47,13 @@ class Backend(Protocol):
     def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS) -> None: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
-    def place_state(self, state: Any) -> Any: ...
-    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any: ...
+    def place_state(self, state: PyTree) -> PyTree: ...
+    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch: ...
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
     def read_table(self, health: jax.Array) -> np.ndarray: ...
-    def read_first(self, tree: Any) -> Any: ...
-    def read_at(self, tree: Any, position: int) -> Any: ...
-    def one_replica(self, tree: Any) -> Any: ...
+    def read_first(self, tree: PyTree) -> PyTree: ...
+    def read_at(self, tree: PyTree, position: int) -> PyTree: ...
+    def one_replica(self, tree: PyTree) -> PyTree: ...
 
 
 class ShardMapBackend:
@@ -77,7 +79,7 @@ class ShardMapBackend:
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         axis = self.axis
 
-        def stacked_aux(state: Any, batch: Any, extras: Any) -> tuple[Any, Any, Any]:
+        def stacked_aux(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
             new_state, out, extras = body(state, batch, extras)
             # One entry per device along a new leading axis, as pmap would return it.
             return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), extras
@@ -105,10 +107,10 @@ class ShardMapBackend:
             jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False)
         )
 
-    def place_state(self, state: Any) -> Any:
+    def place_state(self, state: PyTree) -> PyTree:
         return jax.device_put(state, self.replicated)
 
-    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any:
+    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
         """``leaves``: ``jax.tree.leaves(batch)``, when the caller has them."""
         leaves = jax.tree.leaves(batch) if leaves is None else leaves
         for x in leaves:
@@ -144,14 +146,14 @@ class ShardMapBackend:
     def read_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))
 
-    def read_first(self, tree: Any) -> Any:
+    def read_first(self, tree: PyTree) -> PyTree:
         """Numpy of the first addressable copy of every leaf (one read each)."""
         return to_host(lambda x: np.asarray(x.addressable_data(0)), tree)
 
-    def one_replica(self, tree: Any) -> Any:
+    def one_replica(self, tree: PyTree) -> PyTree:
         return tree
 
-    def read_at(self, tree: Any, position: int) -> Any:
+    def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as
         :class:`jaxstep.core.HostKey`)."""
         device = self.devices[position]
@@ -185,10 +187,10 @@ class PmapBackend:
         """``fn(state) -> state`` run on every device's copy."""
         return jax.pmap(fn, axis_name=self.axis, devices=self.devices)
 
-    def place_state(self, state: Any) -> Any:
+    def place_state(self, state: PyTree) -> PyTree:
         return self._replicate(np.arange(len(self.devices)), state)
 
-    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any:
+    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
         n = len(self.devices)
         return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
 
@@ -201,11 +203,11 @@ class PmapBackend:
     def read_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))[0]
 
-    def read_first(self, tree: Any) -> Any:
+    def read_first(self, tree: PyTree) -> PyTree:
         """Numpy of the first addressable copy of every leaf, without the device axis."""
         return to_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
 
-    def one_replica(self, tree: Any) -> Any:
+    def one_replica(self, tree: PyTree) -> PyTree:
         """The first addressable device's copy of every leaf, without the device axis,
         on that device. Read from the shard and put back: ``x[0]`` compiled a program
         per leaf shape (~2 s per call on a large state); this compiles nothing."""
@@ -220,7 +222,7 @@ class PmapBackend:
 
         return jax.tree.map(one, tree)
 
-    def read_at(self, tree: Any, position: int) -> Any:
+    def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]``, read from that
         device's shard alone (typed keys as :class:`jaxstep.core.HostKey`)."""
         device = self.devices[position]

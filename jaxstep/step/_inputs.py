@@ -9,6 +9,8 @@ from typing import Any
 
 import jax
 
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
@@ -16,12 +18,12 @@ from jaxstep.program import Injector
 from jaxstep.program import float_leaves
 
 
-def keystrs(tree: Any, prefix: str = "") -> list[str]:
+def keystrs(tree: PyTree, prefix: str = "") -> list[str]:
     """``prefix + keystr(path)`` of every leaf of ``tree``, in leaf order."""
     return [prefix + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def join(batch: Any, n: int) -> Any:
+def join(batch: Batch, n: int) -> Batch:
     """A pre-split ``(n, per_device, ...)`` batch as the global batch.
 
     Raises:
@@ -119,7 +121,7 @@ class Inputs:
                 "made it"
             )
 
-    def check_batch(self, batch: Any) -> list[Any]:
+    def check_batch(self, batch: Batch) -> list[Any]:
         """Validates a batch of a new structure or shape (one flatten otherwise);
         returns its leaves.
 

@@ -19,8 +19,12 @@ import numpy as np
 import optax
 
 from jaxstep.core import BackendName
+from jaxstep.core import Batch
 from jaxstep.core import Failure
 from jaxstep.core import HealthTable
+from jaxstep.core import Params
+from jaxstep.core import PyTree
+from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import _processes as processes
@@ -70,7 +74,7 @@ class TrainStep:
         self._clear_halt = self._backend.compile_state_fn(
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
-        self._aot: dict[Any, Any] = {}
+        self._aot: dict[tuple[Any, ...], jax.stages.Compiled] = {}
         self._internals = Internals(self)
         # The state and batch it takes, and their leaf names (``names``).
         self._inputs = Inputs(
@@ -80,8 +84,8 @@ class TrainStep:
             f"{options.backend} backend, loss_spike={'on' if options.loss_spike else 'off'}",
         )
         self.names = self._inputs.names
-        self._info: Any = None
-        self._last_state: Any = None
+        self._info: StepInfo | None = None
+        self._last_state: TrainState | None = None
 
     @property
     def loss_fn(self) -> Callable[..., Any]:
@@ -115,7 +119,7 @@ class TrainStep:
 
     # ---------------------------------------------------------------- host side
     def init(
-        self, params: Any, *, model_state: Any = None, rng: jax.Array | None = None
+        self, params: Params, *, model_state: PyTree = None, rng: jax.Array | None = None
     ) -> TrainState:
         """Builds the first state from ``params`` and places it on the devices.
 
@@ -158,7 +162,7 @@ class TrainStep:
         return placed
 
     def __call__(
-        self, state: TrainState, batch: Any, *, presplit: bool = False
+        self, state: TrainState, batch: Batch, *, presplit: bool = False
     ) -> tuple[TrainState, StepOutput]:
         """Runs one step on ``batch``; chunk i of its leading axis runs on ``devices[i]``.
         ``presplit=True``: every leaf is ``(n_devices, per_device, ...)``, as pmap code
@@ -175,7 +179,7 @@ class TrainStep:
         return self.dispatch(state, batch, presplit=presplit)
 
     def dispatch(
-        self, state: TrainState, batch: Any, *, heartbeat: bool = False, presplit: bool = False
+        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, presplit: bool = False
     ) -> tuple[TrainState, StepOutput]:
         """Like calling the step; ``heartbeat=True`` also records, in
         ``step._internals.heartbeats``, each device finishing its local part (a host callback
@@ -188,6 +192,7 @@ class TrainStep:
         number = self._step_number(state)
         placed = self._backend.place_batch(batch, leaves)
         replicas = self._checks_replicas(number)
+        fn: Callable[..., Any]
         if heartbeat:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
         else:
@@ -204,18 +209,18 @@ class TrainStep:
             self._learn(out.info)
         return state, out
 
-    def join(self, batch: Any) -> Any:
+    def join(self, batch: Batch) -> Batch:
         """A pre-split ``(n_devices, per_device, ...)`` batch as the global batch."""
         return join(batch, len(self.devices))
 
-    def _learn(self, info: Any) -> None:
+    def _learn(self, info: StepInfo) -> None:
         """What the program returned about itself (once per compiled program)."""
         self._info = info
         self._inputs.learn_checks(info.checks)
 
     def compile(
-        self, state: TrainState, batch: Any, *, heartbeat: bool = False, replicas: bool = False
-    ) -> Any:
+        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, replicas: bool = False
+    ) -> jax.stages.Compiled:
         """Compiles the step ahead of time for this state and batch shape (cached), to
         keep compile time out of a timeout or to read ``memory_analysis()``.
         ``replicas=True``: the variant that runs every ``divergence_every``-th step."""
@@ -242,7 +247,7 @@ class TrainStep:
         return every is not None and step_number % every == 0
 
     def replay(
-        self, state: TrainState, batch: Any, *, rotation: int = 0
+        self, state: TrainState, batch: Batch, *, rotation: int = 0
     ) -> tuple[TrainState, StepOutput]:
         """Runs the step again from ``state`` (not donated) with chunk ``(i + rotation)
         % n`` of ``batch`` on ``devices[i]``. Used by :func:`jaxstep.diagnose`."""
@@ -279,7 +284,7 @@ class TrainStep:
         """The same state with ``halted`` cleared, to resume from a failed step."""
         return self._clear_halt(state)
 
-    def first_copy(self, tree: Any) -> Any:
+    def first_copy(self, tree: PyTree) -> PyTree:
         """The numpy copy of ``tree`` held by this process's first device of the step
         (a small read: e.g. ``step.first_copy(state.step)``); typed keys come as
         :class:`jaxstep.core.HostKey`."""
@@ -297,13 +302,13 @@ class TrainStep:
             raise TypeError(f"expected a jaxstep.TrainState, got {type(state).__name__}")
         return self._backend.place_state(from_host(state))
 
-    def local_copy(self, tree: Any, position: int) -> Any:
+    def local_copy(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of a replicated (or pmap-stacked) ``tree`` held by
         ``devices[position]``; typed PRNG keys come as :class:`jaxstep.core.HostKey`
         (:meth:`place_state` takes them back)."""
         return self._backend.read_at(tree, position)
 
-    def lower(self, state: TrainState, batch: Any) -> Any:
+    def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
         memory analysis)."""
         placed = self._backend.place_batch(batch)
@@ -345,7 +350,7 @@ class Internals:
         return self._step._inputs.rows_per_device
 
     def failing_examples(
-        self, state: TrainState, batch: Any, chunks: Sequence[int], step_number: int
+        self, state: TrainState, batch: Batch, chunks: Sequence[int], step_number: int
     ) -> list[int]:
         """Global batch indices of the examples of ``chunks`` that fail on their own
         (input, loss, gradient, model state or a user check) from ``state`` at step
@@ -358,7 +363,7 @@ class Internals:
         return self._passes.failing_examples(copy, batch, chunks, step_number)
 
     def nonfinite_grad_leaves(
-        self, state: TrainState, batch: Any, position: int, step_number: int
+        self, state: TrainState, batch: Batch, position: int, step_number: int
     ) -> list[str]:
         """Names of the gradient leaves that are not finite for the rows
         ``devices[position]`` holds of ``batch``, run from ``state`` at step
