@@ -1,6 +1,6 @@
 """The vocabulary every layer speaks: the training state, the health table and its
-status flags, the error, the processes of a run, and argument validation. Imports
-nothing else of jaxstep."""
+status flags, the error, the processes of a run, argument validation, and the types the
+layers share (pytrees, ``BackendName``, ``Policy``). Imports nothing else of jaxstep."""
 
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
