@@ -324,7 +324,7 @@ def conform(step: Any, loaded: Loaded, template: Any = None) -> TrainState:
     if loaded.host is None:
         saved.build(leaves)  # raises, saying why
     host = loaded.host
-    spike = getattr(step, "loss_spike", None)
+    spike = step.options.loss_spike
     if spike is not None and "spike" in host.monitor:
         n = len(step.devices)
         if host.monitor["spike"]["losses"].shape[1] != n:
