@@ -14,7 +14,7 @@ from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
-from jaxstep.program import Injector
+from jaxstep.program import Options
 from jaxstep.program import float_leaves
 
 
@@ -48,17 +48,11 @@ class Inputs:
     the step's first output (:meth:`learn_checks`).
     """
 
-    def __init__(
-        self,
-        devices: Sequence[jax.Device],
-        microbatches: int,
-        faults: Injector,
-        describe: str,
-    ):
-        self.devices = list(devices)
-        self.microbatches = microbatches
-        self.faults = faults
-        self.describe = describe  # the step's options, for "this state does not fit"
+    def __init__(self, options: Options):
+        self.options = options
+        # the options a state depends on, for "this state does not fit"
+        spike = "on" if options.loss_spike else "off"
+        self.describe = f"{options.backend} backend, loss_spike={spike}"
         self.names: dict[str, list[str]] = {
             "params": [],
             "input": [],
@@ -104,7 +98,9 @@ class Inputs:
                 + keystrs(state.opt_state, "opt_state")
                 + self.names["model_state"]
             )
-            self.faults.validate({"grad": self.names["params"], "param": self.names["params"]})
+            self.options.injector.validate(
+                {"grad": self.names["params"], "param": self.names["params"]}
+            )
             self._state_sig = (treedef, shapes)
         elif (treedef, shapes) != self._state_sig:
             want_def, want_shapes = self._state_sig
@@ -135,9 +131,9 @@ class Inputs:
         if key == self._batch_key:
             return leaves
         n, what = self._feeding_devices(leaves[0] if leaves else None)
-        validate.batch(batch, n, self.microbatches, what)
+        validate.batch(batch, n, self.options.microbatches, what)
         if self._batch_def is None:
-            self.faults.validate({"input": float_leaves(batch)})
+            self.options.injector.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
             self.names["input"] = keystrs(batch)
         elif treedef != self._batch_def:
@@ -151,8 +147,9 @@ class Inputs:
 
     def _feeding_devices(self, first: Any) -> tuple[int, str]:
         """How many devices this process's batch is split over, and what to call them."""
-        if not processes.spans_processes(self.devices) or (
+        devices = self.options.devices
+        if not processes.spans_processes(devices) or (
             isinstance(first, jax.Array) and not first.is_fully_addressable
         ):
-            return len(self.devices), "devices"
-        return len(processes.local_positions(self.devices)), "devices of this process"
+            return len(devices), "devices"
+        return len(processes.local_positions(devices)), "devices of this process"

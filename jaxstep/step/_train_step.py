@@ -77,12 +77,7 @@ class TrainStep:
         self._aot: dict[tuple[Any, ...], jax.stages.Compiled] = {}
         self._internals = Internals(self)
         # The state and batch it takes, and their leaf names (``names``).
-        self._inputs = Inputs(
-            self.devices,
-            options.microbatches,
-            self._faults,
-            f"{options.backend} backend, loss_spike={'on' if options.loss_spike else 'off'}",
-        )
+        self._inputs = Inputs(options)
         self.names = self._inputs.names
         self._info: StepInfo | None = None
         self._last_state: TrainState | None = None
