@@ -54,9 +54,9 @@ class TrainStep:
         self.options = options
         self.devices: list[jax.Device] = list(options.devices)
         self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name)
-        self._faults = options.injector
+        self._injector = options.injector
         # Small arrays threaded through every call: fault bookkeeping only.
-        self._split = {"fired": False, "chunk": True} if self._faults else {}
+        self._split = {"fired": False, "chunk": True} if self._injector else {}
         self._extras = self._make_extras(np.arange(len(self.devices)))
         # Four programs, compiled on first use: with or without the heartbeat callback,
         # and with or without the replica check, which runs only every
@@ -255,7 +255,7 @@ class TrainStep:
         moved = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         copy = jax.tree.map(jnp.copy, state)
         extras = dict(self._extras)
-        if self._faults:
+        if self._injector:
             extras["chunk"] = self._make_extras(order)["chunk"]
         placed = self._backend.place_batch(moved)
         fn = self._compiled[(False, self._checks_replicas(self._step_number(state)))]
@@ -310,10 +310,10 @@ class TrainStep:
         return self._compiled[(False, False)].lower(state, placed, self._extras)  # type: ignore[attr-defined]
 
     def _make_extras(self, chunks: np.ndarray) -> dict[str, Any]:
-        if not self._faults:
+        if not self._injector:
             return {}
         values = {
-            "fired": np.zeros(len(self._faults.faults), bool),
+            "fired": np.zeros(len(self._injector.faults), bool),
             "chunk": np.asarray(chunks, np.int32),
         }
         return self._backend.place_extras(values, self._split)
