@@ -329,7 +329,7 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
         saved.build(leaves)  # raises, saying why
     host = loaded.host
     assert host is not None
-    spike = getattr(step, "loss_spike", None)
+    spike = step.options.loss_spike
     if spike is not None and "spike" in host.monitor:
         n = len(step.devices)
         if host.monitor["spike"]["losses"].shape[1] != n:

@@ -1,6 +1,6 @@
 """The vocabulary every layer speaks: the training state, the health table and its
-status flags, the error, the processes of a run, and argument validation. Imports
-nothing else of jaxstep."""
+status flags, the error, the processes of a run, argument validation, and the types the
+layers share (pytrees, ``BackendName``, ``Policy``). Imports nothing else of jaxstep."""
 
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
@@ -14,9 +14,23 @@ from jaxstep.core._state import StepInfo as StepInfo
 from jaxstep.core._state import StepOutput as StepOutput
 from jaxstep.core._state import TrainState as TrainState
 from jaxstep.core._state import from_host as from_host
-from jaxstep.core._state import map_host as map_host
+from jaxstep.core._state import to_host as to_host
+from jaxstep.core._types import BACKEND_NAMES as BACKEND_NAMES
+from jaxstep.core._types import POLICIES as POLICIES
+from jaxstep.core._types import BackendName as BackendName
+from jaxstep.core._types import Batch as Batch
+from jaxstep.core._types import Params as Params
+from jaxstep.core._types import Policy as Policy
+from jaxstep.core._types import PyTree as PyTree
 
 __all__ = [
+    "BACKEND_NAMES",
+    "POLICIES",
+    "BackendName",
+    "Batch",
+    "Params",
+    "Policy",
+    "PyTree",
     "COL",
     "COLUMNS",
     "Failure",
@@ -29,5 +43,5 @@ __all__ = [
     "TrainingWorkerError",
     "failures_from_table",
     "from_host",
-    "map_host",
+    "to_host",
 ]

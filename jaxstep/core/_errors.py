@@ -249,10 +249,10 @@ class TrainingWorkerError(RuntimeError):
         return TrainingWorkerError(fields.pop("failures"), **fields)
 
     def __reduce__(self):
-        from jaxstep.core._state import map_host
+        from jaxstep.core._state import to_host
 
-        state = None if self.state is None else map_host(np.asarray, self.state)
-        batches = [map_host(np.asarray, b) for b in self.batches]
+        state = None if self.state is None else to_host(np.asarray, self.state)
+        batches = [to_host(np.asarray, b) for b in self.batches]
         return (
             _rebuild,
             (

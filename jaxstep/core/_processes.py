@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstep.core._types import Batch
+
 
 def local_positions(devices: Sequence[jax.Device]) -> list[int]:
     """Positions (in the step's device order) of the devices this process holds."""
@@ -50,7 +52,7 @@ def local_rows(devices: Sequence[jax.Device], global_batch_size: int) -> np.ndar
     )
 
 
-def local_batch(batch: Any, devices: Sequence[jax.Device]) -> Any:
+def local_batch(batch: Batch, devices: Sequence[jax.Device]) -> Any:
     """This process's rows of a global host batch (see :func:`local_rows`)."""
     return jax.tree.map(lambda x: np.asarray(x)[local_rows(devices, len(x))], batch)
 
@@ -61,7 +63,7 @@ def spans_processes(devices: Sequence[jax.Device]) -> bool:
 
 
 def place_local_batch(
-    batch: Any,
+    batch: Batch,
     devices: Sequence[jax.Device],
     sharding: Any,
     positions: Sequence[int] | None = None,
@@ -87,7 +89,7 @@ def place_local_batch(
     return jax.tree.map(one, batch)
 
 
-def local_rows_per_device(batch: Any, devices: Sequence[jax.Device]) -> int:
+def local_rows_per_device(batch: Batch, devices: Sequence[jax.Device]) -> int:
     """Rows per device of a batch as this process passes it: its own rows when the
     devices span processes, else (or for a placed global array) the whole batch."""
     first = jax.tree.leaves(batch)[0]

@@ -5,6 +5,8 @@ optimizer and mesh, live in the step object) and the step's output."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import NamedTuple
 
@@ -12,6 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from jaxstep.core._types import Params
+from jaxstep.core._types import PyTree
+
+if TYPE_CHECKING:  # annotations only: the program layer sits above this one
+    from jaxstep.program._scaling import LossScaleState
 
 
 @struct.dataclass
@@ -38,15 +46,15 @@ class TrainState:
     """
 
     step: jax.Array
-    params: Any
-    opt_state: Any
+    params: Params
+    opt_state: PyTree
     rng: jax.Array | None
     halted: jax.Array
     consecutive_skips: jax.Array
     total_skips: jax.Array
     monitor: dict[str, Any]
-    model_state: Any = None
-    loss_scale: Any = None
+    model_state: PyTree = None
+    loss_scale: LossScaleState | None = None
 
     def __repr__(self) -> str:
         """A summary (a CNN's full repr runs to tens of thousands of characters): the
@@ -133,7 +141,7 @@ class StepOutput(NamedTuple):
 
     metrics: dict[str, jax.Array]
     health: jax.Array
-    aux: Any
+    aux: PyTree
     info: StepInfo = StepInfo()
 
 
@@ -149,7 +157,7 @@ def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def map_host(fn: Any, tree: Any) -> Any:
+def to_host(fn: Callable[[Any], Any], tree: PyTree) -> PyTree:
     """``fn`` over every leaf as numpy; typed PRNG keys (which numpy cannot hold) go
     through their raw key data and come back as :class:`HostKey`."""
 
@@ -161,8 +169,8 @@ def map_host(fn: Any, tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
-def from_host(tree: Any) -> Any:
-    """Undoes the :class:`HostKey` wrapping of :func:`map_host`."""
+def from_host(tree: PyTree) -> PyTree:
+    """Undoes the :class:`HostKey` wrapping of :func:`to_host`."""
     return jax.tree.map(
         lambda x: (
             jax.random.wrap_key_data(jnp.asarray(x.data), impl=x.impl)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.core._types import PyTree
+
 
 def devices(devs: Sequence[Any] | None) -> list[jax.Device]:
     out = list(jax.devices() if devs is None else devs)
@@ -74,7 +76,7 @@ def rng_for(loss_fn: Callable[..., Any], has_key: bool) -> None:
         )
 
 
-def params(tree: Any) -> None:
+def params(tree: PyTree) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         name = jax.tree_util.keystr(path)
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, float)):
@@ -92,7 +94,7 @@ def params(tree: Any) -> None:
             )
 
 
-def batch(tree: Any, n: int, microbatches: int = 1, what: str = "devices") -> int:
+def batch(tree: PyTree, n: int, microbatches: int = 1, what: str = "devices") -> int:
     """Checks a batch split over ``n`` devices (``what``: how the message calls them;
     "devices of this process" for one process's rows); returns its leading size."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
@@ -185,7 +187,7 @@ def loss_output(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
     return loss, aux
 
 
-def checks(aux: Any) -> tuple[dict[str, jax.Array], Any]:
+def checks(aux: PyTree) -> tuple[dict[str, jax.Array], Any]:
     """Splits ``aux["checks"]`` (named boolean scalars) from the rest of aux."""
     if not (isinstance(aux, dict) and "checks" in aux):
         return {}, aux
@@ -205,7 +207,7 @@ def checks(aux: Any) -> tuple[dict[str, jax.Array], Any]:
     return {k: found[k] for k in sorted(found)}, rest
 
 
-def model_state(aux: Any, old: Any) -> tuple[Any, Any]:
+def model_state(aux: PyTree, old: PyTree) -> tuple[Any, Any]:
     """Splits ``aux["model_state"]`` (the new model state) from the rest of aux, and
     checks it matches the old one's structure (at trace time). ``old`` None: the
     step has no model state and aux is returned as it is."""
@@ -242,7 +244,7 @@ def model_state(aux: Any, old: Any) -> tuple[Any, Any]:
     return new, rest
 
 
-def model_state_leaves(tree: Any, has_aux: bool) -> None:
+def model_state_leaves(tree: PyTree, has_aux: bool) -> None:
     """Checks a model state given to ``step.init`` (arrays only; needs has_aux)."""
     if not has_aux:
         raise TypeError(
@@ -267,7 +269,7 @@ def microbatch_rows(size: int, n: int, microbatches: int) -> None:
         )
 
 
-def presplit_hint(err: Exception, tree: Any, n: int) -> Exception | None:
+def presplit_hint(err: Exception, tree: PyTree, n: int) -> Exception | None:
     """``err`` from tracing the step, with a hint when the batch looks pre-split."""
     shapes: list[tuple[int, ...]] = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(tree)]
     if shapes and all(len(s) >= 2 and s[0] == n for s in shapes):

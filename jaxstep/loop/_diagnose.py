@@ -152,7 +152,9 @@ def _verdict(
             f"with the chunks rotated it fails on device(s) {where_now}, which now hold the "
             f"same rows ({rows}): the failure follows the data",
         )
-        examples = tuple(step.failing_examples(error.state, batch, sorted(chunks_then), error.step))
+        examples = tuple(
+            step._internals.failing_examples(error.state, batch, sorted(chunks_then), error.step)
+        )
         return Diagnosis("data", evidence, examples, tuple(replays))
     if set(moved) == set(same) and error.state.rng is not None:
         evidence = (
@@ -187,7 +189,7 @@ def _spread(
     others. Each example alone (collectives see a one-example axis) tells which."""
     assert error.state is not None  # checked by diagnose
     n, ids = len(step.devices), [d.id for d in step.devices]
-    examples = step.failing_examples(error.state, batch, list(range(n)), error.step)
+    examples = step._internals.failing_examples(error.state, batch, list(range(n)), error.step)
     evidence: tuple[str, ...]
     if not examples:
         evidence = (
@@ -215,7 +217,7 @@ def _with_grad_leaves(
     ``devices[position]``: the error names the first in tree order, which is not
     where a NaN that arose near the output started."""
     assert error.state is not None  # checked by diagnose
-    bad = step.nonfinite_grad_leaves(error.state, batch, position, error.step)
+    bad = step._internals.nonfinite_grad_leaves(error.state, batch, position, error.step)
     names = step.names["params"]
     device = step.devices[position].id
     if not bad:

@@ -120,7 +120,7 @@ class Loop:
             )
         self.history.device_ids = [d.id for d in step.devices]
         self.number = self.next_step = int(number)
-        step.heartbeats.clear()
+        step._internals.heartbeats.clear()
         self.callbacks.on_fit_start(step, self.history)
         self.last_time = time.perf_counter()
         many = distributed.spans_processes(step.devices)
@@ -161,7 +161,7 @@ class Loop:
         self.held = None
         number = self.number
         self.number = number + 1
-        new = self.pending = Pending(out, batch, number, self.step.rows_per_device)
+        new = self.pending = Pending(out, batch, number, self.step._internals.rows_per_device)
         self.unconfirmed.append(new)
         if pending is not None:
             self.settle(pending, [batch])

@@ -43,14 +43,14 @@ def failure_error(
         )
     else:
         state = step.clear_halt(current)
-        if step.on_failure == "skip":
+        if step.options.on_failure == "skip":
             note = (
                 f"{table.consecutive_skips + 1} failed steps in a row "
-                f"(max_consecutive_skips={step.max_consecutive_skips})"
+                f"(max_consecutive_skips={step.options.max_consecutive_skips})"
             )
         # Without verify_update an overflowing update is committed, and what fails
         # later fails because of it: say so rather than call this state good.
-        if not step.verify_update and not _params_finite(step.host_state(state).params):
+        if not step.options.verify_update and not _params_finite(step.host_state(state).params):
             note = (
                 "the parameters in error.state are already non-finite: an earlier update "
                 "overflowed (from finite gradients), and this failure follows from it. "

@@ -44,7 +44,7 @@ class StepWatchdog:
     ) -> tuple[TrainState, StepOutput]:
         if presplit:
             batch = self.step.join(batch)
-        for replicas in (False, check_replicas or self.step.divergence_every is not None):
+        for replicas in (False, check_replicas or self.step.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             self.step.compile(state, batch, heartbeat=True, replicas=replicas)
         future = self.pool.submit(
@@ -71,7 +71,7 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
         for ident, frame in sys._current_frames().items()
     )
     log.error("step %d did not finish within %.1f s; Python stacks:\n%s", expected, timeout, stacks)
-    done = {i for i, beat in dict(step.heartbeats).items() if beat >= expected}
+    done = {i for i, beat in dict(step._internals.heartbeats).items() if beat >= expected}
     many = distributed.spans_processes(step.devices)
     if many:
         # Each process saw only its own devices' heartbeats: pool them, so every

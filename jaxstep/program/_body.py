@@ -3,7 +3,7 @@
 its local part (:mod:`jaxstep.program._device`: input, loss, gradients, checks) -> one
 all-reduce of (gradients, model state, health rows) -> the same verdict on every
 device -> the optimizer update under ``lax.cond``. Pure functions over an immutable
-:class:`~jaxstep.program._device.Program`; nothing here touches host state.
+:class:`~jaxstep.program._options.Options`; nothing here touches host state.
 """
 
 from __future__ import annotations
@@ -20,30 +20,34 @@ from jax.experimental import io_callback
 
 from jaxstep.core import COL
 from jaxstep.core import COLUMNS
+from jaxstep.core import Batch
+from jaxstep.core import Params
+from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import _health as health
-from jaxstep.program import _across as monitors
-from jaxstep.program._device import Program
-from jaxstep.program._device import microbatched
+from jaxstep.program import _cross_checks as cross_checks
+from jaxstep.program._device import DeviceWork
+from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
+from jaxstep.program._options import Options
 
-__all__ = ["ALWAYS_HALT", "Beat", "Program", "body", "update", "verdict"]
+__all__ = ["ALWAYS_HALT", "Beat", "body", "update", "verdict"]
 
 # Failures that skipping a step cannot cure: they halt under either policy.
 ALWAYS_HALT = Status.DIVERGED | Status.HUNG
 
-#: ``beat(position, step, status) -> status``: a host callback telling the host that a
+#: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
 #: device finished its local part (``fit(step_timeout=...)``).
 Beat = Callable[[Any, Any, Any], Any]
 
 
 def body(
-    program: Program,
+    options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     extras: dict[str, Any],
     *,
     beat: Beat | None,
@@ -52,39 +56,97 @@ def body(
     """One device's step. ``replicas``: the every-``divergence_every``-th variant that
     also fingerprints this device's copy of the state; ``beat``: call it once the
     local part is done (before the collective)."""
-    axis, n = program.axis_name, program.n
-    index = jax.lax.axis_index(axis)
+    index = jax.lax.axis_index(options.axis_name)
+    ctx, token = _fault_context(options, state, batch, extras, index)
+    # 1. input, 2. loss and gradients, 3. local health: all before any collective.
+    part = local_part(options, state, batch, ctx, token, index, beat=beat, replicas=replicas)
+    # 4. the first collective, 5. the checks that compare the devices' rows.
+    reduced = all_reduce(options, state, part, ctx, index)
+    status, seen, columns, extras = compare_devices(options, reduced, part, ctx, extras)
+    # 6.-8. the verdict, the same on every device, and the update it allows.
+    losses = reduced.rows[:, COL["loss"]]
+    new_state, status, columns = update(
+        options,
+        state,
+        losses,
+        status,
+        seen,
+        columns,
+        reduced.grad_sums,
+        reduced.model_state,
+        ctx,
+        index,
+    )
+    table = health.to_table(reduced.rows, {**columns, "status": status})
+    metrics = {"loss": jnp.mean(losses)}
+    info = StepInfo(checks=part.checks)
+    return (
+        new_state,
+        StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info),
+        extras,
+    )
+
+
+def _fault_context(
+    options: Options, state: TrainState, batch: Batch, extras: dict[str, Any], index: jax.Array
+) -> tuple[Context | None, jax.Array]:
+    """The injected faults' view of this device's step (None without faults) and the
+    token an injected stall sets."""
     ctx, token = None, jnp.zeros((), jnp.int32)
     rows = jax.tree.leaves(batch)[0].shape[0]
-    if program.faults:
+    if options.injector:
         ctx = Context(
             step=state.step,
-            device_id=jnp.asarray(program.device_ids, jnp.int32)[index],
+            device_id=jnp.asarray(options.device_ids, jnp.int32)[index],
             chunk=extras["chunk"].reshape(-1)[0],
             rows=jnp.arange(rows),
             fired=extras["fired"],
         )
-        program.faults.check_rows(rows)
-        token = program.faults.stall(ctx, token)
+        options.injector.check_rows(rows)
+        token = options.injector.stall(ctx, token)
+    return ctx, token
 
-    # 1. input, 2. loss and gradients, 3. local health: all before any collective.
+
+class LocalPart(NamedTuple):
+    """This device's part of the step, ready for the all-reduce."""
+
+    work: DeviceWork  # its loss, gradients and health, before any collective
+    grads: PyTree  # the gradients it sends (injected faults and the heartbeat's term in)
+    row: dict[str, Any]  # its health row, status included
+    prints: jax.Array | None  # its fingerprints (the replica-check variant), or None
+    checks: tuple[str, ...]  # the names of the user checks
+
+
+def local_part(
+    options: Options,
+    state: TrainState,
+    batch: Batch,
+    ctx: Context | None,
+    token: jax.Array,
+    index: jax.Array,
+    *,
+    beat: Beat | None,
+    replicas: bool,
+) -> LocalPart:
+    """This device's loss, gradients and health row, before any collective; with
+    ``replicas`` its fingerprints too, and with ``beat`` the host told it is done."""
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index)
-    work, microbatch, check_names = microbatched(
-        program, state, batch, key, ctx, program.microbatches
+    work, microbatch, check_names = microbatched_work(
+        options, state, batch, key, ctx, options.microbatches
     )
     grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
     status = work.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
     if ctx is not None:
-        grads = program.faults.tree("grad", grads, ctx)
+        grads = options.injector.tree("grad", grads, ctx)
         # an injected gradient fault is checked like a real one
         injected, injected_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
         bad = ~jnp.isfinite(injected)
         squares = jnp.where(bad, injected + squares, squares)
         grad_leaf = health.earliest(grad_leaf, injected_leaf)
         status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
-    row = {
+    row: dict[str, Any] = {
         "input_leaf": work.input_leaf,
         "grad_leaf": grad_leaf,
         "param_leaf": -1,
@@ -108,17 +170,38 @@ def body(
         grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
         status |= zero
     row["status"] = status
+    return LocalPart(work, grads, row, prints, check_names)
 
-    # 4. the first collective: the health rows (one-hot, so the sum is a gather),
-    # the count of devices failing or halting so far (summed: the verdict needs no
-    # reduction over the table), the float model state, the fingerprints and the
-    # fault flags ride in the gradients' all-reduce.
+
+class Reduced(NamedTuple):
+    """What every device holds after the all-reduce."""
+
+    grad_sums: PyTree  # the gradients summed over the devices (divided in the update)
+    model_state: PyTree  # the new model state, its float leaves averaged
+    rows: jax.Array  # every device's health row, as packed
+    seen: Seen  # the step-wide facts summed alongside
+    rest: jax.Array  # (n, k): the fingerprints' halves, then the faults' fire flags
+    status: jax.Array  # (n,) every device's status
+
+
+def all_reduce(
+    options: Options,
+    state: TrainState,
+    part: LocalPart,
+    ctx: Context | None,
+    index: jax.Array,
+) -> Reduced:
+    """The first collective: the health rows (one-hot, so the sum is a gather), the
+    count of devices failing or halting so far (summed: the verdict needs no
+    reduction over the table), the float model state, the fingerprints and the fault
+    flags ride in the gradients' all-reduce."""
+    n, status = options.n, part.row["status"]
     extra = []
-    if prints is not None:
-        extra.append(monitors.split16(prints))
+    if part.prints is not None:
+        extra.append(cross_checks.split16(part.prints))
     if ctx is not None:
-        extra.append(program.faults.fire_flags(ctx).astype(jnp.float32))
-    halting = int(halting_status(program))
+        extra.append(options.injector.fire_flags(ctx).astype(jnp.float32))
+    halting = int(halting_status(options))
     summed = [
         (status & ~int(Status.OVERFLOW)) != 0,
         (status & int(Status.OVERFLOW)) != 0,
@@ -130,14 +213,14 @@ def body(
         jnp.where(index == 0, state.step // 65536, 0),
         jnp.where(index == 0, state.step % 65536, 0),
     ]
-    sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
-    floats = _floats(work.model_state)
+    sent = health.onehot_rows(part.row, index, n, summed, jnp.concatenate(extra) if extra else None)
+    floats = _floats(part.work.model_state)
     # The gradients stay summed here: the division by n happens inside the update,
     # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
-    grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), axis)
-    model_state = _with_floats(work.model_state, jax.tree.map(lambda x: x / n, floats))
+    grad_sums, floats, gathered = jax.lax.psum((part.grads, floats, sent), options.axis_name)
+    model_state = _with_floats(part.work.model_state, jax.tree.map(lambda x: x / n, floats))
     width = len(COLUMNS) + len(summed)
-    rows_ = gathered[:, : len(COLUMNS)]  # every device's row, as packed
+    rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
     seen = Seen(
         failed=counts[0] > 0,
@@ -147,43 +230,41 @@ def body(
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
     )
     rest = gathered[:, width:]
-    status = rows_[:, COL["status"]].astype(jnp.int32)
-    columns: dict[str, jax.Array] = {}  # the table's columns changed after the gather
-    if prints is not None:
-        diverged, first = monitors.minority(monitors.join16(rest[:, : 2 * prints.shape[0]]))
+    status = rows[:, COL["status"]].astype(jnp.int32)
+    return Reduced(grad_sums, model_state, rows, seen, rest, status)
+
+
+def compare_devices(
+    options: Options,
+    reduced: Reduced,
+    part: LocalPart,
+    ctx: Context | None,
+    extras: dict[str, Any],
+) -> tuple[jax.Array, Seen, dict[str, jax.Array], dict[str, Any]]:
+    """What the gathered rows tell that no device knew alone: which replicas diverged
+    (the fingerprints' minority) and which faults fired anywhere. Returns every
+    device's status, the step-wide facts, the table's columns changed after the gather
+    and the extras."""
+    status, seen, rest = reduced.status, reduced.seen, reduced.rest
+    columns: dict[str, jax.Array] = {}
+    if part.prints is not None:
+        prints = part.prints
+        diverged, first = cross_checks.minority(cross_checks.join16(rest[:, : 2 * prints.shape[0]]))
         added = jnp.where(diverged, int(Status.DIVERGED), 0)
         status |= added
-        seen = seen.add(added, halting)
+        seen = seen.add(added, int(halting_status(options)))
         columns["diverged_leaf"] = first
     if ctx is not None:
-        fired = jnp.any(rest[:, rest.shape[1] - len(program.faults.faults) :] > 0, axis=0)
+        fired = jnp.any(rest[:, rest.shape[1] - len(options.injector.faults) :] > 0, axis=0)
         extras = dict(extras, fired=extras["fired"] | fired)
-
-    # 5.-8. the verdict, the same on every device, and the update it allows.
-    losses = rows_[:, COL["loss"]]
-    new_state, status, columns = update(
-        program,
-        state,
-        losses,
-        status,
-        seen,
-        columns,
-        grad_sums,
-        model_state,
-        ctx,
-        index,
-    )
-    table = health.to_table(rows_, {**columns, "status": status})
-    metrics = {"loss": jnp.mean(losses)}
-    info = StepInfo(checks=check_names)
-    return new_state, StepOutput(metrics=metrics, health=table, aux=work.aux, info=info), extras
+    return status, seen, columns, extras
 
 
-def halting_status(program: Program) -> Status:
+def halting_status(options: Options) -> Status:
     """Failures that halt under either policy: skipping cannot repair a diverged
     replica, nor parameters that are already non-finite (found by the periodic
     check; ``verify_update`` never commits them)."""
-    return ALWAYS_HALT if program.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
+    return ALWAYS_HALT if options.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
 
 
 class Seen(NamedTuple):
@@ -208,11 +289,11 @@ class Seen(NamedTuple):
         )
 
 
-def _floats(tree: Any) -> list[jax.Array]:
+def _floats(tree: PyTree) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def _with_floats(tree: Any, floats: list[jax.Array]) -> Any:
+def _with_floats(tree: PyTree, floats: list[jax.Array]) -> PyTree:
     """``tree`` with its float leaves replaced, in order, by ``floats``."""
     it = iter(floats)
     return jax.tree.map(lambda x: next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
@@ -224,18 +305,18 @@ def replica_check(state: TrainState) -> tuple[jax.Array, jax.Array]:
     program only."""
     leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
     n_params = len(jax.tree.leaves(state.params))
-    return monitors.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+    return cross_checks.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
 
 
 def update(
-    program: Program,
+    options: Options,
     state: TrainState,
     losses: jax.Array,
     status: jax.Array,
     seen: Seen,
     columns: dict[str, jax.Array],
-    grad_sums: Any,
-    model_state: Any,
+    grad_sums: PyTree,
+    model_state: PyTree,
     ctx: Context | None,
     index: jax.Array,
 ) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
@@ -246,31 +327,31 @@ def update(
     ``grad_sums`` are the gradients summed over the devices (divided here, inside the
     optimizer's pass). Returns the new state, every device's status and the table
     columns to write."""
-    n = program.n
+    n = options.n
 
-    def apply(operands: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    def apply(operands: tuple[Params, PyTree, PyTree]) -> tuple[Params, PyTree, PyTree]:
         params, opt_state, _ = operands
         grads = jax.tree.map(lambda g: g / n, grad_sums)
-        updates, opt_state = program.optimizer.update(grads, opt_state, params)
+        updates, opt_state = options.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, model_state
 
     old = (state.params, state.opt_state, state.model_state)
     columns = dict(columns)
-    if program.verify_update:
+    if options.verify_update:
         new = apply(old)
-        checked = new[0] if ctx is None else program.faults.tree("param", new[0], ctx)
+        checked = new[0] if ctx is None else options.injector.tree("param", new[0], ctx)
         leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
         mine = jnp.arange(n) == index
-        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), program.axis_name)
+        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
         # After a bad gradient every replica's update is bad too: that is the
         # gradient's fault, so parameters are blamed only when nothing else failed.
         bad = (leaves >= 0) & ~seen.failed & ~seen.overflow
         columns["param_leaf"] = jnp.where(bad, leaves, -1)
         added = jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
         status = status | added
-        seen = seen.add(added, int(halting_status(program)))
-    status, ok, fields, verdict_columns = verdict(program, state, losses, status, seen)
-    if program.verify_update:
+        seen = seen.add(added, int(halting_status(options)))
+    status, ok, fields, verdict_columns = verdict(options, state, losses, status, seen)
+    if options.verify_update:
         params, opt_state, model_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     else:
         params, opt_state, model_state = jax.lax.cond(ok, apply, lambda operands: operands, old)
@@ -281,7 +362,7 @@ def update(
 
 
 def verdict(
-    program: Program,
+    options: Options,
     state: TrainState,
     losses: jax.Array,
     status: jax.Array,
@@ -291,18 +372,19 @@ def verdict(
     step-wide verdict columns of the table). ``seen``: what ``status`` holds, step-wide
     (failed, overflow, must halt)."""
     monitor = state.monitor
-    spike = program.loss_spike
+    spike = options.loss_spike
     if spike is not None:
         spiked = spike.check(state.monitor["spike"], losses) & (status == 0)
         added = jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
         status = status | added
-        seen = seen.add(added, int(halting_status(program)))
+        seen = seen.add(added, int(halting_status(options)))
     overflow, failed, must_halt = seen.overflow, seen.failed, seen.halt
-    scaler = program.loss_scale
+    scaler, scale_state = options.loss_scale, state.loss_scale
     if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
-        failed |= overflow & scaler.at_minimum(state.loss_scale)
-    if program.on_failure == "skip":
-        limit = program.max_consecutive_skips
+        assert scale_state is not None  # init gave it one; a state without fails its check
+        failed |= overflow & scaler.at_minimum(scale_state)
+    if options.on_failure == "skip":
+        limit = options.max_consecutive_skips
         halt_now = must_halt
         if limit is not None:
             halt_now |= failed & (state.consecutive_skips + 1 >= limit)
@@ -330,6 +412,6 @@ def verdict(
         "total_skips": state.total_skips + skipped,
         "monitor": monitor,
     }
-    if scaler is not None:
-        fields["loss_scale"] = scaler.update(state.loss_scale, rescaled, ok)
+    if scaler is not None and scale_state is not None:  # both or neither (asserted above)
+        fields["loss_scale"] = scaler.update(scale_state, rescaled, ok)
     return status, ok, fields, columns

@@ -1,68 +1,43 @@
 """A device's own part of the step, before any collective: the loss and gradients of
 its chunk (or of each micro-batch of it, in a ``lax.scan``) and their health. Pure
-functions over the frozen :class:`Program` the step was built with."""
+functions of the frozen :class:`~jaxstep.program._options.Options` the step was built with."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import TrainState
 from jaxstep.core import _health as health
 from jaxstep.core import _validate as validate
-from jaxstep.program._across import LossSpike
 from jaxstep.program._faults import Context
-from jaxstep.program._faults import Injector
-from jaxstep.program._scaling import DynamicLossScale
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """Everything the per-device program depends on, fixed when the step is built."""
-
-    loss_fn: Callable[..., Any]
-    optimizer: optax.GradientTransformation
-    has_aux: bool
-    on_failure: str
-    max_consecutive_skips: int | None
-    loss_spike: LossSpike | None
-    verify_update: bool
-    faults: Injector
-    device_ids: tuple[int, ...]
-    axis_name: str
-    microbatches: int = 1
-    loss_scale: DynamicLossScale | None = None
-
-    @property
-    def n(self) -> int:
-        return len(self.device_ids)
+from jaxstep.program._options import Options
 
 
 def loss(
-    program: Program, *args: Any, ctx: Context | None, model_state: Any = None
-) -> tuple[jax.Array, Any]:
+    options: Options, *args: Any, ctx: Context | None, model_state: PyTree = None
+) -> tuple[jax.Array, PyTree]:
     """``loss_fn(*args[, model_state=...])`` as ``(loss, aux)``, with an injected loss
     fault applied."""
     kwargs = {} if model_state is None else {"model_state": model_state}
-    value, aux = validate.loss_output(program.loss_fn(*args, **kwargs), program.has_aux)
+    value, aux = validate.loss_output(options.loss_fn(*args, **kwargs), options.has_aux)
     validate.aux_leaves(aux)  # at trace time
     if ctx is not None:
-        value = program.faults.loss(value, ctx)
+        value = options.injector.loss(value, ctx)
     return value, aux
 
 
-class Local(NamedTuple):
+class DeviceWork(NamedTuple):
     """One device's (or one micro-batch's) work before the collective."""
 
-    grads: Any
-    model_state: Any  # the new model state, or None
+    grads: PyTree
+    model_state: PyTree  # the new model state, or None
     status: jax.Array  # Status bits
     input_leaf: jax.Array
     grad_squares: jax.Array  # the sum of squares of every gradient leaf
@@ -70,32 +45,34 @@ class Local(NamedTuple):
     model_state_leaf: jax.Array
     check_failed: jax.Array  # (n_checks,) bool
     loss: jax.Array
-    aux: Any
+    aux: PyTree
 
 
-def local(
-    program: Program,
+def device_work(
+    options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     key: jax.Array | None,
-    model_state: Any,
+    model_state: PyTree,
     ctx: Context | None,
-) -> tuple[Local, tuple[str, ...]]:
+) -> tuple[DeviceWork, tuple[str, ...]]:
     """Loss, gradients and health of one (micro-)batch on this device, before any
     collective. Returns the work and the names of the user checks."""
     if ctx is not None:
-        batch = program.faults.input(batch, ctx)
-    scaler, scale = program.loss_scale, state.loss_scale
+        batch = options.injector.input(batch, ctx)
+    scaler, scale = options.loss_scale, state.loss_scale
 
-    def loss_fn(*args: Any) -> tuple[jax.Array, Any]:
-        value, aux = loss(program, *args, ctx=ctx, model_state=model_state)
-        scaled = value if scaler is None else scaler.scale_loss(scale, value)
+    def loss_fn(*args: Any) -> tuple[jax.Array, PyTree]:
+        value, aux = loss(options, *args, ctx=ctx, model_state=model_state)
+        if scaler is None or scale is None:
+            return value, (value, aux)
+        scaled = scaler.scale_loss(scale, value)
         return scaled, (value, aux)
 
-    validate.rng_for(program.loss_fn, key is not None)  # at trace time only
+    validate.rng_for(options.loss_fn, key is not None)  # at trace time only
     args = (state.params, batch) if key is None else (state.params, batch, key)
     (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
-    if scaler is not None:
+    if scaler is not None and scale is not None:
         grads = scaler.unscale(scale, grads)
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
@@ -119,38 +96,40 @@ def local(
         | jnp.where(ms_bad, int(Status.MODEL_STATE_NONFINITE), 0)
         | jnp.where(health.any_true(check_failed), int(Status.CHECK_FAILED), 0)
     ).astype(jnp.int32)
-    work = Local(
+    work = DeviceWork(
         grads, new_ms, status, in_leaf, squares, grad_leaf, ms_leaf, check_failed, value, aux
     )
     return work, tuple(checks)
 
 
-def microbatched(
-    program: Program,
+def microbatched_work(
+    options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     key: jax.Array | None,
     ctx: Context | None,
     microbatches: int,
-) -> tuple[Local, jax.Array, tuple[str, ...]]:
-    """:func:`local` over ``microbatches`` equal slices of the chunk in a ``lax.scan``:
+) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
+    """:func:`device_work` over ``microbatches`` equal slices of the chunk in a ``lax.scan``:
     gradients averaged, the model state threaded through, and the health of the
     first failing micro-batch (also returned, or -1)."""
     if microbatches == 1:
-        work, found = local(program, state, batch, key, state.model_state, ctx)
+        work, found = device_work(options, state, batch, key, state.model_state, ctx)
         return work, jnp.where(work.status != 0, 0, -1).astype(jnp.int32), found
     rows = jax.tree.leaves(batch)[0].shape[0]
     size = rows // microbatches
     parts = jax.tree.map(lambda x: x.reshape(microbatches, size, *x.shape[1:]), batch)
     names: tuple[str, ...] = ()
 
-    def one(carry: tuple[Any, Any], xs: tuple[Any, jax.Array]) -> tuple[Any, Any]:
+    def one(
+        carry: tuple[PyTree, PyTree], xs: tuple[Batch, jax.Array]
+    ) -> tuple[tuple[PyTree, PyTree], DeviceWork]:
         nonlocal names
         total, model_state = carry
         part, m = xs
         sub = None if key is None else jax.random.fold_in(key, m)
         sub_ctx = None if ctx is None else ctx._replace(rows=m * size + jnp.arange(size))
-        work, names = local(program, state, part, sub, model_state, sub_ctx)
+        work, names = device_work(options, state, part, sub, model_state, sub_ctx)
         total = jax.tree.map(jnp.add, total, work.grads)
         return (total, work.model_state), work._replace(grads=None, model_state=None)
 
@@ -164,7 +143,7 @@ def microbatched(
     at = lambda x: x[pick]  # noqa: E731  the first failing micro-batch's value
     # the first failing micro-batch's finiteness; the norm is the mean gradient's
     squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
-    work = Local(
+    work = DeviceWork(
         grads=grads,
         model_state=model_state,
         status=at(each.status),
@@ -184,9 +163,9 @@ def _mean_or_last(x: jax.Array) -> jax.Array:
 
 
 def example_failed(
-    program: Program,
+    options: Options,
     state: TrainState,
-    example: Any,
+    example: Batch,
     chunk: jax.Array,
     row: jax.Array,
 ) -> jax.Array:
@@ -195,17 +174,17 @@ def example_failed(
     replay diagnosis maps this over the examples of a failing chunk. Collectives in
     the model see a one-example axis (the caller binds ``axis_name``)."""
     example = jax.tree.map(lambda x: x[None], example)
-    work, grads = _replayed(program, state, example, jnp.int32(-1), chunk, row[None])
+    work, grads = _replayed(options, state, example, jnp.int32(-1), chunk, row[None])
     bad = (work.status & ~int(Status.OVERFLOW)) != 0
-    if program.faults:  # an injected gradient fault is checked like a real one
+    if options.injector:  # an injected gradient fault is checked like a real one
         bad |= health.first_nonfinite(jax.tree.leaves(grads))[0]
     return bad
 
 
 def grad_leaves_finite(
-    program: Program,
+    options: Options,
     state: TrainState,
-    chunk_batch: Any,
+    chunk_batch: Batch,
     device_id: jax.Array,
     chunk: jax.Array,
 ) -> jax.Array:
@@ -216,29 +195,29 @@ def grad_leaves_finite(
     replay diagnosis. Collectives in the model see a one-chunk axis (the caller binds
     ``axis_name``)."""
     rows = jnp.arange(jax.tree.leaves(chunk_batch)[0].shape[0])
-    _, grads = _replayed(program, state, chunk_batch, device_id, chunk, rows)
+    _, grads = _replayed(options, state, chunk_batch, device_id, chunk, rows)
     return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
 
 
 def _replayed(
-    program: Program,
+    options: Options,
     state: TrainState,
-    batch: Any,
+    batch: Batch,
     device_id: jax.Array,
     chunk: jax.Array,
     rows: jax.Array,
-) -> tuple[Local, Any]:
-    """:func:`local` for rows the diagnosis replays away from the step: the key and
+) -> tuple[DeviceWork, PyTree]:
+    """:func:`device_work` for rows the diagnosis replays away from the step: the key and
     the faults they had as rows ``rows`` of chunk ``chunk`` on device ``device_id``
     (-1: faults bound to a device do not fire). Returns the work and its gradients
     with any injected gradient fault applied."""
     ctx = None
-    if program.faults:
-        fired = jnp.zeros(len(program.faults.faults), bool)
+    if options.injector:
+        fired = jnp.zeros(len(options.injector.faults), bool)
         ctx = Context(state.step, device_id, chunk, rows, fired)
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
-    work, _ = local(program, state, batch, key, state.model_state, ctx)
-    grads = work.grads if ctx is None else program.faults.tree("grad", work.grads, ctx)
+    work, _ = device_work(options, state, batch, key, state.model_state, ctx)
+    grads = work.grads if ctx is None else options.injector.tree("grad", work.grads, ctx)
     return work, grads

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
 from jaxstep.core._names import leaf_name
 
 KINDS = ("input", "loss", "grad", "param", "stall")
@@ -159,7 +161,7 @@ class Injector:
             )
         return token
 
-    def input(self, batch: Any, ctx: Context) -> Any:
+    def input(self, batch: Batch, ctx: Context) -> Batch:
         for k, f in self._each("input"):
             paths = jax.tree_util.tree_leaves_with_path(batch)
             names = [leaf_name(p) for p, _ in paths]
@@ -188,7 +190,7 @@ class Injector:
             loss = loss * jnp.where(self._active(k, ctx), f.value, 1.0).astype(loss.dtype)
         return loss
 
-    def tree(self, kind: str, tree: Any, ctx: Context) -> Any:
+    def tree(self, kind: str, tree: PyTree, ctx: Context) -> PyTree:
         """Writes the fault value into one leaf of ``tree`` (gradients or parameters)."""
         for k, f in self._each(kind):
             names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
@@ -208,7 +210,7 @@ class Injector:
         return tree
 
 
-def float_leaves(tree: Any) -> list[str]:
+def float_leaves(tree: PyTree) -> list[str]:
     """The ``keystr`` names of the float leaves of ``tree``: what an input fault may name."""
     paths = jax.tree_util.tree_leaves_with_path(tree)
     return [leaf_name(p) for p, x in paths if _is_float(x)]

@@ -1,6 +1,7 @@
-"""The host driver of one step: :func:`make_train_step` checks the options and builds a
-:class:`TrainStep`, which validates each batch, places it, dispatches the compiled
-program (:mod:`jaxstep.program`) without waiting, and replays steps for diagnosis."""
+"""The host driver of one step: :func:`make_train_step` gathers the options into one
+checked :class:`~jaxstep.program.Options` and builds a :class:`TrainStep` from it, which
+validates each batch, places it, dispatches the compiled program
+(:mod:`jaxstep.program`) without waiting, and replays steps for diagnosis."""
 
 from jaxstep.step._build import make_train_step as make_train_step
 from jaxstep.step._train_step import TrainStep as TrainStep

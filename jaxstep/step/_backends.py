@@ -4,7 +4,12 @@ leading device axis). Both place chunk i of the global batch on ``devices[i]``.
 
 The body is ``body(state, batch, extras) -> (state, StepOutput, extras)``; ``extras``
 is a dict of small arrays the step threads through (empty unless faults are
-injected), each either replicated or split over the devices."""
+injected), each either replicated or split over the devices.
+
+Copies between host and devices are named by direction: ``place_*`` puts host data on
+the step's devices, ``read_*`` returns numpy copies of device data (through
+:func:`jaxstep.core.to_host`, whose inverse is ``from_host``), and ``one_replica`` is
+one device's copy of a state, left on that device."""
 
 from __future__ import annotations
 
@@ -20,12 +25,13 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
 from jaxstep.core import StepOutput
 from jaxstep.core import _processes as processes
 from jaxstep.core import from_host
-from jaxstep.core import map_host
-
-AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
+from jaxstep.core import to_host
+from jaxstep.program import AXIS
 
 Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
@@ -41,13 +47,13 @@ class Backend(Protocol):
     def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS) -> None: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
-    def place_state(self, state: Any) -> Any: ...
-    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any: ...
+    def place_state(self, state: PyTree) -> PyTree: ...
+    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch: ...
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
-    def host_table(self, health: jax.Array) -> np.ndarray: ...
-    def first_copy(self, tree: Any) -> Any: ...
-    def unstack(self, tree: Any) -> Any: ...
-    def local_copy(self, tree: Any, position: int) -> Any: ...
+    def read_table(self, health: jax.Array) -> np.ndarray: ...
+    def read_first(self, tree: PyTree) -> PyTree: ...
+    def read_at(self, tree: PyTree, position: int) -> PyTree: ...
+    def one_replica(self, tree: PyTree) -> PyTree: ...
 
 
 class ShardMapBackend:
@@ -73,7 +79,7 @@ class ShardMapBackend:
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         axis = self.axis
 
-        def stacked_aux(state: Any, batch: Any, extras: Any) -> tuple[Any, Any, Any]:
+        def stacked_aux(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
             new_state, out, extras = body(state, batch, extras)
             # One entry per device along a new leading axis, as pmap would return it.
             return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), extras
@@ -101,10 +107,10 @@ class ShardMapBackend:
             jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False)
         )
 
-    def place_state(self, state: Any) -> Any:
+    def place_state(self, state: PyTree) -> PyTree:
         return jax.device_put(state, self.replicated)
 
-    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any:
+    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
         """``leaves``: ``jax.tree.leaves(batch)``, when the caller has them."""
         leaves = jax.tree.leaves(batch) if leaves is None else leaves
         for x in leaves:
@@ -137,21 +143,21 @@ class ShardMapBackend:
             for k, v in extras.items()
         }
 
-    def host_table(self, health: jax.Array) -> np.ndarray:
+    def read_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))
 
-    def first_copy(self, tree: Any) -> Any:
+    def read_first(self, tree: PyTree) -> PyTree:
         """Numpy of the first addressable copy of every leaf (one read each)."""
-        return map_host(lambda x: np.asarray(x.addressable_data(0)), tree)
+        return to_host(lambda x: np.asarray(x.addressable_data(0)), tree)
 
-    def unstack(self, tree: Any) -> Any:
+    def one_replica(self, tree: PyTree) -> PyTree:
         return tree
 
-    def local_copy(self, tree: Any, position: int) -> Any:
+    def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as
         :class:`jaxstep.core.HostKey`)."""
         device = self.devices[position]
-        return map_host(
+        return to_host(
             lambda x: next(np.asarray(s.data) for s in x.addressable_shards if s.device == device),
             tree,
         )
@@ -207,10 +213,10 @@ class PmapBackend:
         """``fn(state) -> state`` run on every device's copy."""
         return jax.pmap(fn, axis_name=self.axis, devices=self.devices)
 
-    def place_state(self, state: Any) -> Any:
+    def place_state(self, state: PyTree) -> PyTree:
         return self._replicate(np.arange(len(self.devices)), state)
 
-    def place_batch(self, batch: Any, leaves: Sequence[Any] | None = None) -> Any:
+    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
         n = len(self.devices)
         batch = _own_placement(batch, self.devices, self.axis)
         return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
@@ -221,14 +227,14 @@ class PmapBackend:
             for k, v in extras.items()
         }
 
-    def host_table(self, health: jax.Array) -> np.ndarray:
+    def read_table(self, health: jax.Array) -> np.ndarray:
         return np.asarray(health.addressable_data(0))[0]
 
-    def first_copy(self, tree: Any) -> Any:
+    def read_first(self, tree: PyTree) -> PyTree:
         """Numpy of the first addressable copy of every leaf, without the device axis."""
-        return map_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
+        return to_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
 
-    def unstack(self, tree: Any) -> Any:
+    def one_replica(self, tree: PyTree) -> PyTree:
         """The first addressable device's copy of every leaf, without the device axis,
         on that device. Read from the shard and put back: ``x[0]`` compiled a program
         per leaf shape (~2 s per call on a large state); this compiles nothing."""
@@ -238,12 +244,12 @@ class PmapBackend:
                 return np.asarray(x)[0]
             shard = x.addressable_shards[0]
             # a copy: the shard's buffer goes when a later step donates the state
-            host = map_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
+            host = to_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
             return jax.device_put(from_host(host), shard.device)
 
         return jax.tree.map(one, tree)
 
-    def local_copy(self, tree: Any, position: int) -> Any:
+    def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]``, read from that
         device's shard alone (typed keys as :class:`jaxstep.core.HostKey`)."""
         device = self.devices[position]
@@ -253,7 +259,7 @@ class PmapBackend:
                 return np.asarray(x)[position]
             return next(np.asarray(s.data)[0] for s in x.addressable_shards if s.device == device)
 
-        return map_host(read, tree)
+        return to_host(read, tree)
 
 
 BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

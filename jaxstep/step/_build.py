@@ -1,4 +1,5 @@
-"""``make_train_step``: checks the options, then builds the :class:`TrainStep`."""
+"""``make_train_step``: gathers its keywords into one checked
+:class:`~jaxstep.program.Options`, then builds the :class:`TrainStep` from it."""
 
 from __future__ import annotations
 
@@ -9,15 +10,14 @@ from typing import Any
 import jax
 import optax
 
-from jaxstep.core import _processes as processes
-from jaxstep.core import _validate as validate
+from jaxstep.core import BackendName
+from jaxstep.core import Policy
+from jaxstep.program import AXIS
 from jaxstep.program import DEFAULT_DIVERGENCE_EVERY
 from jaxstep.program import DynamicLossScale
 from jaxstep.program import Fault
 from jaxstep.program import LossSpike
-from jaxstep.step._backends import AXIS
-from jaxstep.step._backends import BACKENDS
-from jaxstep.step._train_step import POLICIES
+from jaxstep.program import Options
 from jaxstep.step._train_step import TrainStep
 
 
@@ -25,10 +25,10 @@ def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     *,
-    backend: str = "shard_map",
+    backend: BackendName = "shard_map",
     devices: Sequence[jax.Device] | None = None,
     has_aux: bool = False,
-    on_failure: str = "raise",
+    on_failure: Policy = "raise",
     max_consecutive_skips: int | None = 10,
     divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY,
     loss_spike: LossSpike | None = None,
@@ -100,59 +100,21 @@ def make_train_step(
       >>> round(float(out.metrics["loss"]), 3)
       4.0
     """
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(
-            f"optimizer must be an optax.GradientTransformation, got "
-            f"{type(optimizer).__name__}; e.g. optax.adam(1e-3)"
-        )
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected 'shard_map' or 'pmap'")
-    if on_failure not in POLICIES:
-        raise ValueError(f"unknown on_failure policy {on_failure!r}; expected 'raise' or 'skip'")
-    if not (isinstance(axis_name, str) and axis_name):
-        raise TypeError(f"axis_name must be a non-empty str, got {axis_name!r}")
-    validate.positive_or_none("max_consecutive_skips", max_consecutive_skips)
-    validate.positive_or_none("microbatches", microbatches)
-    if loss_scale is not None and not isinstance(loss_scale, DynamicLossScale):
-        raise TypeError(
-            f"loss_scale must be a jaxstep.DynamicLossScale or None, got {loss_scale!r}"
-        )
-    validate.positive_or_none("divergence_every", divergence_every)
-    if loss_spike is not None and not isinstance(loss_spike, LossSpike):
-        raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {loss_spike!r}")
-    if isinstance(faults, Fault):
-        faults = (faults,)  # one fault, not in a list
-    for f in faults:
-        if not isinstance(f, Fault):
-            raise TypeError(f"faults must hold jaxstep.testing.Fault objects, got {f!r}")
-        if f.kind == "param" and not verify_update:
-            raise ValueError(
-                f"{f!r} corrupts the checked new parameters, which only verify_update=True "
-                "checks: build the step with verify_update=True"
-            )
-    devices = validate.devices(devices)
-    if backend == "pmap" and processes.spans_processes(devices):
-        raise ValueError(
-            "backend='pmap' with devices of several processes is not supported: use "
-            "backend='shard_map' (the default; the same checks, state replicated), or pass "
-            "devices=jax.local_devices() for one process's devices"
-        )
-    return TrainStep(
+    options = Options(
         loss_fn,
         optimizer,
         backend=backend,
-        devices=devices,
+        devices=jax.devices() if devices is None else devices,
         has_aux=has_aux,
         on_failure=on_failure,
         max_consecutive_skips=max_consecutive_skips,
         divergence_every=divergence_every,
         loss_spike=loss_spike,
         verify_update=verify_update,
-        faults=faults,
+        faults=(faults,) if isinstance(faults, Fault) else faults,  # one, not in a list
         donate=donate,
         axis_name=axis_name,
         microbatches=microbatches,
         loss_scale=loss_scale,
     )
+    return TrainStep(options)

@@ -5,22 +5,22 @@ leaf names errors are written with. Host code only; nothing here is traced."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxstep.core import Batch
 from jaxstep.core import TrainState
 from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
 from jaxstep.core._names import keystrs as keystrs
-from jaxstep.program import Injector
+from jaxstep.program import Options
 from jaxstep.program import float_leaves
 
 
-def join(batch: Any, n: int) -> Any:
+def join(batch: Batch, n: int) -> Batch:
     """A pre-split ``(n, per_device, ...)`` batch as the global batch.
 
     Raises:
@@ -45,23 +45,12 @@ class Inputs:
     the step's first output (:meth:`learn_checks`).
     """
 
-    def __init__(
-        self,
-        devices: Sequence[jax.Device],
-        microbatches: int,
-        faults: Injector,
-        describe: str,
-        *,
-        stacked: bool = False,
-        opt_state_for: Callable[[Any], Any] | None = None,
-    ):
-        self.devices = list(devices)
-        self.stacked = stacked  # pmap: state leaves carry a leading device axis
-        # params -> the optimizer state this step's init would build (shapes only)
-        self.opt_state_for = opt_state_for
-        self.microbatches = microbatches
-        self.faults = faults
-        self.describe = describe  # the step's options, for "this state does not fit"
+    def __init__(self, options: Options):
+        self.options = options
+        # the options a state depends on, for "this state does not fit"
+        spike = "on" if options.loss_spike else "off"
+        self.describe = f"{options.backend} backend, loss_spike={spike}"
+        self.stacked = options.backend == "pmap"  # state leaves carry a device axis
         self.names: dict[str, list[str]] = {
             "params": [],
             "input": [],
@@ -113,7 +102,9 @@ class Inputs:
                 + keystrs(state.opt_state, "opt_state")
                 + self.names["model_state"]
             )
-            self.faults.validate({"grad": self.names["params"], "param": self.names["params"]})
+            self.options.injector.validate(
+                {"grad": self.names["params"], "param": self.names["params"]}
+            )
             self._check_opt_state(state)
             self._state_sig = (treedef, shapes)
         elif (treedef, shapes) != self._state_sig:
@@ -131,7 +122,7 @@ class Inputs:
                 "made it"
             )
 
-    def check_batch(self, batch: Any) -> list[Any]:
+    def check_batch(self, batch: Batch) -> list[Any]:
         """Validates a batch of a new structure or shape (one flatten otherwise);
         returns its leaves.
 
@@ -149,12 +140,12 @@ class Inputs:
             return leaves
         validate.examples_list(batch)
         n, what = self._feeding_devices(leaves[0] if leaves else None)
-        validate.batch(batch, n, self.microbatches, what)
+        validate.batch(batch, n, self.options.microbatches, what)
         if not self.presplit_warned and (hint := validate.looks_presplit(batch, n)):
             self.presplit_warned = True
             warnings.warn(hint, stacklevel=5)
         if self._batch_def is None:
-            self.faults.validate({"input": float_leaves(batch)})
+            self.options.injector.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
             self.names["input"] = [name or "batch" for name in keystrs(batch)]
             self._batch_sig = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
@@ -171,11 +162,12 @@ class Inputs:
 
     def _feeding_devices(self, first: Any) -> tuple[int, str]:
         """How many devices this process's batch is split over, and what to call them."""
-        if not processes.spans_processes(self.devices) or (
+        devices = self.options.devices
+        if not processes.spans_processes(devices) or (
             isinstance(first, jax.Array) and not first.is_fully_addressable
         ):
-            return len(self.devices), "devices"
-        return len(processes.local_positions(self.devices)), "devices of this process"
+            return len(devices), "devices"
+        return len(processes.local_positions(devices)), "devices of this process"
 
     def _check_leaves(self, leaves: Sequence[Any]) -> None:
         """Each leaf against the first batch's: what may change between batches."""
@@ -207,7 +199,7 @@ class Inputs:
             )
         if isinstance(number, jax.Array):
             held = {int(d.id) for d in number.sharding.device_set}  # type: ignore[attr-defined]
-            want_ids = {d.id for d in self.devices}
+            want_ids = {d.id for d in self.options.devices}
             if held != want_ids:
                 raise ValueError(
                     f"this state does not fit this step: it lives on devices {sorted(held)}, "
@@ -216,8 +208,6 @@ class Inputs:
 
     def _check_opt_state(self, state: TrainState) -> None:
         """``state.opt_state`` is what this step's optimizer builds for these params."""
-        if self.opt_state_for is None:
-            return
         params = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(
                 tuple(x.shape)[1:] if self.stacked else x.shape, x.dtype
@@ -225,7 +215,7 @@ class Inputs:
             state.params,
         )
         try:
-            want = self.opt_state_for(params)
+            want = jax.eval_shape(self.options.optimizer.init, params)
         except Exception:  # an optimizer whose init cannot be traced: not checked
             return
         got_leaves, got_def = jax.tree.flatten(state.opt_state)

@@ -15,35 +15,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
-from jaxstep.program import _device as local
+from jaxstep.program import Options
+from jaxstep.program._device import example_failed
+from jaxstep.program._device import grad_leaves_finite
 
 
 class Passes:
     """What :class:`jaxstep.TrainStep` runs for :func:`jaxstep.diagnose`."""
 
-    def __init__(self, program: local.Program, axis_name: str, n: int):
-        self.program, self.axis_name, self.n = program, axis_name, n
+    def __init__(self, options: Options, n: int):
+        self.options, self.n = options, n
         self._examples: Any = None
         self._grad_leaves: Any = None
 
     def failing_examples(
-        self, copy: TrainState, batch: Any, chunks: Sequence[int], step: int
+        self, copy: TrainState, batch: Batch, chunks: Sequence[int], step_number: int
     ) -> list[int]:
         """Global batch indices of the examples of ``chunks`` that fail on their own;
         ``copy``: one device's numpy copy of the state (``step.local_copy``)."""
         if self._examples is None:
-            program, axis = self.program, self.axis_name
+            options, axis = self.options, self.options.axis_name
 
-            def one(state: TrainState, example: Any, chunk: jax.Array, row: jax.Array) -> Any:
-                def alone(ex: Any) -> jax.Array:
-                    return local.example_failed(program, state, ex, chunk, row)
+            def one(state: TrainState, example: Batch, chunk: jax.Array, row: jax.Array) -> Any:
+                def alone(ex: Batch) -> jax.Array:
+                    return example_failed(options, state, ex, chunk, row)
 
                 return _with_axis(alone, axis, example)
 
             self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
-        state, size, part = self._split(copy, batch, step)
+        state, size, part = self._split(copy, batch, step_number)
         found: list[int] = []
         for c in chunks:
             flags = self._examples(state, part(c), jnp.int32(c), jnp.arange(size))
@@ -51,39 +55,41 @@ class Passes:
         return found
 
     def nonfinite_grad_leaves(
-        self, copy: TrainState, batch: Any, position: int, device_id: int, step: int
+        self, copy: TrainState, batch: Batch, position: int, device_id: int, step_number: int
     ) -> list[int]:
         """Indices (tree order) of the gradient leaves that are not finite for chunk
         ``position`` of ``batch`` as device ``device_id`` ran it."""
         if self._grad_leaves is None:
-            program, axis = self.program, self.axis_name
+            options, axis = self.options, self.options.axis_name
 
-            def one(state: TrainState, part: Any, device: jax.Array, chunk: jax.Array) -> Any:
-                def alone(p: Any) -> jax.Array:
-                    return local.grad_leaves_finite(program, state, p, device, chunk)
+            def one(state: TrainState, part: Batch, device: jax.Array, chunk: jax.Array) -> Any:
+                def alone(p: Batch) -> jax.Array:
+                    return grad_leaves_finite(options, state, p, device, chunk)
 
                 return _with_axis(alone, axis, part)
 
             self._grad_leaves = jax.jit(one)
-        state, _, part = self._split(copy, batch, step)
+        state, _, part = self._split(copy, batch, step_number)
         args = (jnp.int32(device_id), jnp.int32(position))
         finite = np.asarray(self._grad_leaves(state, part(position), *args))
         return [int(i) for i in np.flatnonzero(~finite)]
 
     def _split(
-        self, copy: TrainState, batch: Any, step: int
-    ) -> tuple[TrainState, int, Callable[[int], Any]]:
-        """The state at step ``step``, the rows per device, and chunk c of ``batch``."""
-        state = dataclasses.replace(from_host(copy), step=jnp.asarray(step, jnp.int32))
+        self, copy: TrainState, batch: Batch, step_number: int
+    ) -> tuple[TrainState, int, Callable[[int], Batch]]:
+        """The state at step ``step_number``, the rows per device, and chunk c of
+        ``batch``."""
+        step = jnp.asarray(step_number, jnp.int32)
+        state = dataclasses.replace(from_host(copy), step=step)
         size = jax.tree.leaves(batch)[0].shape[0] // self.n
 
-        def part(c: int) -> Any:
+        def part(c: int) -> Batch:
             return jax.tree.map(lambda x: np.asarray(x)[c * size : (c + 1) * size], batch)
 
         return state, size, part
 
 
-def _with_axis(fn: Callable[[Any], jax.Array], axis: str, tree: Any) -> jax.Array:
+def _with_axis(fn: Callable[[PyTree], jax.Array], axis: str, tree: PyTree) -> jax.Array:
     """``fn(tree)`` with ``axis`` bound to an axis of size one (so collectives in the
     model see these rows alone)."""
     return jax.vmap(fn, axis_name=axis)(jax.tree.map(lambda x: x[None], tree))[0]

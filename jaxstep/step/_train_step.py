@@ -18,121 +18,96 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxstep.core import BackendName
+from jaxstep.core import Batch
 from jaxstep.core import Failure
 from jaxstep.core import HealthTable
+from jaxstep.core import Params
+from jaxstep.core import PyTree
+from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import _processes as processes
 from jaxstep.core import _validate as validate
 from jaxstep.core import failures_from_table
 from jaxstep.core import from_host
-from jaxstep.program import DynamicLossScale
-from jaxstep.program import Fault
-from jaxstep.program import Injector
-from jaxstep.program import LossSpike
-from jaxstep.program import _across as monitors
+from jaxstep.program import Options
 from jaxstep.program import _body as prog
-from jaxstep.program import _device as local
-from jaxstep.step._backends import AXIS
+from jaxstep.program import _cross_checks as cross_checks
 from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
 from jaxstep.step._inputs import Inputs
 from jaxstep.step._inputs import join
 from jaxstep.step._passes import Passes
 
-POLICIES = ("raise", "skip")
-
 
 class TrainStep:
-    """A compiled, checked training step. Build it with :func:`make_train_step`."""
+    """A compiled, checked training step. Build it with :func:`make_train_step`.
 
-    def __init__(
-        self,
-        loss_fn: Callable[..., Any],
-        optimizer: optax.GradientTransformation,
-        *,
-        backend: str,
-        devices: Sequence[jax.Device],
-        has_aux: bool,
-        on_failure: str,
-        max_consecutive_skips: int | None,
-        divergence_every: int | None,
-        loss_spike: LossSpike | None,
-        verify_update: bool,
-        faults: Sequence[Fault],
-        donate: bool,
-        axis_name: str = AXIS,
-        microbatches: int = 1,
-        loss_scale: DynamicLossScale | None = None,
-    ):
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.has_aux = has_aux
-        self.on_failure = on_failure
-        self.max_consecutive_skips = max_consecutive_skips
-        self.divergence_every = divergence_every
-        self.loss_spike = loss_spike
-        self.microbatches = microbatches
-        self.loss_scale = loss_scale
-        self.verify_update = verify_update
-        self.axis_name = axis_name
-        self.devices: list[jax.Device] = list(devices)
-        self.backend = backend
-        self._backend: Backend = BACKENDS[backend](self.devices, axis_name)
-        self._faults = Injector(faults, self.devices)
-        self.program = local.Program(
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            has_aux=has_aux,
-            on_failure=on_failure,
-            max_consecutive_skips=max_consecutive_skips,
-            loss_spike=loss_spike,
-            verify_update=verify_update,
-            faults=self._faults,
-            device_ids=tuple(d.id for d in self.devices),
-            axis_name=axis_name,
-            microbatches=microbatches,
-            loss_scale=loss_scale,
-        )
-        self._donate = donate
+    Its face: ``init``, calling it (``dispatch``), ``table``, ``failures``,
+    ``replay``, ``clear_halt``, ``compile`` / ``lower``; moving states: ``host_state``,
+    ``place_state``, ``local_copy``, ``first_copy``, ``join``; and what it was built
+    with: ``options`` (every option, one :class:`~jaxstep.program.Options`), ``devices``,
+    ``backend``, ``axis_name``, ``loss_fn``, ``optimizer``, ``has_aux``, ``stacked``,
+    ``names``. What only jaxstep's loop reads sits in ``step._internals``."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self.devices: list[jax.Device] = list(options.devices)
+        self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name)
+        self._injector = options.injector
         # Small arrays threaded through every call: fault bookkeeping only.
-        self._split = {"fired": False, "chunk": True} if self._faults else {}
+        self._split = {"fired": False, "chunk": True} if self._injector else {}
         self._extras = self._make_extras(np.arange(len(self.devices)))
         # Four programs, compiled on first use: with or without the heartbeat callback,
         # and with or without the replica check, which runs only every
         # divergence_every-th step so the other steps carry none of its cost.
         self._compiled = {
             (hb, rc): self._backend.compile(
-                functools.partial(
-                    prog.body, self.program, beat=self._beat if hb else None, replicas=rc
-                ),
-                donate,
+                functools.partial(prog.body, options, beat=self._beat if hb else None, replicas=rc),
+                options.donate,
                 self._split,
             )
             for hb in (False, True)
             for rc in (False, True)
         }
-        self._next_step = 0  # the step number of the state returned last
+        self._next_number = 0  # the step number of the state returned last
         self._clear_halt = self._backend.compile_state_fn(
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
-        self._aot: dict[Any, Any] = {}
-        self._passes = Passes(self.program, self.axis_name, len(self.devices))  # diagnosis
-        #: device position -> last step whose local part it finished (heartbeat mode).
-        self.heartbeats: dict[int, int] = {}
+        self._aot: dict[tuple[Any, ...], jax.stages.Compiled] = {}
+        self._internals = Internals(self)
         # The state and batch it takes, and their leaf names (``names``).
-        self._inputs = Inputs(
-            self.devices,
-            microbatches,
-            self._faults,
-            f"{backend} backend, loss_spike={'on' if loss_spike else 'off'}",
-            stacked=self._backend.stacked,
-            opt_state_for=lambda params: jax.eval_shape(optimizer.init, params),
-        )
+        self._inputs = Inputs(options)
         self.names = self._inputs.names
-        self._info: Any = None
+        self._info: StepInfo | None = None
+        self._last_state: TrainState | None = None
         self._fingerprints: Any = None  # replicas_agree's program
-        self._last_state: Any = None
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        """The loss function the step differentiates."""
+        return self.options.loss_fn
+
+    @property
+    def optimizer(self) -> optax.GradientTransformation:
+        """The optax transformation the step applies to the mean gradient."""
+        return self.options.optimizer
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether ``loss_fn`` returns ``(loss, aux)``."""
+        return self.options.has_aux
+
+    @property
+    def backend(self) -> BackendName:
+        """``"shard_map"`` or ``"pmap"``."""
+        return self.options.backend
+
+    @property
+    def axis_name(self) -> str:
+        """The device axis's name, bound for ``loss_fn``'s collectives."""
+        return self.options.axis_name
 
     @property
     def stacked(self) -> bool:
@@ -141,7 +116,7 @@ class TrainStep:
 
     # ---------------------------------------------------------------- host side
     def init(
-        self, params: Any, *, model_state: Any = None, rng: jax.Array | None = None
+        self, params: Params, *, model_state: PyTree = None, rng: jax.Array | None = None
     ) -> TrainState:
         """Builds the first state from ``params`` and places it on the devices.
 
@@ -180,16 +155,16 @@ class TrainStep:
             halted=jnp.zeros((), bool),
             consecutive_skips=jnp.zeros((), jnp.int32),
             total_skips=jnp.zeros((), jnp.int32),
-            monitor={"spike": self.loss_spike.init(n)} if self.loss_spike else {},
+            monitor={"spike": self.options.loss_spike.init(n)} if self.options.loss_spike else {},
             model_state=model_state,
-            loss_scale=None if self.loss_scale is None else self.loss_scale.init(),
+            loss_scale=None if self.options.loss_scale is None else self.options.loss_scale.init(),
         )
         placed = self._backend.place_state(state)
         self._check_state(placed)  # records the state's shape
         return placed
 
     def __call__(
-        self, state: TrainState, batch: Any, *, presplit: bool = False
+        self, state: TrainState, batch: Batch, *, presplit: bool = False
     ) -> tuple[TrainState, StepOutput]:
         """Runs one step on ``batch``; chunk i of its leading axis runs on ``devices[i]``.
         ``presplit=True``: every leaf is ``(n_devices, per_device, ...)``, as pmap code
@@ -208,14 +183,14 @@ class TrainStep:
     def dispatch(
         self,
         state: TrainState,
-        batch: Any,
+        batch: Batch,
         *,
         heartbeat: bool = False,
         presplit: bool = False,
         check_replicas: bool = False,
     ) -> tuple[TrainState, StepOutput]:
         """Like calling the step; ``heartbeat=True`` also records, in
-        ``self.heartbeats``, each device finishing its local part (a host callback
+        ``step._internals.heartbeats``, each device finishing its local part (a host callback
         per device and step: what ``fit(step_timeout=...)`` uses to name a hung device).
         On CPU a step with host callbacks runs synchronously. ``check_replicas=True``
         runs the replica check at this step whatever ``divergence_every`` says (what
@@ -227,7 +202,8 @@ class TrainStep:
         leaves = self._inputs.check_batch(batch)
         number = self._step_number(state)
         placed = self._backend.place_batch(batch, leaves)
-        replicas = check_replicas or self._replica_step(number)
+        replicas = check_replicas or self._checks_replicas(number)
+        fn: Callable[..., Any]
         if heartbeat:
             fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
         else:
@@ -241,23 +217,23 @@ class TrainStep:
             if hint is None:
                 raise
             raise hint from err
-        self._last_state, self._next_step = state, number + 1
+        self._last_state, self._next_number = state, number + 1
         if out.info is not self._info:
             self._learn(out.info)
         return state, out
 
-    def join(self, batch: Any) -> Any:
+    def join(self, batch: Batch) -> Batch:
         """A pre-split ``(n_devices, per_device, ...)`` batch as the global batch."""
         return join(batch, len(self.devices))
 
-    def _learn(self, info: Any) -> None:
+    def _learn(self, info: StepInfo) -> None:
         """What the program returned about itself (once per compiled program)."""
         self._info = info
         self._inputs.learn_checks(info.checks)
 
     def compile(
-        self, state: TrainState, batch: Any, *, heartbeat: bool = False, replicas: bool = False
-    ) -> Any:
+        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, replicas: bool = False
+    ) -> jax.stages.Compiled:
         """Compiles the step ahead of time for this state and batch shape (cached), to
         keep compile time out of a timeout or to read ``memory_analysis()``.
         ``replicas=True``: the variant that runs every ``divergence_every``-th step."""
@@ -274,14 +250,17 @@ class TrainStep:
     def _step_number(self, state: TrainState) -> int:
         """``state.step`` without a device read for the state this step returned last."""
         if state is self._last_state:
-            return self._next_step
+            return self._next_number
         return int(self.first_copy(state.step))
 
-    def _replica_step(self, number: int) -> bool:
-        return self.divergence_every is not None and number % self.divergence_every == 0
+    def _checks_replicas(self, step_number: int) -> bool:
+        """Whether step ``step_number`` runs the replica check (the variant compiled
+        for every ``divergence_every``-th step)."""
+        every = self.options.divergence_every
+        return every is not None and step_number % every == 0
 
     def replay(
-        self, state: TrainState, batch: Any, *, rotation: int = 0
+        self, state: TrainState, batch: Batch, *, rotation: int = 0
     ) -> tuple[TrainState, StepOutput]:
         """Runs the step again from ``state`` (not donated) with chunk ``(i + rotation)
         % n`` of ``batch`` on ``devices[i]``. Used by :func:`jaxstep.diagnose`."""
@@ -294,68 +273,39 @@ class TrainStep:
         moved = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         copy = jax.tree.map(jnp.copy, state)
         extras = dict(self._extras)
-        if self._faults:
+        if self._injector:
             extras["chunk"] = self._make_extras(order)["chunk"]
         placed = self._backend.place_batch(moved)
-        fn = self._compiled[(False, self._replica_step(self._step_number(state)))]
+        fn = self._compiled[(False, self._checks_replicas(self._step_number(state)))]
         new_state, out, _ = fn(copy, placed, extras)
         self._learn(out.info)
         return new_state, out
 
-    def failing_examples(
-        self, state: TrainState, batch: Any, chunks: Sequence[int], step: int
-    ) -> list[int]:
-        """Global batch indices of the examples of ``chunks`` that fail on their own
-        (input, loss, gradient, model state or a user check) from ``state`` at step
-        ``step``: the per-example health pass of the replay diagnosis. Runs on one
-        device; ``axis_name`` is bound to a one-example axis, so a model that
-        communicates (cross-device BatchNorm) sees each example alone."""
-        self._inputs.check_batch(batch)
-        return self._passes.failing_examples(self.local_copy(state, 0), batch, chunks, step)
-
-    def nonfinite_grad_leaves(
-        self, state: TrainState, batch: Any, position: int, step: int
-    ) -> list[str]:
-        """Names of the gradient leaves that are not finite for the rows
-        ``devices[position]`` holds of ``batch``, run from ``state`` at step ``step`` as
-        that device ran them (one pass over the whole chunk, on one device;
-        ``axis_name`` is bound to a one-chunk axis): which layers a non-finite
-        gradient reached. Used by :func:`jaxstep.diagnose`."""
-        self._inputs.check_batch(batch)
-        copy, device = self.local_copy(state, 0), self.devices[position].id
-        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step)
-        return [self.names["params"][i] for i in bad]
-
     def table(self, out: StepOutput) -> HealthTable:
         """Reads a step's health table on the host (waits for that step)."""
-        return HealthTable.from_array(self._backend.host_table(out.health))
-
-    @property
-    def rows_per_device(self) -> int:
-        """Rows per device of the batch dispatched last, as this process passed it."""
-        return self._inputs.rows_per_device
+        return HealthTable.from_array(self._backend.read_table(out.health))
 
     def failures(self, table: HealthTable, rows_per_device: int | None = None) -> list[Failure]:
         """The failing devices of a step, in device order."""
         # One host needs no host name in every message; many do.
         hosts = processes.host_name if processes.spans_processes(self.devices) else None
         return failures_from_table(
-            table, self.devices, self.names, rows_per_device, self.microbatches, hosts
+            table, self.devices, self.names, rows_per_device, self.options.microbatches, hosts
         )
 
     def clear_halt(self, state: TrainState) -> TrainState:
         """The same state with ``halted`` cleared, to resume from a failed step."""
         return self._clear_halt(state)
 
-    def first_copy(self, tree: Any) -> Any:
+    def first_copy(self, tree: PyTree) -> PyTree:
         """The numpy copy of ``tree`` held by this process's first device of the step
         (a small read: e.g. ``step.first_copy(state.step)``); typed keys come as
         :class:`jaxstep.core.HostKey`."""
-        return self._backend.first_copy(tree)
+        return self._backend.read_first(tree)
 
     def host_state(self, state: TrainState) -> TrainState:
         """One device's copy of the state, as on a single device (drops pmap's axis)."""
-        return self._backend.unstack(state)
+        return self._backend.one_replica(state)
 
     def place_state(self, state: TrainState) -> TrainState:
         """Places a single-copy state (numpy, another step's ``host_state``, or a
@@ -365,13 +315,13 @@ class TrainStep:
             raise TypeError(f"expected a jaxstep.TrainState, got {type(state).__name__}")
         return self._backend.place_state(from_host(state))
 
-    def local_copy(self, tree: Any, position: int) -> Any:
+    def local_copy(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of a replicated (or pmap-stacked) ``tree`` held by
         ``devices[position]``; typed PRNG keys come as :class:`jaxstep.core.HostKey`
         (:meth:`place_state` takes them back)."""
-        return self._backend.local_copy(tree, position)
+        return self._backend.read_at(tree, position)
 
-    def lower(self, state: TrainState, batch: Any) -> Any:
+    def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
         memory analysis)."""
         placed = self._backend.place_batch(batch)
@@ -385,7 +335,9 @@ class TrainStep:
             axis = self.axis_name
 
             def prints(s: TrainState) -> jax.Array:
-                mine = monitors.fingerprint(jax.tree.leaves((s.params, s.opt_state, s.model_state)))
+                mine = cross_checks.fingerprint(
+                    jax.tree.leaves((s.params, s.opt_state, s.model_state))
+                )
                 return jax.lax.all_gather(mine, axis)
 
             self._fingerprints = self._backend.compile_state_fn(prints)
@@ -395,10 +347,10 @@ class TrainStep:
         return bool(np.all(gathered == gathered[:1]))
 
     def _make_extras(self, chunks: np.ndarray) -> dict[str, Any]:
-        if not self._faults:
+        if not self._injector:
             return {}
         values = {
-            "fired": np.zeros(len(self._faults.faults), bool),
+            "fired": np.zeros(len(self._injector.faults), bool),
             "chunk": np.asarray(chunks, np.int32),
         }
         return self._backend.place_extras(values, self._split)
@@ -413,6 +365,51 @@ class TrainStep:
         if state is not self._last_state:  # the state this step returned last: checked
             self._inputs.check_state(state)
 
-    def _beat(self, index: np.ndarray, step: np.ndarray, status: np.ndarray) -> np.ndarray:
-        self.heartbeats[int(index)] = int(step)
+    def _beat(self, index: np.ndarray, step_number: np.ndarray, status: np.ndarray) -> np.ndarray:
+        self._internals.heartbeats[int(index)] = int(step_number)
         return np.asarray(status, np.int32)
+
+
+class Internals:
+    """What jaxstep's own upper layers read of a :class:`TrainStep` and users do not
+    call (``step._internals``): the heartbeats of ``fit(step_timeout=...)``, the rows
+    per device of the batch dispatched last, and the replay diagnosis's two passes
+    over one failing chunk. Kept off the step's face, in one named place."""
+
+    def __init__(self, step: TrainStep):
+        self._step = step
+        self._passes = Passes(step.options, len(step.devices))
+        #: device position -> last step whose local part it finished (heartbeat mode).
+        self.heartbeats: dict[int, int] = {}
+
+    @property
+    def rows_per_device(self) -> int:
+        """Rows per device of the batch dispatched last, as this process passed it."""
+        return self._step._inputs.rows_per_device
+
+    def failing_examples(
+        self, state: TrainState, batch: Batch, chunks: Sequence[int], step_number: int
+    ) -> list[int]:
+        """Global batch indices of the examples of ``chunks`` that fail on their own
+        (input, loss, gradient, model state or a user check) from ``state`` at step
+        ``step_number``: the per-example health pass of the replay diagnosis. Runs on
+        one device; ``axis_name`` is bound to a one-example axis, so a model that
+        communicates (cross-device BatchNorm) sees each example alone."""
+        step = self._step
+        step._inputs.check_batch(batch)
+        copy = step.local_copy(state, 0)
+        return self._passes.failing_examples(copy, batch, chunks, step_number)
+
+    def nonfinite_grad_leaves(
+        self, state: TrainState, batch: Batch, position: int, step_number: int
+    ) -> list[str]:
+        """Names of the gradient leaves that are not finite for the rows
+        ``devices[position]`` holds of ``batch``, run from ``state`` at step
+        ``step_number`` as that device ran them (one pass over the whole chunk, on one
+        device; ``axis_name`` is bound to a one-chunk axis): which layers a non-finite
+        gradient reached. Used by :func:`jaxstep.diagnose`."""
+        step = self._step
+        step._inputs.check_batch(batch)
+        copy, device = step.local_copy(state, 0), step.devices[position].id
+        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step_number)
+        return [step.names["params"][i] for i in bad]

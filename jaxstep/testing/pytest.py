@@ -269,4 +269,5 @@ def jaxstep_tiny_step(jaxstep_backend: str) -> Any:
     ``.params()``, ``.state()``, ``.batches(num)`` (see :class:`jaxstep.testing.TinyStep`)."""
     from jaxstep.testing.tiny import tiny_step
 
-    return tiny_step(backend=jaxstep_backend)
+    backend: Any = jaxstep_backend  # "shard_map" or "pmap", checked at collection
+    return tiny_step(backend=backend)

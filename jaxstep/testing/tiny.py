@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxstep.core import BackendName
 from jaxstep.core import TrainState
 from jaxstep.step import TrainStep
 from jaxstep.step import make_train_step
@@ -54,7 +55,7 @@ class TinyStep(NamedTuple):
 
 def tiny_step(
     *,
-    backend: str = "shard_map",
+    backend: BackendName = "shard_map",
     optimizer: optax.GradientTransformation | None = None,
     **options: Any,
 ) -> TinyStep:

@@ -1,0 +1,24 @@
+"""The names the layers type with: pytrees (what a user's params and batches are) and
+the modes a step is built with (``backend``, ``on_failure``)."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Literal
+from typing import TypeAlias
+from typing import get_args
+
+#: A pytree of arrays (JAX has no precise type for one).
+PyTree: TypeAlias = Any
+#: The model parameters: a pytree of float arrays.
+Params: TypeAlias = PyTree
+#: A batch (or one device's chunk of it): a pytree whose leaves share a leading axis.
+Batch: TypeAlias = PyTree
+
+#: ``make_train_step(backend=...)``.
+BackendName: TypeAlias = Literal["shard_map", "pmap"]
+#: ``make_train_step(on_failure=...)``.
+Policy: TypeAlias = Literal["raise", "skip"]
+
+BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
+POLICIES: tuple[Policy, ...] = get_args(Policy)

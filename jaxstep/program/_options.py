@@ -1,0 +1,122 @@
+"""The one place a step's options are spelled: :class:`Options`, built and checked once
+by :func:`jaxstep.make_train_step`, read by every layer below it (the traced program,
+the host driver, its inputs)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+from jaxstep.core import BACKEND_NAMES
+from jaxstep.core import POLICIES
+from jaxstep.core import BackendName
+from jaxstep.core import Policy
+from jaxstep.core import _processes as processes
+from jaxstep.core import _validate as validate
+from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
+from jaxstep.program._cross_checks import LossSpike
+from jaxstep.program._faults import Fault
+from jaxstep.program._faults import Injector
+from jaxstep.program._scaling import DynamicLossScale
+
+AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Everything a step is built with (the keywords of :func:`jaxstep.make_train_step`,
+    documented there), checked once in ``__post_init__``; ``TrainStep.options``.
+
+    It lives in the program layer, next to the traced code that reads most of it, and
+    is also what that code is a function of (the traced per-device program takes it
+    whole: there is no second, partial copy of the options): here the classes it
+    checks against (:class:`LossSpike`, :class:`DynamicLossScale`, :class:`Fault`) are
+    importable without reaching up a layer, and the host driver above reads it as is.
+    Besides the options it holds what follows from them alone: ``injector`` (the
+    faults resolved against the devices) and ``device_ids``.
+
+    Raises:
+      ValueError, TypeError: an option is invalid; the message names it and the fix.
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    backend: BackendName = "shard_map"
+    #: the step's devices, in order (a tuple; ``make_train_step`` resolves None)
+    devices: Sequence[jax.Device] = dataclasses.field(default_factory=jax.devices)
+    has_aux: bool = False
+    on_failure: Policy = "raise"
+    max_consecutive_skips: int | None = 10
+    divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY
+    loss_spike: LossSpike | None = None
+    verify_update: bool = False
+    faults: Sequence[Fault] = ()
+    donate: bool = True
+    axis_name: str = AXIS
+    microbatches: int = 1
+    loss_scale: DynamicLossScale | None = None
+    #: the faults resolved against the devices (what the traced program injects)
+    injector: Injector = dataclasses.field(init=False, repr=False, compare=False)
+    #: ``jax.Device.id`` of each device, in order
+    device_ids: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check(self)
+        devices = tuple(validate.devices(self.devices))
+        if self.backend == "pmap" and processes.spans_processes(devices):
+            raise ValueError(
+                "backend='pmap' with devices of several processes is not supported: use "
+                "backend='shard_map' (the default; the same checks, state replicated), or "
+                "pass devices=jax.local_devices() for one process's devices"
+            )
+        set_ = object.__setattr__  # frozen: normalized once, here
+        set_(self, "devices", devices)
+        set_(self, "faults", tuple(self.faults))
+        set_(self, "injector", Injector(self.faults, devices))
+        set_(self, "device_ids", tuple(d.id for d in devices))
+
+    @property
+    def n(self) -> int:
+        """The number of devices."""
+        return len(self.device_ids)
+
+
+def _check(options: Options) -> None:
+    """The checks of every option but the devices, in the order make_train_step made
+    them (the first invalid option is the one named)."""
+    o = options
+    if not callable(o.loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(o.loss_fn).__name__}")
+    if not (hasattr(o.optimizer, "init") and hasattr(o.optimizer, "update")):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation, got "
+            f"{type(o.optimizer).__name__}; e.g. optax.adam(1e-3)"
+        )
+    if o.backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {o.backend!r}; expected 'shard_map' or 'pmap'")
+    if o.on_failure not in POLICIES:
+        raise ValueError(f"unknown on_failure policy {o.on_failure!r}; expected 'raise' or 'skip'")
+    if not (isinstance(o.axis_name, str) and o.axis_name):
+        raise TypeError(f"axis_name must be a non-empty str, got {o.axis_name!r}")
+    validate.positive_or_none("max_consecutive_skips", o.max_consecutive_skips)
+    validate.positive_or_none("microbatches", o.microbatches)
+    if o.loss_scale is not None and not isinstance(o.loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a jaxstep.DynamicLossScale or None, got {o.loss_scale!r}"
+        )
+    validate.positive_or_none("divergence_every", o.divergence_every)
+    if o.loss_spike is not None and not isinstance(o.loss_spike, LossSpike):
+        raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {o.loss_spike!r}")
+    for f in o.faults:
+        if not isinstance(f, Fault):
+            raise TypeError(f"faults must hold jaxstep.testing.Fault objects, got {f!r}")
+        if f.kind == "param" and not o.verify_update:
+            raise ValueError(
+                f"{f!r} corrupts the checked new parameters, which only verify_update=True "
+                "checks: build the step with verify_update=True"
+            )
