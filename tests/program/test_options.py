@@ -13,6 +13,7 @@ from tests.models import loss_fn
 
 FACE = {
     "axis_name",
+    "check_state",
     "backend",
     "clear_halt",
     "compile",
@@ -30,6 +31,7 @@ FACE = {
     "names",
     "optimizer",
     "options",
+    "replicas_agree",
     "place_state",
     "replay",
     "stacked",
