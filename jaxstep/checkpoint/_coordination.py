@@ -25,8 +25,8 @@ from typing import Any
 
 import jax
 
-from jaxstep.core._processes import KEY
-from jaxstep.core._processes import client as _client
+from jaxstep.core.processes import KEY
+from jaxstep.core.processes import client as _client
 
 _KEY = f"{KEY}ckpt/"
 _runs = itertools.count()

@@ -124,6 +124,8 @@ class FitCheckpoints:
           (the state to train from, the batches to pull, the run).
         """
         _validate(step, checkpoint_dir, checkpoint_every, keep, resume)
+        if not resume:  # on resume the state only gives the structure
+            step.check_state(state)
         position, resuming = None, False
         if resume:
             assert checkpoint_dir is not None

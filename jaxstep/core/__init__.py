@@ -5,10 +5,6 @@ layers share (pytrees, ``BackendName``, ``Policy``). Imports nothing else of jax
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
 from jaxstep.core._errors import failures_from_table as failures_from_table
-from jaxstep.core._health import COL as COL
-from jaxstep.core._health import COLUMNS as COLUMNS
-from jaxstep.core._health import HealthTable as HealthTable
-from jaxstep.core._health import Status as Status
 from jaxstep.core._state import HostKey as HostKey
 from jaxstep.core._state import StepInfo as StepInfo
 from jaxstep.core._state import StepOutput as StepOutput
@@ -22,20 +18,24 @@ from jaxstep.core._types import Batch as Batch
 from jaxstep.core._types import Params as Params
 from jaxstep.core._types import Policy as Policy
 from jaxstep.core._types import PyTree as PyTree
+from jaxstep.core.health import COL as COL
+from jaxstep.core.health import COLUMNS as COLUMNS
+from jaxstep.core.health import HealthTable as HealthTable
+from jaxstep.core.health import Status as Status
 
 __all__ = [
     "BACKEND_NAMES",
-    "POLICIES",
     "BackendName",
     "Batch",
-    "Params",
-    "Policy",
-    "PyTree",
     "COL",
     "COLUMNS",
     "Failure",
     "HealthTable",
     "HostKey",
+    "POLICIES",
+    "Params",
+    "Policy",
+    "PyTree",
     "Status",
     "StepInfo",
     "StepOutput",

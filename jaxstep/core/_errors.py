@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxstep.core._health import HealthTable
-from jaxstep.core._health import Status
+from jaxstep.core.health import HealthTable
+from jaxstep.core.health import Status
 
 _CAUSES: tuple[tuple[Status, str], ...] = (
     (Status.INPUT_NONFINITE, "non-finite input"),

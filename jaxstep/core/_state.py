@@ -19,7 +19,7 @@ from jaxstep.core._types import Params
 from jaxstep.core._types import PyTree
 
 if TYPE_CHECKING:  # annotations only: the program layer sits above this one
-    from jaxstep.program._scaling import LossScaleState
+    from jaxstep.program import LossScaleState
 
 
 @struct.dataclass
@@ -41,7 +41,7 @@ class TrainState:
       model_state: the model's non-trained variables (BatchNorm statistics,
         counters), or None: ``loss_fn(..., model_state=ms)`` returns the new one as
         ``aux["model_state"]``; float leaves are averaged over the devices each step.
-      loss_scale: a :class:`jaxstep.program._scaling.LossScaleState` with a
+      loss_scale: a :class:`jaxstep.program.LossScaleState` with a
         :class:`jaxstep.DynamicLossScale`, or None.
     """
 

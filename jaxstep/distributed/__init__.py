@@ -9,14 +9,14 @@ device order (:func:`local_rows`). The health table is global, so every process
 reaches the same verdict inside the step and raises the same error.
 """
 
-from jaxstep.core._processes import host_name as host_name
-from jaxstep.core._processes import local_batch as local_batch
-from jaxstep.core._processes import local_positions as local_positions
-from jaxstep.core._processes import local_rows as local_rows
-from jaxstep.core._processes import local_rows_per_device as local_rows_per_device
-from jaxstep.core._processes import place_local_batch as place_local_batch
-from jaxstep.core._processes import process_pid as process_pid
-from jaxstep.core._processes import spans_processes as spans_processes
+from jaxstep.core.processes import host_name as host_name
+from jaxstep.core.processes import local_batch as local_batch
+from jaxstep.core.processes import local_positions as local_positions
+from jaxstep.core.processes import local_rows as local_rows
+from jaxstep.core.processes import local_rows_per_device as local_rows_per_device
+from jaxstep.core.processes import place_local_batch as place_local_batch
+from jaxstep.core.processes import process_pid as process_pid
+from jaxstep.core.processes import spans_processes as spans_processes
 from jaxstep.distributed import reports as reports
 from jaxstep.distributed._heartbeats import PeerHeartbeats as PeerHeartbeats
 from jaxstep.distributed._heartbeats import share_heartbeats as share_heartbeats

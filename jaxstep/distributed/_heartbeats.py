@@ -15,8 +15,8 @@ from typing import Any
 
 import jax
 
-from jaxstep.core._processes import KEY
-from jaxstep.core._processes import client
+from jaxstep.core.processes import KEY
+from jaxstep.core.processes import client
 
 log = logging.getLogger("jaxstep")
 

@@ -3,7 +3,7 @@ host names, error reports, and the peer heartbeats that name a lost process.
 
 Every process runs the same program; a step's devices span all of them, and each
 process passes only the rows of the chunks whose devices it holds, in the step's
-device order (:func:`local_rows`, from :mod:`jaxstep.core._processes`). The health table is
+device order (:func:`local_rows`, from :mod:`jaxstep.core.processes`). The health table is
 global, so every process reaches the same verdict inside the step and raises the same
 error. Processes meet in the coordination service of ``jax.distributed`` (on
 process 0), whose key-value store carries host names, heartbeats and the root-cause
@@ -32,16 +32,16 @@ import jax
 from jaxstep.core import Failure
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
-from jaxstep.core._processes import KEY
-from jaxstep.core._processes import client as _client
-from jaxstep.core._processes import host_name as host_name
-from jaxstep.core._processes import local_batch as local_batch
-from jaxstep.core._processes import local_positions as local_positions
-from jaxstep.core._processes import local_rows as local_rows
-from jaxstep.core._processes import local_rows_per_device as local_rows_per_device
-from jaxstep.core._processes import place_local_batch as place_local_batch
-from jaxstep.core._processes import process_pid as process_pid
-from jaxstep.core._processes import spans_processes as spans_processes
+from jaxstep.core.processes import KEY
+from jaxstep.core.processes import client as _client
+from jaxstep.core.processes import host_name as host_name
+from jaxstep.core.processes import local_batch as local_batch
+from jaxstep.core.processes import local_positions as local_positions
+from jaxstep.core.processes import local_rows as local_rows
+from jaxstep.core.processes import local_rows_per_device as local_rows_per_device
+from jaxstep.core.processes import place_local_batch as place_local_batch
+from jaxstep.core.processes import process_pid as process_pid
+from jaxstep.core.processes import spans_processes as spans_processes
 from jaxstep.distributed import reports
 from jaxstep.distributed._heartbeats import PeerHeartbeats
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from jaxstep.core import TrainState
-from jaxstep.core import _validate as validate
+from jaxstep.core import validate
 from jaxstep.loop._history import History
 
 if TYPE_CHECKING:

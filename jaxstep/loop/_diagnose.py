@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
-from jaxstep.core import _validate as validate
+from jaxstep.core import validate
 from jaxstep.step import TrainStep
 
 # Causes a replay can follow from chunk to device, earliest in the chain first.

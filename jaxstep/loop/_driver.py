@@ -22,7 +22,7 @@ from jaxstep.core import HealthTable
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
-from jaxstep.core import _validate as validate
+from jaxstep.core import validate
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History

@@ -106,8 +106,6 @@ def fit(
         step_timeout=step_timeout,
     )
     _check(step, diagnose)
-    if not resume:  # on resume the state only gives the structure
-        step.check_state(state)
     state, source, checkpoints = FitCheckpoints.begin(
         step,
         state,

@@ -6,12 +6,16 @@ once); nothing here touches the host."""
 from jaxstep.program._body import body as body
 from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
 from jaxstep.program._cross_checks import LossSpike as LossSpike
+from jaxstep.program._cross_checks import fingerprint as fingerprint
+from jaxstep.program._device import example_failed as example_failed
+from jaxstep.program._device import grad_leaves_finite as grad_leaves_finite
 from jaxstep.program._faults import Fault as Fault
 from jaxstep.program._faults import Injector as Injector
 from jaxstep.program._faults import float_leaves as float_leaves
 from jaxstep.program._options import AXIS as AXIS
 from jaxstep.program._options import Options as Options
 from jaxstep.program._scaling import DynamicLossScale as DynamicLossScale
+from jaxstep.program._scaling import LossScaleState as LossScaleState
 
 __all__ = [
     "AXIS",
@@ -19,8 +23,12 @@ __all__ = [
     "DynamicLossScale",
     "Fault",
     "Injector",
+    "LossScaleState",
     "LossSpike",
     "Options",
     "body",
+    "example_failed",
+    "fingerprint",
     "float_leaves",
+    "grad_leaves_finite",
 ]

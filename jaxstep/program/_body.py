@@ -27,7 +27,7 @@ from jaxstep.core import Status
 from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
-from jaxstep.core import _health as health
+from jaxstep.core import health
 from jaxstep.program import _cross_checks as cross_checks
 from jaxstep.program._device import DeviceWork
 from jaxstep.program._device import microbatched_work

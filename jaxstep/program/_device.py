@@ -14,8 +14,8 @@ from jaxstep.core import Batch
 from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import TrainState
-from jaxstep.core import _health as health
-from jaxstep.core import _validate as validate
+from jaxstep.core import health
+from jaxstep.core import validate
 from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
 

@@ -28,7 +28,7 @@ from jax.experimental import io_callback
 
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
-from jaxstep.core._names import leaf_name
+from jaxstep.core.names import leaf_name
 
 KINDS = ("input", "loss", "grad", "param", "stall")
 MODES = ("device", "transient", "data")

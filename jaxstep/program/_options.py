@@ -16,8 +16,8 @@ from jaxstep.core import BACKEND_NAMES
 from jaxstep.core import POLICIES
 from jaxstep.core import BackendName
 from jaxstep.core import Policy
-from jaxstep.core import _processes as processes
-from jaxstep.core import _validate as validate
+from jaxstep.core import processes
+from jaxstep.core import validate
 from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
 from jaxstep.program._cross_checks import LossSpike
 from jaxstep.program._faults import Fault

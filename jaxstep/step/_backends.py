@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
 from jaxstep.core import StepOutput
-from jaxstep.core import _processes as processes
 from jaxstep.core import from_host
+from jaxstep.core import processes
 from jaxstep.core import to_host
 from jaxstep.program import AXIS
 

@@ -13,9 +13,9 @@ import numpy as np
 
 from jaxstep.core import Batch
 from jaxstep.core import TrainState
-from jaxstep.core import _processes as processes
-from jaxstep.core import _validate as validate
-from jaxstep.core._names import keystrs as keystrs
+from jaxstep.core import processes
+from jaxstep.core import validate
+from jaxstep.core.names import keystrs as keystrs
 from jaxstep.program import Options
 from jaxstep.program import float_leaves
 
@@ -176,7 +176,8 @@ class Inputs:
             now = (tuple(x.shape), np.dtype(x.dtype))
             if now == first:
                 continue
-            warning = validate.changed_leaf(name or "batch", first, now)
+            n = len(self.options.devices)
+            warning = validate.changed_leaf(name or "batch", first, now, n)
             if warning is not None and name not in self._warned:
                 self._warned.add(name)
                 warnings.warn(warning, stacklevel=5)

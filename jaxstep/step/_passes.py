@@ -20,8 +20,8 @@ from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
 from jaxstep.program import Options
-from jaxstep.program._device import example_failed
-from jaxstep.program._device import grad_leaves_finite
+from jaxstep.program import example_failed
+from jaxstep.program import grad_leaves_finite
 
 
 class Passes:

@@ -27,13 +27,13 @@ from jaxstep.core import PyTree
 from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
-from jaxstep.core import _processes as processes
-from jaxstep.core import _validate as validate
 from jaxstep.core import failures_from_table
 from jaxstep.core import from_host
+from jaxstep.core import processes
+from jaxstep.core import validate
 from jaxstep.program import Options
-from jaxstep.program import _body as prog
-from jaxstep.program import _cross_checks as cross_checks
+from jaxstep.program import body
+from jaxstep.program import fingerprint
 from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
 from jaxstep.step._inputs import Inputs
@@ -64,7 +64,7 @@ class TrainStep:
         # divergence_every-th step so the other steps carry none of its cost.
         self._compiled = {
             (hb, rc): self._backend.compile(
-                functools.partial(prog.body, options, beat=self._beat if hb else None, replicas=rc),
+                functools.partial(body, options, beat=self._beat if hb else None, replicas=rc),
                 options.donate,
                 self._split,
             )
@@ -335,9 +335,7 @@ class TrainStep:
             axis = self.axis_name
 
             def prints(s: TrainState) -> jax.Array:
-                mine = cross_checks.fingerprint(
-                    jax.tree.leaves((s.params, s.opt_state, s.model_state))
-                )
+                mine = fingerprint(jax.tree.leaves((s.params, s.opt_state, s.model_state)))
                 return jax.lax.all_gather(mine, axis)
 
             self._fingerprints = self._backend.compile_state_fn(prints)

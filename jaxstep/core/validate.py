@@ -368,7 +368,7 @@ def examples_list(tree: Any) -> None:
     )
 
 
-def changed_leaf(name: str, first: tuple[Any, Any], now: tuple[Any, Any]) -> str | None:
+def changed_leaf(name: str, first: tuple[Any, Any], now: tuple[Any, Any], n: int = 0) -> str | None:
     """Checks a batch leaf against the first batch's ``(shape, dtype)``: raises for a new
     dtype, a new number of axes, or a non-leading axis that shrank to 1 (it would
     broadcast silently); returns a warning for another non-leading change (bucketed
@@ -379,6 +379,14 @@ def changed_leaf(name: str, first: tuple[Any, Any], now: tuple[Any, Any]) -> str
             f"batch leaf {name} was {dtype0} in the first batch and is {dtype} now; a leaf "
             "keeps its dtype (a new one recompiles the step and changes the loss): cast "
             f"it, e.g. x.astype(np.{dtype0})"
+        )
+    if len(shape) == len(shape0) + 1 and shape[0] == n and tuple(shape[2:]) == tuple(shape0[1:]):
+        raise ValueError(
+            f"batch leaf {name} has shape {tuple(shape)}, the first batch's layout "
+            f"{tuple(shape0)} with one more leading axis of the number of devices ({n}): it "
+            "looks pre-split as (n_devices, per_device, ...), as pmap code builds it; pass "
+            "presplit=True (step(state, batch, presplit=True), fit(..., presplit=True)), "
+            "or the global batch. Nothing ran; the state is unchanged"
         )
     if len(shape) != len(shape0):
         raise ValueError(
@@ -440,7 +448,9 @@ def looks_presplit(tree: Any, n: int) -> str | None:
     they share a second axis. Taken as it is, it trains on ``n`` examples of the
     wrong shape."""
     shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(tree)]
-    if not shapes or any(len(s) < 2 or s[0] != n for s in shapes):
+    # (n, per_device, features...): a global batch of n examples of 2-d features looks
+    # the same, so only leaves of 3 axes or more are taken for pre-split
+    if not shapes or any(len(s) < 3 or s[0] != n for s in shapes):
         return None
     if len({s[1] for s in shapes}) != 1 or shapes[0][1] < 2:
         return None
