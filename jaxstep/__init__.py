@@ -30,6 +30,7 @@ from jaxstep.core import Status
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core import WeightedLoss
 from jaxstep.loop import Diagnosis
 from jaxstep.loop import History
 from jaxstep.loop import diagnose
@@ -65,6 +66,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "TrainingWorkerError",
+    "WeightedLoss",
     "diagnose",
     "distributed",
     "fit",

@@ -18,6 +18,7 @@ from jaxstep.core._types import Batch as Batch
 from jaxstep.core._types import Params as Params
 from jaxstep.core._types import Policy as Policy
 from jaxstep.core._types import PyTree as PyTree
+from jaxstep.core._weighted import WeightedLoss as WeightedLoss
 from jaxstep.core.health import COL as COL
 from jaxstep.core.health import COLUMNS as COLUMNS
 from jaxstep.core.health import HealthTable as HealthTable
@@ -41,6 +42,7 @@ __all__ = [
     "StepOutput",
     "TrainState",
     "TrainingWorkerError",
+    "WeightedLoss",
     "failures_from_table",
     "from_host",
     "to_host",

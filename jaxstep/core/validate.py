@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstep.core._types import PyTree
+from jaxstep.core._weighted import WeightedLoss
 
 
 def devices(devs: Sequence[Any] | None) -> list[jax.Device]:
@@ -161,8 +162,16 @@ def _batch_leaf(name: str, leaf: Any) -> None:
         )
 
 
-def loss_output(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
-    """Splits what loss_fn returned into (loss, aux), checking both (at trace time)."""
+def loss_output(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """Splits what loss_fn returned into (loss, aux), checking both (at trace time).
+    The loss is a float scalar or a :class:`jaxstep.WeightedLoss`."""
+    if isinstance(out, WeightedLoss) and has_aux:
+        raise TypeError(
+            "has_aux=True but loss_fn returned a WeightedLoss alone; return "
+            "(WeightedLoss(...), aux) or build the step with has_aux=False"
+        )
+    if isinstance(out, WeightedLoss):
+        return _weighted(out), None
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError(
@@ -177,6 +186,8 @@ def loss_output(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
                 "loss, or (loss, aux) with has_aux=True"
             )
         loss, aux = out, None
+    if isinstance(loss, WeightedLoss):
+        return _weighted(loss), aux
     shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
     if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
@@ -185,6 +196,21 @@ def loss_output(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
             "point"
         )
     return loss, aux
+
+
+def _weighted(loss: WeightedLoss) -> WeightedLoss:
+    for name, want in (("sum", "a float scalar"), ("weight", "a number")):
+        x = getattr(loss, name)
+        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+        ok = shape == () and dtype is not None
+        if ok and name == "sum":
+            ok = bool(jnp.issubdtype(dtype, jnp.floating))  # type: ignore[arg-type]
+        if not ok:
+            raise TypeError(
+                f"WeightedLoss.{name} must be {want} scalar, got shape {shape} and dtype "
+                f"{dtype}; e.g. WeightedLoss(jnp.sum(per_token * mask), jnp.sum(mask))"
+            )
+    return loss
 
 
 def checks(aux: PyTree) -> tuple[dict[str, jax.Array], Any]:

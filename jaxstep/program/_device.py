@@ -14,6 +14,7 @@ from jaxstep.core import Batch
 from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import TrainState
+from jaxstep.core import WeightedLoss
 from jaxstep.core import health
 from jaxstep.core import validate
 from jaxstep.program._faults import Context
@@ -28,9 +29,22 @@ def loss(
     kwargs = {} if model_state is None else {"model_state": model_state}
     value, aux = validate.loss_output(options.loss_fn(*args, **kwargs), options.has_aux)
     validate.aux_leaves(aux)  # at trace time
+    if isinstance(value, WeightedLoss):
+        value = _global_mean_share(value, options.axis_name)
     if ctx is not None:
         value = options.injector.loss(value, ctx)
     return value, aux
+
+
+def _global_mean_share(loss: WeightedLoss, axis: str) -> jax.Array:
+    """This device's share of the global weighted mean: ``sum * n / total weight``, so
+    that the mean over the ``n`` devices (the step's all-reduce) is ``sum of sums /
+    total weight``. The weights' scalar all-reduce is the only collective before the
+    checks; a total of 0 (nothing counts anywhere) gives 0, not 0/0."""
+    total = jax.lax.psum(loss.weight.astype(loss.sum.dtype), axis)
+    n = jax.lax.psum(1, axis)
+    scale = jnp.where(total > 0, n / jnp.where(total > 0, total, 1), 0)
+    return loss.sum * jax.lax.stop_gradient(scale).astype(loss.sum.dtype)
 
 
 class DeviceWork(NamedTuple):
