@@ -151,7 +151,18 @@ class ShardMapBackend:
         return to_host(lambda x: np.asarray(x.addressable_data(0)), tree)
 
     def one_replica(self, tree: PyTree) -> PyTree:
-        return tree
+        """The first addressable device's copy of every leaf, on that device: a copy
+        (read and put back, as under pmap), so a later step's donation leaves it
+        alone."""
+
+        def one(x: Any) -> Any:
+            if not isinstance(x, jax.Array):
+                return np.asarray(x)
+            data = x.addressable_data(0)
+            host = to_host(lambda d: np.array(np.asarray(d)), data)
+            return jax.device_put(from_host(host), next(iter(data.devices())))
+
+        return jax.tree.map(one, tree)
 
     def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as

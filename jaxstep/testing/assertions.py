@@ -164,11 +164,13 @@ def assert_matches_reference(
     params: Any,
     batches: Iterable[Any],
     *,
+    model_state: Any = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
 ) -> TrainState:
     """Trains ``step`` from ``params`` on ``batches`` and asserts that after every step
-    the mean loss and the parameters match a plain single-device optax loop.
+    the mean loss and the parameters (and the model state) match a plain single-device
+    optax loop.
 
     The reference is what data parallelism promises: the loss is the mean over
     devices of ``loss_fn`` on each device's chunk (evaluated with ``jax.vmap`` over
@@ -176,9 +178,13 @@ def assert_matches_reference(
     its gradient goes through ``step.optimizer.update`` and ``optax.apply_updates``.
 
     Args:
-      step: from ``jaxstep.make_train_step``, for a model without ``model_state``
-        (the run starts from ``step.init(params)``: no ``rng`` either).
+      step: from ``jaxstep.make_train_step`` (the run starts from
+        ``step.init(params, model_state=model_state)``, without ``rng``: a loss_fn that
+        draws random numbers has no single-device reference).
       params: the initial parameters.
+      model_state: the model's initial state (BatchNorm statistics), or None. The
+        reference passes it to ``loss_fn(..., model_state=...)`` on each chunk and, as
+        the step does, averages the float leaves of the new ones over the devices.
       batches: global batches, as for :func:`jaxstep.fit`.
       rtol, atol: tolerances of ``chex.assert_trees_all_close`` (the two sum the
         gradients in different orders).
@@ -192,8 +198,9 @@ def assert_matches_reference(
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
     n = len(step.devices)
-    state = step.init(params)
+    state = step.init(params, model_state=model_state)
     ref_params = jax.tree.map(jnp.asarray, params)
+    ref_ms = None if model_state is None else jax.tree.map(jnp.asarray, model_state)
     ref_opt = step.optimizer.init(ref_params)
     reference = _reference_step(step, n)
     for t, batch in enumerate(batches):
@@ -205,7 +212,7 @@ def assert_matches_reference(
             raise AssertionError(
                 f"step {t} failed, so the run cannot match the single-device reference:\n{err}"
             )
-        ref_params, ref_opt, ref_loss = reference(ref_params, ref_opt, batch)
+        ref_params, ref_opt, ref_ms, ref_loss = reference(ref_params, ref_opt, ref_ms, batch)
         np.testing.assert_allclose(
             table.mean_loss,
             float(ref_loss),
@@ -213,34 +220,55 @@ def assert_matches_reference(
             atol=atol,
             err_msg=f"step {t}: the mean loss differs from the single-device reference",
         )
-        got = step.host_state(state).params
-        try:
-            chex.assert_trees_all_close(got, ref_params, rtol=rtol, atol=atol)
-        except AssertionError as e:
-            raise AssertionError(
-                f"after step {t} the parameters differ from the single-device optax "
-                f"reference (tree 0: {step.backend} on {n} devices, tree 1: reference): {e}"
-            ) from None
+        host = step.host_state(state)
+        for what, got, want in (
+            ("parameters", host.params, ref_params),
+            ("model state", host.model_state, ref_ms),
+        ):
+            if want is None:
+                continue
+            try:
+                chex.assert_trees_all_close(got, want, rtol=rtol, atol=atol)
+            except AssertionError as e:
+                raise AssertionError(
+                    f"after step {t} the {what} differ from the single-device optax "
+                    f"reference (tree 0: {step.backend} on {n} devices, tree 1: "
+                    f"reference): {e}"
+                ) from None
     return state
 
 
-def _reference_step(step: TrainStep, n: int) -> Callable[[Any, Any, Any], Any]:
+def _reference_step(step: TrainStep, n: int) -> Callable[[Any, Any, Any, Any], Any]:
     axis = step.axis_name
 
-    def mean_loss(params: Any, batch: Any) -> jax.Array:
+    def mean_loss(params: Any, model_state: Any, batch: Any) -> tuple[jax.Array, Any]:
         chunks = jax.tree.map(lambda x: x.reshape((n, -1, *x.shape[1:])), batch)
 
-        def one(chunk: Any) -> jax.Array:
-            out = step.loss_fn(params, chunk)
-            return out[0] if step.has_aux else out
+        def one(chunk: Any) -> tuple[jax.Array, Any]:
+            kwargs = {} if model_state is None else {"model_state": model_state}
+            out = step.loss_fn(params, chunk, **kwargs)
+            if not step.has_aux:
+                return out, None
+            loss, aux = out
+            return loss, None if model_state is None else aux["model_state"]
 
-        return jnp.mean(jax.vmap(one, axis_name=axis)(chunks))
+        losses, new = jax.vmap(one, axis_name=axis)(chunks)
+        # the step averages the float leaves of the new model state over the devices
+        new = jax.tree.map(
+            lambda x: jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[0],
+            new,
+        )
+        return jnp.mean(losses), new
 
     @jax.jit
-    def update(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(mean_loss)(params, batch)
+    def update(
+        params: Any, opt_state: Any, model_state: Any, batch: Any
+    ) -> tuple[Any, Any, Any, jax.Array]:
+        (loss, new_ms), grads = jax.value_and_grad(mean_loss, has_aux=True)(
+            params, model_state, batch
+        )
         updates, opt_state = step.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, new_ms, loss
 
     return update
 
