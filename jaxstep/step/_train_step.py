@@ -84,6 +84,29 @@ class TrainStep:
         self._last_state: TrainState | None = None
         self._fingerprints: Any = None  # replicas_agree's program
 
+    def __repr__(self) -> str:
+        o = self.options
+        ids = [d.id for d in self.devices]
+        shown = ids if len(ids) <= 8 else [*ids[:4], "...", *ids[-2:]]
+        parts = [
+            f"backend={o.backend!r}",
+            f"devices={len(ids)} {shown} ({self.devices[0].platform})",
+            f"on_failure={o.on_failure!r}",
+            f"axis_name={o.axis_name!r}",
+            f"divergence_every={o.divergence_every}",
+        ]
+        optional = {
+            "microbatches": o.microbatches if o.microbatches != 1 else None,
+            "loss_spike": o.loss_spike,
+            "loss_scale": o.loss_scale,
+            "verify_update": o.verify_update or None,
+            "faults": len(o.faults) or None,
+            "max_consecutive_skips": o.max_consecutive_skips if o.on_failure == "skip" else None,
+        }
+        parts += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
+        name = getattr(o.loss_fn, "__name__", type(o.loss_fn).__name__)
+        return f"TrainStep({name}, {', '.join(parts)})"
+
     @property
     def loss_fn(self) -> Callable[..., Any]:
         """The loss function the step differentiates."""

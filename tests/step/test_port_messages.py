@@ -91,3 +91,14 @@ def test_a_state_prints_as_a_summary(backend):
     new, _ = step(state, np.ones((16, 100), np.float32))
     assert "donated" in repr(state)
     assert "step=1" in repr(new)
+
+
+def test_a_step_prints_its_devices_backend_policy_and_options(backend):
+    def my_loss(p, x):
+        return jnp.mean(x * p["w"])
+
+    step = jaxstep.make_train_step(my_loss, optax.sgd(0.1), backend=backend, microbatches=2)
+    text = repr(step)
+    assert text.startswith(f"TrainStep(my_loss, backend={backend!r}, devices=8 [")
+    assert "on_failure='raise'" in text and "axis_name='devices'" in text
+    assert "microbatches=2" in text and "loss_spike" not in text
