@@ -102,8 +102,11 @@ class FitCheckpoints:
             if store is not None and every is not None
             else None
         )
-        if every is not None and source.kind == "checkpointable":
-            source.watch(lambda count: (first + count) % every == 0)
+        if store is not None and source.kind == "checkpointable":
+            # The iterator's state before every batch (the last few kept): a periodic
+            # checkpoint, an emergency save or the save of an early stop resumes
+            # exactly at the first batch it did not train.
+            source.watch(lambda count: True)
 
     @classmethod
     def begin(

@@ -181,3 +181,22 @@ def test_sigint_to_a_training_process_saves_and_resume_is_bitwise_equal(tmp_path
     )
     clean = jaxstep.fit(step, step.init(init_params()), batches)
     _assert_equal(step, resumed, clean)
+
+
+def test_an_interrupt_of_a_grain_loader_resumes_at_the_first_untrained_batch(tmp_path):
+    from tests.sources import grain_loader
+
+    step = _step("shard_map", divergence_every=100)
+    clean = jaxstep.fit(step, step.init(init_params()), grain_loader(NUM))
+    with pytest.raises(KeyboardInterrupt):
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            grain_loader(NUM),
+            checkpoint_dir=tmp_path,
+            callbacks=[_RaiseAt(4, KeyboardInterrupt())],
+        )
+    resumed = jaxstep.fit(
+        step, step.init(init_params()), grain_loader(NUM), checkpoint_dir=tmp_path, resume=True
+    )
+    _assert_equal(step, resumed, clean)
