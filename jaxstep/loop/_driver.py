@@ -251,7 +251,7 @@ class Loop:
         except ValueError:
             state = None  # a second Ctrl-C inside a dispatch: the state was donated
         saved = None
-        if state is not None:
+        if state is not None and self.last is not None:  # something trained: keep it
             try:
                 saved = self.checkpoints.stopped(state, len(untrained))
             except Exception as why:
