@@ -6,6 +6,7 @@ once); nothing here touches the host."""
 from jaxstep.program._body import body as body
 from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
 from jaxstep.program._cross_checks import LossSpike as LossSpike
+from jaxstep.program._drop import memory as drop_memory
 from jaxstep.program._faults import Fault as Fault
 from jaxstep.program._faults import Injector as Injector
 from jaxstep.program._faults import float_leaves as float_leaves
@@ -22,5 +23,6 @@ __all__ = [
     "LossSpike",
     "Options",
     "body",
+    "drop_memory",
     "float_leaves",
 ]

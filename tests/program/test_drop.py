@@ -1,0 +1,172 @@
+"""on_failure="drop": a failing device is left out of the step's mean, and a diverged
+replica is repaired from the majority, inside the step."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from jaxstep import Status
+from jaxstep.testing import Fault
+from jaxstep.testing import assert_replicas_equal
+from jaxstep.testing import corrupt_replica
+from jaxstep.testing import replicas
+from tests.models import N
+from tests.models import host_params
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+from tests.models import rows_of
+
+
+def _devices(permuted):
+    devices = jax.devices()
+    return [devices[i] for i in (5, 2, 7, 0, 3, 6, 1, 4)] if permuted else devices
+
+
+def _drop_step(backend, **kw):
+    return jaxstep.make_train_step(
+        loss_fn, optax.adam(1e-2), backend=backend, on_failure="drop", **kw
+    )
+
+
+def _oracle(params, opt_state, batch, healthy, optimizer):
+    """One optax update with the mean over the ``healthy`` positions of each chunk's
+    gradient, on the host."""
+    chunk = lambda i: {k: v[rows_of(i)] for k, v in batch.items()}  # noqa: E731
+    grads = [jax.grad(loss_fn)(params, chunk(i)) for i in healthy]
+    mean = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+    updates, opt_state = optimizer.update(mean, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+@pytest.mark.parametrize("permuted", [False, True])
+def test_a_nan_row_on_one_device_is_left_out_of_the_mean(backend, permuted):
+    devices = _devices(permuted)
+    bad = devices[3]  # position 3: its id differs from 3 when permuted
+    step = _drop_step(
+        backend, devices=devices, faults=Fault("input", bad.id, step=2), divergence_every=None
+    )
+    batches = make_batches(5)
+    optimizer = optax.adam(1e-2)
+    params = jax.tree.map(jnp.asarray, init_params())
+    opt_state = optimizer.init(params)
+    state = step.init(init_params())
+    history = jaxstep.History()
+    for i, batch in enumerate(batches):
+        healthy = [p for p in range(N) if not (i == 2 and p == 3)]
+        params, opt_state = _oracle(params, opt_state, batch, healthy, optimizer)
+        state = jaxstep.fit(step, state, [batch], history=history)
+        chex.assert_trees_all_close(host_params(step, state), params, rtol=2e-5, atol=1e-6)
+    assert_replicas_equal(step, state)
+    host = step.host_state(state)
+    assert int(np.asarray(host.total_drops)) == 1
+    assert int(np.asarray(host.total_skips)) == 0
+    assert int(np.asarray(host.step)) == 5
+    assert history.dropped == [(), (), (bad.id,), (), ()]
+    assert history.dropped_rows == [(), (), ((rows_of(3).start, rows_of(3).stop),), (), ()]
+    assert history.skipped == [False] * 5
+    assert history.status[2].tolist() == [0, 0, 0, int(Status.INPUT_NONFINITE), 0, 0, 0, 0]
+    assert history.as_arrays()["dropped"].tolist() == [[-1], [-1], [bad.id], [-1], [-1]]
+
+
+def test_more_failing_devices_than_max_dropped_skip_the_step(backend):
+    devices = jax.devices()
+    faults = [Fault("input", devices[p].id, step=1) for p in (0, 2, 4, 6)]
+    step = _drop_step(backend, faults=faults)
+    batches = make_batches(3)
+    history = jaxstep.History()
+    state = jaxstep.fit(step, step.init(init_params()), batches[:1], history=history)
+    before = host_params(step, state)
+    state, out = step(state, batches[1])
+    table = step.table(out)
+    assert table.skipped and not table.halted and not table.dropped.any()
+    chex.assert_trees_all_equal(host_params(step, state), before)
+    host = step.host_state(state)
+    assert (int(np.asarray(host.total_skips)), int(np.asarray(host.total_drops))) == (1, 0)
+    # three of them are within the default limit, (8 - 1) // 2
+    step3 = _drop_step(backend, faults=faults[:3])
+    state = jaxstep.fit(step3, step3.init(init_params()), batches, history=history)
+    assert history.dropped[-2] == tuple(devices[p].id for p in (0, 2, 4))
+    assert int(np.asarray(step3.host_state(state).total_drops)) == 3
+
+
+def test_a_device_failing_every_step_halts_the_run_naming_it(backend):
+    devices = _devices(permuted=True)
+    step = _drop_step(backend, devices=devices)
+    batches = make_batches(6)
+    for i in range(1, 6):
+        batches[i]["x"][rows_of(5)] = np.nan
+    batches[3]["x"][rows_of(1)] = np.nan  # another device fails once, beside it
+    history = jaxstep.History()
+    good = jaxstep.fit(step, step.init(init_params()), batches[:3], history=history)
+    good_params = host_params(step, good)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, good, batches[3:], history=history)
+    err = info.value
+    assert (err.device_id, err.step) == (devices[5].id, 3)
+    assert err.status & Status.INPUT_NONFINITE
+    assert [f.device_id for f in err.failures] == [devices[5].id, devices[1].id]
+    assert "failed 3 steps in a row" in str(err)
+    assert history.dropped[1:3] == [(devices[5].id,), (devices[5].id,)]
+    chex.assert_trees_all_equal(host_params(step, err.state), good_params)
+
+
+def _centred_loss(params, batch):
+    """The model communicates: the inputs are centred by their mean over all devices."""
+    x = batch["x"] - jax.lax.pmean(jnp.mean(batch["x"], axis=0), "devices")
+    return loss_fn(params, dict(batch, x=x))
+
+
+def test_a_nan_that_spreads_through_a_pmean_skips_the_step(backend):
+    step = jaxstep.make_train_step(
+        _centred_loss, optax.adam(1e-2), backend=backend, on_failure="drop"
+    )
+    batches = make_batches(3)
+    batches[1]["x"][rows_of(2).start, 0] = np.nan
+    history = jaxstep.History()
+    state = jaxstep.fit(step, step.init(init_params()), batches, history=history)
+    assert history.skipped == [False, True, False]
+    assert history.dropped == [(), (), ()]
+    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(host_params(step, state)))
+    assert history.status[1][2] & Status.INPUT_NONFINITE
+
+
+def test_a_corrupted_replica_is_repaired_from_the_majority(backend):
+    devices = _devices(permuted=True)
+    step = _drop_step(backend, devices=devices, divergence_every=1)
+    batches = make_batches(6)
+    clean = jaxstep.fit(step, step.init(init_params()), batches)
+    clean_params = host_params(step, clean)
+    state = jaxstep.fit(step, step.init(init_params()), batches[:3])
+    bad = devices[6]
+    leaf = "params['dense2']['kernel']"
+    state = corrupt_replica(step, state, bad.id, leaf, ulps=1)
+    history = jaxstep.History()
+    state = jaxstep.fit(step, state, batches[3:], history=history)
+    assert history.repaired == [(bad.id,), (), ()]
+    assert history.dropped == [(), (), ()]
+    assert_replicas_equal(step, state)
+    for copy in replicas(step, state.params):
+        chex.assert_trees_all_equal(copy, clean_params)  # bit for bit
+    # the same device diverging a second time is a bad device: DIVERGED
+    state = corrupt_replica(step, state, bad.id, leaf, ulps=1)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, state, make_batches(2, seed=5))
+    err = info.value
+    assert (err.device_id, err.status, err.leaf) == (bad.id, Status.DIVERGED, leaf)
+    assert [f.device_id for f in err.failures] == [bad.id]
+
+
+def test_drop_options_are_checked():
+    with pytest.raises(ValueError, match="max_dropped"):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), on_failure="drop", max_dropped=8)
+    with pytest.raises(TypeError, match="max_dropped"):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), on_failure="drop", max_dropped=1.5)
+    with pytest.raises(ValueError, match="max_consecutive_drops"):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), on_failure="drop", max_consecutive_drops=0)
+    with pytest.raises(ValueError, match="'drop'"):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), on_failure="dorp")
