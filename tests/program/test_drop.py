@@ -170,3 +170,26 @@ def test_drop_options_are_checked():
         jaxstep.make_train_step(loss_fn, optax.sgd(0.1), on_failure="drop", max_consecutive_drops=0)
     with pytest.raises(ValueError, match="'drop'"):
         jaxstep.make_train_step(loss_fn, optax.sgd(0.1), on_failure="dorp")
+
+
+def test_checkpoints_move_between_drop_and_the_other_policies(tmp_path):
+    batches = make_batches(4)
+    skip = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), on_failure="skip")
+    jaxstep.fit(
+        skip,
+        skip.init(init_params()),
+        batches[:2],
+        checkpoint_dir=tmp_path / "a",
+        checkpoint_every=2,
+    )
+    step = _drop_step("shard_map", faults=Fault("input", jax.devices()[2].id, step=2))
+    state = jaxstep.restore(step, tmp_path / "a")
+    assert int(np.asarray(step.host_state(state).total_drops)) == 0
+    # a sequence of batches is indexed by the restored state's step
+    state = jaxstep.fit(step, state, batches, checkpoint_dir=tmp_path / "b", checkpoint_every=2)
+    assert int(np.asarray(step.host_state(state).total_drops)) == 1
+    again = jaxstep.restore(step, tmp_path / "b")
+    host = step.host_state(again)
+    assert int(np.asarray(host.total_drops)) == int(np.asarray(host.step) > 2)
+    back = jaxstep.restore(skip, tmp_path / "b")
+    assert step.host_state(back).total_drops is None
