@@ -374,9 +374,9 @@ def _drop_fields(step: TrainStep, host: TrainState) -> TrainState:
         saved = host.monitor.get(key)
         monitor[key] = saved if saved is not None and saved.shape == (n,) else fresh[key]
     total: Any = host.total_drops  # a host copy: numpy
-    return dataclasses.replace(
-        host, total_drops=np.zeros((), np.int32) if total is None else total, monitor=monitor
-    )
+    if total is None:
+        total = np.zeros((), np.int32)
+    return dataclasses.replace(host, total_drops=total, monitor=monitor)
 
 
 def _field(name: str) -> str:
