@@ -193,3 +193,35 @@ def test_checkpoints_move_between_drop_and_the_other_policies(tmp_path):
     assert int(np.asarray(host.total_drops)) == int(np.asarray(host.step) > 2)
     back = jaxstep.restore(skip, tmp_path / "b")
     assert step.host_state(back).total_drops is None
+
+
+def test_the_records_show_the_chunk_left_out(tmp_path):
+    import io
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bad = jax.devices()[4]
+    step = _drop_step("shard_map", faults=Fault("input", bad.id, step=1))
+    history = jaxstep.History()
+    out = io.StringIO()
+    callbacks = [
+        jaxstep.JsonlWriter(tmp_path / "run.jsonl"),
+        jaxstep.Progress(3, every=1, file=out),
+    ]
+    jaxstep.fit(
+        step, step.init(init_params()), make_batches(3), history=history, callbacks=callbacks
+    )
+    lines = out.getvalue()
+    assert f"step 1 left out device {bad.id}: non-finite input" in lines
+    assert "dropped 1" in lines.splitlines()[-1]
+    records = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "devices" in r]
+    assert [r["dropped"] for r in steps] == [[], [bad.id], []]
+    assert steps[1]["dropped_rows"] == [[rows_of(4).start, rows_of(4).stop]]
+    assert [d["dropped"] for d in steps[1]["devices"]] == [d == bad for d in jax.devices()]
+    marks = jaxstep.plot.marks(history)
+    assert marks["dropped"].tolist() == [[1, bad.id]] and marks["skipped"].tolist() == []
+    fig = jaxstep.plot.overview(history, tmp_path / "run.png")
+    assert any(c.get_gid() == "dropped" for c in fig.axes[0].collections)
