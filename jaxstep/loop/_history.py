@@ -101,6 +101,11 @@ class History:
             losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
             # np.mean's value for each step: the float32 sum over the devices, divided
             self.loss.extend((np.add.reduce(losses, axis=1) / losses.shape[1]).tolist())
+        start = len(self.loss) - len(tables)
+        for k, table in enumerate(tables):
+            if table.dropped.any():  # drop: the mean over the chunks the step trained on
+                kept = table.loss[~table.dropped.astype(bool)]
+                self.loss[start + k] = float(np.add.reduce(kept) / max(kept.size, 1))
         self.step.extend(t.step for t in tables)
         self.device_loss.extend(t.loss for t in tables)
         self.device_grad_norm.extend(t.grad_norm for t in tables)

@@ -83,6 +83,9 @@ def body(
     )
     table = health.to_table(reduced.rows, {**columns, "status": status})
     metrics = {"loss": jnp.mean(losses)}
+    if options.on_failure == "drop":  # the mean over the chunks the step trained on
+        kept = health.column(table, "dropped") == 0
+        metrics = {"loss": jnp.sum(jnp.where(kept, losses, 0.0)) / jnp.maximum(jnp.sum(kept), 1)}
     info = StepInfo(checks=part.checks)
     return (
         new_state,
