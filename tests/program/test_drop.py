@@ -225,3 +225,63 @@ def test_the_records_show_the_chunk_left_out(tmp_path):
     assert marks["dropped"].tolist() == [[1, bad.id]] and marks["skipped"].tolist() == []
     fig = jaxstep.plot.overview(history, tmp_path / "run.png")
     assert any(c.get_gid() == "dropped" for c in fig.axes[0].collections)
+
+
+def _with_model_state(params, batch, model_state):
+    mean = 0.9 * model_state["mean"] + 0.1 * jnp.mean(batch["x"], axis=0)
+    return loss_fn(params, batch), {"model_state": {"mean": mean}}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"microbatches": 2},
+        {"verify_update": True},
+        {"loss_scale": jaxstep.DynamicLossScale(scale=2.0**8)},
+        {"has_aux": True},  # with a model state
+    ],
+    ids=["microbatches", "verify_update", "loss_scale", "model_state"],
+)
+def test_drop_works_with_the_other_options(backend, options):
+    with_state = options.get("has_aux", False)
+    step = (
+        _drop_step(backend, **options)
+        if not with_state
+        else jaxstep.make_train_step(
+            _with_model_state, optax.adam(1e-2), backend=backend, on_failure="drop", has_aux=True
+        )
+    )
+    ms = {"mean": jnp.zeros(3, jnp.float32)} if with_state else None
+    batches = make_batches(2)
+    batches[1]["x"][rows_of(3).start + 1, 0] = np.nan
+    state, _ = step(step.init(init_params(), model_state=ms), batches[0])
+    host = step.host_state(state)
+    before_ms = None if not with_state else np.asarray(host.model_state["mean"])
+    healthy = [p for p in range(N) if p != 3]
+    params, _ = _oracle(host.params, host.opt_state, batches[1], healthy, optax.adam(1e-2))
+    state, out = step(state, batches[1])
+    table = step.table(out)
+    assert table.dropped.tolist() == [p == 3 for p in range(N)] and not table.skipped
+    chex.assert_trees_all_close(host_params(step, state), params, rtol=2e-5, atol=1e-6)
+    if with_state:
+        chunk_means = [np.mean(batches[1]["x"][rows_of(p)], axis=0) for p in healthy]
+        want = 0.9 * before_ms + 0.1 * np.mean(chunk_means, axis=0)
+        got = np.asarray(step.host_state(state).model_state["mean"])
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_replicas_equal(step, state)
+
+
+def test_a_loss_scale_overflow_still_skips_the_whole_step_and_backs_off(backend):
+    scale = jaxstep.DynamicLossScale(scale=2.0**8)
+    step = _drop_step(backend, loss_scale=scale)
+    batches = make_batches(2)
+    batches[1]["poison"][rows_of(5)] = 1.0  # an inf gradient from a finite input and loss
+    state, _ = step(step.init(init_params()), batches[0])
+    before = host_params(step, state)
+    state, out = step(state, batches[1])
+    table = step.table(out)
+    assert table.skipped and not table.failed and not table.dropped.any()
+    assert table.status[5] == Status.OVERFLOW
+    chex.assert_trees_all_equal(host_params(step, state), before)
+    host = step.host_state(state)
+    assert float(host.loss_scale.scale) == 2.0**7 and int(np.asarray(host.total_drops)) == 0
