@@ -52,8 +52,10 @@ def failure_error(
             limit = step.options.max_consecutive_drops
             note = (
                 f"device {failures[0].device_id} failed {limit} steps in a row "
-                f"(max_consecutive_drops={limit}): a bad device, not bad data; its chunks "
-                "were left out of the mean until then. Train without it (devices=...)"
+                f"(max_consecutive_drops={limit}); its chunks were left out of the mean "
+                "until then. Failing step after step is more often a bad device than bad "
+                "data (fit(..., diagnose=True) tells which): to train without it, pass "
+                "make_train_step(devices=[...]) without it"
             )
         elif step.options.on_failure in ("skip", "drop"):
             note = (
