@@ -84,7 +84,7 @@ def body(
     table = health.to_table(reduced.rows, {**columns, "status": status})
     metrics = {"loss": jnp.mean(losses)}
     if options.on_failure == "drop":  # the mean over the chunks the step trained on
-        kept = health.column(table, "dropped") == 0
+        kept = ~columns["dropped"]
         metrics = {"loss": jnp.sum(jnp.where(kept, losses, 0.0)) / jnp.maximum(jnp.sum(kept), 1)}
     info = StepInfo(checks=part.checks)
     return (
@@ -222,6 +222,11 @@ def all_reduce(
         jnp.where(index == 0, state.step // 65536, 0),
         jnp.where(index == 0, state.step % 65536, 0),
     ]
+    if options.on_failure == "drop" and options.max_consecutive_drops is not None:
+        # failing again, and max_consecutive_drops times in a row: counted here, in
+        # the summed columns, so the verdict needs no reduction over the devices
+        drops = state.monitor["drops"][index]
+        summed.append(summed[0] & (drops + 1 >= options.max_consecutive_drops))
     sent = health.onehot_rows(part.row, index, n, summed, jnp.concatenate(extra) if extra else None)
     grads, floats = part.grads, _floats(part.work.model_state)
     if options.on_failure == "drop":  # a failing device sends zeros: left out of the mean
@@ -241,6 +246,7 @@ def all_reduce(
         halted=counts[3] > 0,
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
         failing=counts[0],
+        repeats=counts[6] > 0 if len(summed) > 6 else None,
     )
     rest = gathered[:, width:]
     status = rows[:, COL["status"]].astype(jnp.int32)
@@ -307,6 +313,8 @@ class Seen(NamedTuple):
     left_out: jax.Array | None = None
     #: a failure found after the all-reduce (``add``): leaving a device out cannot cure it
     late: jax.Array | bool = False
+    #: ``drop``: whether a device failed ``max_consecutive_drops`` steps in a row
+    repeats: jax.Array | None = None
 
     def add(self, bits: jax.Array, halting: int) -> Seen:
         """With every device's ``bits`` (``(n,)`` Status bits) added."""
@@ -434,8 +442,7 @@ def verdict(
     drop_fields: dict[str, Any] = {}
     drop_columns: dict[str, jax.Array] = {}
     if options.on_failure == "drop":
-        assert seen.left_out is not None  # compare_devices sets it under this policy
-        bad_device, _, drop_fields, drop_columns = drop.decide(options, state, seen.left_out, ok)
+        bad_device, _, drop_fields, drop_columns = drop.decide(options, state, seen, ok)
         ok &= ~bad_device
         halt_now |= bad_device
         failed |= bad_device

@@ -90,25 +90,24 @@ def _broadcast(x: jax.Array, source: jax.Array, axis_name: str) -> jax.Array:
 def decide(
     options: Options,
     state: TrainState,
-    left_out: jax.Array,
+    seen: Any,
     would_apply: jax.Array,
 ) -> tuple[jax.Array, jax.Array, dict[str, Any], dict[str, jax.Array]]:
     """The drop policy's part of the verdict, for a step that would be applied
-    (``would_apply``) with the devices ``left_out`` ((n,) bool) out of its mean.
+    (``would_apply``) with the devices ``seen.left_out`` ((n,) bool; ``seen.failing``
+    of them) out of its mean; ``seen.repeats``: one of them failed
+    ``max_consecutive_drops`` steps in a row (``seen``: the body's ``Seen``).
     Returns (halt: a device left out ``max_consecutive_drops`` steps in a row, a bad
     device rather than bad data; the devices left out of the applied step; the new
     ``total_drops`` and ``monitor["drops"]``; the table's columns)."""
-    drops = state.monitor["drops"]
+    left_out, drops = seen.left_out, state.monitor["drops"]
     counted = jnp.where(would_apply, jnp.where(left_out, drops + 1, 0), drops)
-    halt = jnp.array(False)
-    limit = options.max_consecutive_drops
-    if limit is not None:
-        halt = jnp.any(left_out & would_apply & (counted >= limit))
+    halt = jnp.array(False) if seen.repeats is None else seen.repeats & would_apply
     applied = would_apply & ~halt
     dropped = left_out & applied
     assert state.total_drops is not None  # init gives it one under this policy
     fields = {
-        "total_drops": state.total_drops + jnp.sum(dropped, dtype=jnp.int32),
+        "total_drops": state.total_drops + jnp.where(applied, seen.failing, 0).astype(jnp.int32),
         "drops": jnp.where(applied, counted, drops),
     }
     columns = {"dropped": dropped, "consecutive_drops": counted}
