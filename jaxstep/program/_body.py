@@ -237,8 +237,12 @@ def all_reduce(
     width = len(COLUMNS) + len(summed)
     rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
-    healthy = n if options.on_failure != "drop" else jnp.maximum(n - counts[0], 1)
-    model_state = _with_floats(part.work.model_state, [x / healthy for x in floats])
+    if options.on_failure == "drop":  # the mean over the devices not left out
+        healthy = jnp.maximum(n - counts[0], 1)
+        floats = [x / healthy.astype(x.dtype) for x in floats]
+    else:
+        floats = [x / n for x in floats]
+    model_state = _with_floats(part.work.model_state, floats)
     seen = Seen(
         failed=counts[0] > 0,
         overflow=counts[1] > 0,
