@@ -285,3 +285,25 @@ def test_a_loss_scale_overflow_still_skips_the_whole_step_and_backs_off(backend)
     chex.assert_trees_all_equal(host_params(step, state), before)
     host = step.host_state(state)
     assert float(host.loss_scale.scale) == 2.0**7 and int(np.asarray(host.total_drops)) == 0
+
+
+def _entry(step, state, batch):
+    text = step.lower(state, batch).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    return entry[: entry.index("\n}")]
+
+
+def test_drop_adds_no_collective_and_the_other_policies_none_of_its_code():
+    batch = make_batches(1)[0]
+    programs = {}
+    for policy in ("skip", "drop"):
+        step = jaxstep.make_train_step(
+            loss_fn, optax.adam(1e-2), on_failure=policy, divergence_every=None
+        )
+        programs[policy] = _entry(step, step.init(init_params()), batch)
+    # one all-reduce on the happy path: the healthy count rides in the gradients' one
+    assert programs["drop"].count(" all-reduce(") == 1
+    assert programs["skip"].count(" all-reduce(") == 1
+    # no drop state in the other policies' programs: the same parameters as before
+    params = {p: text.count(" parameter(") for p, text in programs.items()}
+    assert params["drop"] == params["skip"] + 3  # total_drops, monitor drops, repairs
