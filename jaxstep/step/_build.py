@@ -74,7 +74,8 @@ def make_train_step(
         it (None: never).
       divergence_every: every this many steps each device fingerprints its copy of
         the parameters and optimizer state; a device that disagrees with the majority
-        fails with ``DIVERGED`` (None: never).
+        fails with ``DIVERGED`` (None: never); under ``"drop"`` its copy is first
+        repaired from a majority replica, inside the step, once per device.
       loss_spike: a :class:`jaxstep.LossSpike` to fail devices whose loss jumps
         (``LOSS_SPIKE``); None: off.
       verify_update: also check the parameters after the update, per device, and
