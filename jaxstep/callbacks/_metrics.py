@@ -46,11 +46,16 @@ def _number(x: Any) -> float | None:
 def step_record(history: History, index: int = -1) -> dict[str, Any]:
     """One finished step of ``history`` as plain, JSON-ready Python.
 
-    Keys: ``step``, ``loss`` (mean over devices), ``skipped``, ``examples_per_sec``,
+    Keys: ``step``, ``loss`` (mean over devices), ``skipped``, ``dropped`` and
+    ``repaired`` (device ids, ``on_failure="drop"``), ``dropped_rows`` (the global
+    batch rows ``[start, stop]`` of each chunk left out), ``examples_per_sec``,
     ``metrics`` (the means over devices of ``aux``'s scalar entries), ``devices`` (one
-    dict per device: ``id``, ``loss``, ``grad_norm``, ``status``, ``failed``).
+    dict per device: ``id``, ``loss``, ``grad_norm``, ``status``, ``failed``,
+    ``dropped``, ``repaired``).
     Non-finite numbers are None.
     """
+    dropped = [int(d) for d in history.dropped[index]]
+    repaired = [int(d) for d in history.repaired[index]]
     devices = [
         {
             "id": int(device_id),
@@ -58,6 +63,8 @@ def step_record(history: History, index: int = -1) -> dict[str, Any]:
             "grad_norm": _number(norm),
             "status": status_name(status),
             "failed": failed(status),
+            "dropped": int(device_id) in dropped,
+            "repaired": int(device_id) in repaired,
         }
         for device_id, loss, norm, status in zip(
             history.device_ids,
@@ -71,6 +78,9 @@ def step_record(history: History, index: int = -1) -> dict[str, Any]:
         "step": int(history.step[index]),
         "loss": _number(history.loss[index]),
         "skipped": bool(history.skipped[index]),
+        "dropped": dropped,
+        "repaired": repaired,
+        "dropped_rows": [list(span) for span in history.dropped_rows[index]],
         "examples_per_sec": _number(history.examples_per_sec[index]),
         "metrics": {k: _number(v) for k, v in history.metrics[index].items()},
         "devices": devices,
@@ -196,12 +206,14 @@ class TensorBoardWriter(_Writer):
             "loss": record["loss"],
             "examples_per_sec": record["examples_per_sec"],
             "skipped": float(record["skipped"]),
+            "dropped": float(len(record["dropped"])),
         }
         scalars.update({f"metrics/{k}": v for k, v in record["metrics"].items()})
         for d in record["devices"]:
             scalars[f"device_{d['id']}/loss"] = d["loss"]
             scalars[f"device_{d['id']}/grad_norm"] = d["grad_norm"]
             scalars[f"device_{d['id']}/failed"] = float(d["failed"])
+            scalars[f"device_{d['id']}/dropped"] = float(d["dropped"])
         for tag, value in scalars.items():
             # TensorBoard draws NaN as a gap: keep the step visible on the curve.
             self.writer.add_scalar(tag, np.nan if value is None else value, step)

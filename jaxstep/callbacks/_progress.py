@@ -110,6 +110,12 @@ class Progress:
         parts += [f"{k} {v:.4f}" for k, v in h.metrics[-1].items()]
         parts.append(f"{rate:,.0f} ex/s" if math.isfinite(rate) else "- ex/s")
         parts.append(f"skipped {sum(h.skipped)}")
+        dropped = sum(len(ids) for ids in h.dropped)
+        repaired = sum(len(ids) for ids in h.repaired)
+        if dropped:  # on_failure="drop": device-steps left out of the mean
+            parts.append(f"dropped {dropped}")
+        if repaired:
+            parts.append(f"repaired {repaired}")
         return "  ".join(parts)
 
     def on_step_end(self, table: HealthTable) -> None:
@@ -121,11 +127,31 @@ class Progress:
                 f"device {f.device_id}: {f.reason}" for f in self._step.failures(table)
             )
             self._print(f"step {table.step} skipped: {failures}")
+        elif table.dropped.any() or table.repaired.any():
+            # Under the drop policy nothing is raised either: say who was left out.
+            assert self._step is not None, "on_fit_start gives the step"
+            self._print(f"step {table.step} {self._drops(table)}")
         if self._bar is not None and self._task is not None:  # made together
             self._bar.update(self._task, advance=1, text=self.describe())
         elif self._done % self.every == 0 or self._done == self.total:
             of = f"/{self.total}" if self.total else ""
             self._print(f"step {table.step:5d} ({self._done}{of})  {self.describe()}")
+
+    def _drops(self, table: HealthTable) -> str:
+        """Who was left out of a step's mean and why, and whose replica was repaired."""
+        assert self._step is not None
+        devices = self._step.devices
+        parts = []
+        if table.dropped.any():
+            why = {f.device_id: f.reason for f in self._step.failures(table)}
+            left = [devices[i].id for i in table.dropped.nonzero()[0]]
+            parts.append(
+                "left out " + "; ".join(f"device {d}: {why.get(d, 'failed')}" for d in left)
+            )
+        if table.repaired.any():
+            ids = ", ".join(str(devices[i].id) for i in table.repaired.nonzero()[0])
+            parts.append(f"repaired the replica of device {ids} from the majority")
+        return "; ".join(parts)
 
     def _print(self, line: str) -> None:
         if self._bar is not None:

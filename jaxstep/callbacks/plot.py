@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 _NOT_FAILURES = int(Status.OVERFLOW)
 FAILURE_COLOR = "#e41a1c"
 OVERFLOW_COLOR = "#ff7f00"
+DROPPED_COLOR = "#ffffff"  # the outline of a chunk left out (on_failure="drop")
+REPAIRED_COLOR = "#4daf4a"  # the outline of a replica repaired from the majority
 COLORBAR_LABEL = "gradient norm (before averaging)"
 
 
@@ -54,7 +56,8 @@ def _arrays(history: History) -> dict[str, np.ndarray]:
 
 def marks(history: History) -> dict[str, np.ndarray]:
     """Where the pictures put their marks, as ``(step, device_id)`` pairs
-    (``failures``, ``overflows``) and steps (``skipped``)."""
+    (``failures``, ``overflows``, and under ``on_failure="drop"`` the chunks left out,
+    ``dropped``, and the replicas repaired, ``repaired``) and steps (``skipped``)."""
     a = _arrays(history)
     ids = a["device_ids"]
     failed = (a["status"] & ~_NOT_FAILURES) != 0
@@ -64,9 +67,16 @@ def marks(history: History) -> dict[str, np.ndarray]:
         t, d = np.nonzero(mask)
         return np.stack([a["step"][t], ids[d]], axis=1).astype(np.int64)
 
+    def listed(per_step: list[tuple[int, ...]]) -> np.ndarray:
+        # a History built by hand may leave these out: no device was
+        found = [(s, d) for s, ids in zip(a["step"], per_step, strict=False) for d in ids]
+        return np.asarray(found, np.int64).reshape(-1, 2)
+
     return {
         "failures": pairs(failed),
         "overflows": pairs(overflow),
+        "dropped": listed(history.dropped),
+        "repaired": listed(history.repaired),
         "skipped": a["step"][a["skipped"]].astype(np.int64),
     }
 
@@ -127,9 +137,28 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
                 gid=kind,
                 zorder=3,
             )
+    # on_failure="drop": an outline around the cell of a chunk left out (its failure's X
+    # inside it) or of a replica repaired from the majority
+    for kind, color, marker in (("dropped", DROPPED_COLOR, "s"), ("repaired", REPAIRED_COLOR, "D")):
+        if len(m[kind]):
+            ax.scatter(
+                m[kind][:, 0],
+                [row[int(d)] for d in m[kind][:, 1]],
+                s=size * 2.2,
+                facecolors="none",
+                edgecolors=color,
+                marker=marker,
+                linewidths=1.5,
+                label=kind,
+                gid=kind,
+                zorder=4,
+            )
     ax.set_yticks(range(len(ids)), [f"device {d}" for d in ids])
     ax.set_xlabel("step")
-    ax.set_title("gradient norm per device (red X: failed, grey: skipped step)")
+    title = "gradient norm per device (red X: failed, grey: skipped step"
+    if len(m["dropped"]) or len(m["repaired"]):
+        title += ", square: left out, diamond: repaired"
+    ax.set_title(title + ")")
     return ax
 
 

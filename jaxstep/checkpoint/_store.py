@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
 from jaxstep.checkpoint._position import Position
 from jaxstep.core import TrainState
+from jaxstep.program import drop_memory
 
 if TYPE_CHECKING:
     from jaxstep.step import TrainStep
@@ -293,6 +295,11 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
         out: list[Any] = []
         for i, name in enumerate(want.names):
             spec = (want.shapes[i], want.dtypes[i])
+            if name not in have and _of_drop(name):  # saved by a run without on_failure="drop"
+                if fresh is None:
+                    fresh = jax.device_get(local_copy(template, stacked=step.stacked))
+                out.append(fresh[i])
+                continue
             if name not in have:
                 differ.append(f"{name} (not in the checkpoint)")
                 continue
@@ -311,7 +318,11 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
                 differ.append(f"{name} (saved {was} {was_dtype}, here {now} {now_dtype})")
                 continue
             out.append(leaves[saved.names.index(name)])
-        differ += [f"{n} (only in the checkpoint)" for n in saved.names if n not in want.names]
+        differ += [
+            f"{n} (only in the checkpoint)"
+            for n in saved.names
+            if n not in want.names and not _of_drop(n)
+        ]
         _raise_if(differ, loaded)
         return want.build(out)
     known = set(step.names.get("state", ()))
@@ -341,7 +352,31 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
             host = dataclasses.replace(
                 host, monitor={**host.monitor, "spike": jax.device_get(spike.init(n))}
             )
-    return host
+    return _drop_fields(step, host)
+
+
+def _of_drop(name: str) -> bool:
+    """A saved leaf of ``on_failure="drop"``'s memory: a run under another policy has
+    none, so a checkpoint may lack it (it starts at zero) or hold it (it is let go)."""
+    return name == ".total_drops" or name.startswith((".monitor['drops']", ".monitor['repairs']"))
+
+
+def _drop_fields(step: TrainStep, host: TrainState) -> TrainState:
+    """``host`` with the drop policy's fields as this step's policy wants them: zeros
+    when the checkpoint has none (or counts for another device count), none under the
+    other policies."""
+    monitor = {k: v for k, v in host.monitor.items() if k not in ("drops", "repairs")}
+    if step.options.on_failure != "drop":
+        return dataclasses.replace(host, total_drops=None, monitor=monitor)
+    n = len(step.devices)
+    fresh = jax.device_get(drop_memory(n))
+    for key in ("drops", "repairs"):
+        saved = host.monitor.get(key)
+        monitor[key] = saved if saved is not None and saved.shape == (n,) else fresh[key]
+    total: Any = host.total_drops  # a host copy: numpy
+    if total is None:
+        total = np.zeros((), np.int32)
+    return dataclasses.replace(host, total_drops=total, monitor=monitor)
 
 
 def _field(name: str) -> str:

@@ -307,6 +307,17 @@ def _report(
         print(f"finished {len(history)} steps")
 
 
+def _left_out(history: History) -> dict[int, str]:
+    """Per device id: the steps its chunk was left out of the mean (``drop``) and the
+    global batch rows of that chunk, e.g. ``1 (step 5: rows 80-96)``."""
+    found: dict[int, list[str]] = {}
+    for step, ids, spans in zip(history.step, history.dropped, history.dropped_rows, strict=True):
+        for k, device_id in enumerate(ids):
+            rows = f": rows {spans[k][0]}-{spans[k][1]}" if k < len(spans) else ""
+            found.setdefault(device_id, []).append(f"step {step}{rows}")
+    return {d: f"{len(s)} ({', '.join(s[:2])})" for d, s in found.items()}
+
+
 def summary(
     history: History,
     steps: int,
@@ -324,6 +335,7 @@ def summary(
         return
     a = history.as_arrays()
     rows = []
+    left_out = _left_out(history)
     for i, device_id in enumerate(a["device_ids"]):
         loss, norm = a["device_loss"][:, i], a["device_grad_norm"][:, i]
         bad = (a["status"][:, i] & ~int(Status.OVERFLOW)) != 0  # overflows: no failure
@@ -339,12 +351,20 @@ def summary(
                 (f"{len(failed)} (step {', '.join(str(t) for t in failed[:3])})")
                 if len(failed)
                 else "0",
+                left_out.get(int(device_id), "0"),
             )
         )
-    header = ("device", "process", "mean loss", "mean grad norm", "failures")
+    header = ("device", "process", "mean loss", "mean grad norm", "failures", "left out")
     finite = a["loss"][np.isfinite(a["loss"])]
     last = f"last finite loss {finite[-1]:.4f}" if finite.size else "no finite loss"
-    title = f"{len(history)} of {steps} steps, {int(a['skipped'].sum())} skipped, {last}"
+    dropped = sum(len(ids) for ids in history.dropped)
+    repaired = sum(len(ids) for ids in history.repaired)
+    title = f"{len(history)} of {steps} steps, {int(a['skipped'].sum())} skipped, "
+    if dropped:
+        title += f"{dropped} left out, "
+    if repaired:
+        title += f"{repaired} repaired, "
+    title += last
     try:
         from rich.console import Console
         from rich.table import Table
@@ -355,5 +375,5 @@ def summary(
         return
     table = Table(*header, title=title)
     for row in rows:
-        table.add_row(*row, style="red" if row[-1] != "0" else None)
+        table.add_row(*row, style="red" if row[-2] != "0" else None)
     Console().print(table)

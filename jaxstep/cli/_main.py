@@ -75,9 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
     demo.add_argument(
         "--policy",
-        choices=("raise", "skip"),
+        choices=("raise", "skip", "drop"),
         default="raise",
-        help="on a failure: stop with the error (raise) or skip the step (skip)",
+        help="on a failure: stop with the error (raise), skip the step (skip), or leave "
+        "the failing devices' chunks out of the step's mean and repair a diverged replica "
+        "(drop)",
     )
     demo.add_argument("--steps", type=int, default=150)
     demo.add_argument("--per-device", type=int, default=16, help="examples per device a step")

@@ -43,6 +43,10 @@ class TrainState:
         ``aux["model_state"]``; float leaves are averaged over the devices each step.
       loss_scale: a :class:`jaxstep.program.LossScaleState` with a
         :class:`jaxstep.DynamicLossScale`, or None.
+      total_drops: with ``on_failure="drop"``, the device-steps left out of a step's
+        mean so far (None under the other policies: their program does not carry it).
+        The per-device memory of that policy (steps in a row each device was left out,
+        replicas repaired) is in ``monitor["drops"]`` and ``monitor["repairs"]``.
     """
 
     step: jax.Array
@@ -55,6 +59,7 @@ class TrainState:
     monitor: dict[str, Any]
     model_state: PyTree = None
     loss_scale: LossScaleState | None = None
+    total_drops: jax.Array | None = None
 
     def __repr__(self) -> str:
         """A summary (a CNN's full repr runs to tens of thousands of characters): the
@@ -74,6 +79,8 @@ class TrainState:
         parts.append(
             f"skips={_scalar(self.total_skips)} ({_scalar(self.consecutive_skips)} in a row)"
         )
+        if self.total_drops is not None:
+            parts.append(f"drops={_scalar(self.total_drops)}")
         if self.loss_scale is not None:
             parts.append(f"loss_scale={_scalar(self.loss_scale.scale)}")
         where = _where(self.step)

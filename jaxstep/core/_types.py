@@ -18,7 +18,7 @@ Batch: TypeAlias = PyTree
 #: ``make_train_step(backend=...)``.
 BackendName: TypeAlias = Literal["shard_map", "pmap"]
 #: ``make_train_step(on_failure=...)``.
-Policy: TypeAlias = Literal["raise", "skip"]
+Policy: TypeAlias = Literal["raise", "skip", "drop"]
 
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
 POLICIES: tuple[Policy, ...] = get_args(Policy)

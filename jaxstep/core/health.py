@@ -52,6 +52,10 @@ COLUMNS: tuple[str, ...] = (
     "skipped",  # 1 if this step's update was discarded (skip policy)
     "consecutive_skips",  # skips in a row after this step
     "failed",  # 1 if this step failed (OVERFLOW alone is no failure, but at the minimum scale)
+    # on_failure="drop" (0 under the other policies):
+    "dropped",  # 1 if this device's chunk was left out of the step's (applied) mean
+    "repaired",  # 1 if this device's replica was replaced by a majority copy this step
+    "consecutive_drops",  # steps in a row this device was left out, after this step
 )
 COL = {name: i for i, name in enumerate(COLUMNS)}
 FLOAT_COLUMNS = frozenset({"loss", "grad_norm"})
@@ -289,6 +293,9 @@ class HealthTable(NamedTuple):
     skipped: bool
     consecutive_skips: int
     failed: bool
+    dropped: np.ndarray
+    repaired: np.ndarray
+    consecutive_drops: np.ndarray
 
     @classmethod
     def from_array(cls, table: np.ndarray) -> HealthTable:

@@ -198,7 +198,9 @@ class Loop:
         now = time.perf_counter()
         n = self.device_count
         metrics = {} if pending.out.aux is None else scalar_aux(pending.out.aux, n)
-        self.history.append(table, metrics, n * pending.rows / max(now - self.last_time, 1e-9))
+        self.history.append(
+            table, metrics, n * pending.rows / max(now - self.last_time, 1e-9), pending.rows
+        )
         self.last_time = now
         self.next_step = table.step + 1
         if self.checkpoints.waiting:
@@ -272,7 +274,7 @@ class Loop:
                 metrics = {}
                 if pending.out.aux is not None:
                     metrics = scalar_aux(pending.out.aux, self.device_count)
-                self.history.append(table, metrics)
+                self.history.append(table, metrics, rows=pending.rows)
                 if self.checkpoints.waiting:
                     self.checkpoints.settled(table)
             if failed is None and table.failed and table.halted:

@@ -43,7 +43,21 @@ def failure_error(
         )
     else:
         state = step.clear_halt(current)
-        if step.options.on_failure == "skip":
+        repeated = _repeated_drops(step, table)
+        if repeated:
+            # a device left out max_consecutive_drops steps in a row leads the error
+            failures = [f for f in failures if f.device_id in repeated] + [
+                f for f in failures if f.device_id not in repeated
+            ]
+            limit = step.options.max_consecutive_drops
+            note = (
+                f"device {failures[0].device_id} failed {limit} steps in a row "
+                f"(max_consecutive_drops={limit}); its chunks were left out of the mean "
+                "until then. Failing step after step is more often a bad device than bad "
+                "data (fit(..., diagnose=True) tells which): to train without it, pass "
+                "make_train_step(devices=[...]) without it"
+            )
+        elif step.options.on_failure in ("skip", "drop"):
             note = (
                 f"{table.consecutive_skips + 1} failed steps in a row "
                 f"(max_consecutive_skips={step.options.max_consecutive_skips})"
@@ -61,6 +75,19 @@ def failure_error(
                 failures, state=state, note=note, history=history, state_is_good=False
             )
     return TrainingWorkerError(failures, state=state, note=note, history=history)
+
+
+def _repeated_drops(step: TrainStep, table: HealthTable) -> list[int]:
+    """Under ``drop``, the ids of the failing devices left out of
+    ``max_consecutive_drops`` steps in a row (they halted the run)."""
+    limit = step.options.max_consecutive_drops
+    if step.options.on_failure != "drop" or limit is None:
+        return []
+    return [
+        d.id
+        for i, d in enumerate(step.devices)
+        if table.status[i] and table.consecutive_drops[i] >= limit
+    ]
 
 
 @jax.jit

@@ -12,7 +12,19 @@ import numpy as np
 from jaxstep.core import HealthTable
 
 # History fields filled from the health tables, decoded when first read.
-_DECODED = frozenset({"step", "loss", "device_loss", "device_grad_norm", "status", "skipped"})
+_DECODED = frozenset(
+    {
+        "step",
+        "loss",
+        "device_loss",
+        "device_grad_norm",
+        "status",
+        "skipped",
+        "dropped",
+        "repaired",
+        "dropped_rows",
+    }
+)
 
 
 @dataclasses.dataclass
@@ -31,6 +43,15 @@ class History:
     device_grad_norm: list[np.ndarray] = dataclasses.field(default_factory=list)
     status: list[np.ndarray] = dataclasses.field(default_factory=list)
     skipped: list[bool] = dataclasses.field(default_factory=list)
+    #: ``on_failure="drop"``: the ``jax.Device.id`` s left out of each step's mean
+    #: (empty when none)
+    dropped: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    #: the ``jax.Device.id`` s whose replica was repaired from the majority at each step
+    repaired: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    #: the global batch rows ``(start, stop)`` of each chunk left out, per step, in the
+    #: order of ``dropped`` (empty when the rows per device are unknown), to check the
+    #: data later
+    dropped_rows: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list)
     #: the mean over devices of each scalar entry of the step's ``aux`` (e.g. accuracy)
     metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
     #: global examples over the wall time since the previous step finished (the first
@@ -38,6 +59,10 @@ class History:
     examples_per_sec: list[float] = dataclasses.field(default_factory=list)
     # tables appended but not decoded yet, oldest first
     _tables: list[HealthTable] = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    # rows per device of each waiting table's batch (0: unknown)
+    _rows: list[int] = dataclasses.field(
         default_factory=list, init=False, repr=False, compare=False
     )
 
@@ -51,11 +76,14 @@ class History:
         table: HealthTable,
         metrics: dict[str, float] | None = None,
         examples_per_sec: float = float("nan"),
+        rows: int = 0,
     ) -> None:
         """Adds a finished step (what :func:`fit` calls once per step): its table is
-        kept as it is and decoded into the fields above when one is first read."""
+        kept as it is and decoded into the fields above when one is first read.
+        ``rows``: rows per device of the step's batch (for ``dropped_rows``)."""
         fields = object.__getattribute__(self, "__dict__")  # once: fit calls this each step
         fields["_tables"].append(table)
+        fields["_rows"].append(rows)
         fields["metrics"].append(dict(metrics) if metrics else {})
         fields["examples_per_sec"].append(float(examples_per_sec))
 
@@ -65,17 +93,32 @@ class History:
             return
         tables = waiting.copy()
         waiting.clear()  # first: the fields read below are then decoded
+        waiting_rows: list[int] = object.__getattribute__(self, "_rows")
+        rows, waiting_rows[:] = waiting_rows[: len(tables)], waiting_rows[len(tables) :]
         if len(tables) == 1:  # read after every step (a callback): no stacking
             self.loss.append(tables[0].mean_loss)
         else:
             losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
             # np.mean's value for each step: the float32 sum over the devices, divided
             self.loss.extend((np.add.reduce(losses, axis=1) / losses.shape[1]).tolist())
+        start = len(self.loss) - len(tables)
+        for k, table in enumerate(tables):
+            if table.dropped.any():  # drop: the mean over the chunks the step trained on
+                kept = table.loss[~table.dropped.astype(bool)]
+                self.loss[start + k] = float(np.add.reduce(kept) / max(kept.size, 1))
         self.step.extend(t.step for t in tables)
         self.device_loss.extend(t.loss for t in tables)
         self.device_grad_norm.extend(t.grad_norm for t in tables)
         self.status.extend(t.status for t in tables)
         self.skipped.extend(t.skipped for t in tables)
+        ids = self.device_ids
+        for table, size in zip(tables, rows + [0] * (len(tables) - len(rows)), strict=True):
+            dropped = np.flatnonzero(table.dropped)
+            self.dropped.append(tuple(int(ids[i]) for i in dropped) if ids else ())
+            repaired = np.flatnonzero(table.repaired)
+            self.repaired.append(tuple(int(ids[i]) for i in repaired) if ids else ())
+            spans = ((int(i) * size, (int(i) + 1) * size) for i in dropped)
+            self.dropped_rows.append(tuple(spans) if size else ())
 
     def __len__(self) -> int:
         return len(self.metrics)
@@ -97,8 +140,19 @@ class History:
             "device_grad_norm": np.asarray(self.device_grad_norm, np.float32).reshape(-1, n),
             "status": np.asarray(self.status, np.int32).reshape(-1, n),
             "skipped": np.asarray(self.skipped, bool),
+            "dropped": _id_array(self.dropped),
+            "repaired": _id_array(self.repaired),
             "examples_per_sec": np.asarray(self.examples_per_sec, np.float64),
         }
+
+
+def _id_array(steps: list[tuple[int, ...]]) -> np.ndarray:
+    """Device ids per step as one array, ``(steps, most in a step)``, padded with -1."""
+    width = max((len(ids) for ids in steps), default=0)
+    out = np.full((len(steps), width), -1, np.int64)
+    for i, ids in enumerate(steps):
+        out[i, : len(ids)] = ids
+    return out
 
 
 def scalar_aux(aux: Any, n: int) -> dict[str, float]:

@@ -9,6 +9,7 @@ from jaxstep.program._cross_checks import LossSpike as LossSpike
 from jaxstep.program._cross_checks import fingerprint as fingerprint
 from jaxstep.program._device import example_failed as example_failed
 from jaxstep.program._device import grad_leaves_finite as grad_leaves_finite
+from jaxstep.program._drop import memory as drop_memory
 from jaxstep.program._faults import Fault as Fault
 from jaxstep.program._faults import Injector as Injector
 from jaxstep.program._faults import float_leaves as float_leaves
@@ -27,6 +28,7 @@ __all__ = [
     "LossSpike",
     "Options",
     "body",
+    "drop_memory",
     "example_failed",
     "fingerprint",
     "float_leaves",

@@ -29,6 +29,7 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import health
 from jaxstep.program import _cross_checks as cross_checks
+from jaxstep.program import _drop as drop
 from jaxstep.program._device import DeviceWork
 from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
@@ -57,12 +58,15 @@ def body(
     also fingerprints this device's copy of the state; ``beat``: call it once the
     local part is done (before the collective)."""
     index = jax.lax.axis_index(options.axis_name)
+    repair = None
+    if options.on_failure == "drop" and replicas:  # a diverged replica is repaired first
+        state, repair = drop.repair_replicas(options, state, index)
     ctx, token = _fault_context(options, state, batch, extras, index)
     # 1. input, 2. loss and gradients, 3. local health: all before any collective.
     part = local_part(options, state, batch, ctx, token, index, beat=beat, replicas=replicas)
     # 4. the first collective, 5. the checks that compare the devices' rows.
     reduced = all_reduce(options, state, part, ctx, index)
-    status, seen, columns, extras = compare_devices(options, reduced, part, ctx, extras)
+    status, seen, columns, extras = compare_devices(options, reduced, part, ctx, extras, repair)
     # 6.-8. the verdict, the same on every device, and the update it allows.
     losses = reduced.rows[:, COL["loss"]]
     new_state, status, columns = update(
@@ -79,6 +83,9 @@ def body(
     )
     table = health.to_table(reduced.rows, {**columns, "status": status})
     metrics = {"loss": jnp.mean(losses)}
+    if options.on_failure == "drop":  # the mean over the chunks the step trained on
+        kept = ~columns["dropped"]
+        metrics = {"loss": jnp.sum(jnp.where(kept, losses, 0.0)) / jnp.maximum(jnp.sum(kept), 1)}
     info = StepInfo(checks=part.checks)
     return (
         new_state,
@@ -160,6 +167,8 @@ def local_part(
     prints = None
     if replicas:
         prints, param_leaf = replica_check(state)
+        if options.on_failure == "drop":
+            prints = None  # compared before the local part (drop.repair_replicas)
         row["param_leaf"] = param_leaf
         status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
     if beat is not None:
@@ -213,21 +222,35 @@ def all_reduce(
         jnp.where(index == 0, state.step // 65536, 0),
         jnp.where(index == 0, state.step % 65536, 0),
     ]
+    if options.on_failure == "drop" and options.max_consecutive_drops is not None:
+        # failing again, and max_consecutive_drops times in a row: counted here, in
+        # the summed columns, so the verdict needs no reduction over the devices
+        drops = state.monitor["drops"][index]
+        summed.append(summed[0] & (drops + 1 >= options.max_consecutive_drops))
     sent = health.onehot_rows(part.row, index, n, summed, jnp.concatenate(extra) if extra else None)
-    floats = _floats(part.work.model_state)
+    grads, floats = part.grads, _floats(part.work.model_state)
+    if options.on_failure == "drop":  # a failing device sends zeros: left out of the mean
+        grads, floats = drop.leave_out(summed[0], (grads, floats))
     # The gradients stay summed here: the division by n happens inside the update,
     # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
-    grad_sums, floats, gathered = jax.lax.psum((part.grads, floats, sent), options.axis_name)
-    model_state = _with_floats(part.work.model_state, jax.tree.map(lambda x: x / n, floats))
+    grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), options.axis_name)
     width = len(COLUMNS) + len(summed)
     rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
+    if options.on_failure == "drop":  # the mean over the devices not left out
+        healthy = jnp.maximum(n - counts[0], 1)
+        floats = [x / healthy.astype(x.dtype) for x in floats]
+    else:
+        floats = [x / n for x in floats]
+    model_state = _with_floats(part.work.model_state, floats)
     seen = Seen(
         failed=counts[0] > 0,
         overflow=counts[1] > 0,
         halt=counts[2] > 0,
         halted=counts[3] > 0,
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
+        failing=counts[0],
+        repeats=counts[6] > 0 if len(summed) > 6 else None,
     )
     rest = gathered[:, width:]
     status = rows[:, COL["status"]].astype(jnp.int32)
@@ -240,13 +263,22 @@ def compare_devices(
     part: LocalPart,
     ctx: Context | None,
     extras: dict[str, Any],
+    repair: drop.Repair | None = None,
 ) -> tuple[jax.Array, Seen, dict[str, jax.Array], dict[str, Any]]:
     """What the gathered rows tell that no device knew alone: which replicas diverged
-    (the fingerprints' minority) and which faults fired anywhere. Returns every
-    device's status, the step-wide facts, the table's columns changed after the gather
-    and the extras."""
+    (the fingerprints' minority; under ``drop``, ``repair`` found them before the
+    local part) and which faults fired anywhere. Returns every device's status, the
+    step-wide facts, the table's columns changed after the gather and the extras."""
     status, seen, rest = reduced.status, reduced.seen, reduced.rest
     columns: dict[str, jax.Array] = {}
+    if options.on_failure == "drop":
+        seen = seen._replace(left_out=drop.left_out(status))
+    if repair is not None:
+        added = jnp.where(repair.diverged, int(Status.DIVERGED), 0)
+        status |= added
+        seen = seen.add(added, int(halting_status(options)))
+        columns["diverged_leaf"] = repair.first
+        columns["repaired"] = repair.repaired
     if part.prints is not None:
         prints = part.prints
         diverged, first = cross_checks.minority(cross_checks.join16(rest[:, : 2 * prints.shape[0]]))
@@ -279,11 +311,21 @@ class Seen(NamedTuple):
     halt: jax.Array
     halted: jax.Array
     step: jax.Array
+    #: the devices that failed their own checks before the all-reduce, counted (float)
+    failing: jax.Array
+    #: ``drop``: which devices failed their own checks ((n,) bool; None otherwise)
+    left_out: jax.Array | None = None
+    #: a failure found after the all-reduce (``add``): leaving a device out cannot cure it
+    late: jax.Array | bool = False
+    #: ``drop``: whether a device failed ``max_consecutive_drops`` steps in a row
+    repeats: jax.Array | None = None
 
     def add(self, bits: jax.Array, halting: int) -> Seen:
         """With every device's ``bits`` (``(n,)`` Status bits) added."""
+        failed = jnp.any((bits & ~int(Status.OVERFLOW)) != 0)
         return self._replace(
-            failed=self.failed | jnp.any((bits & ~int(Status.OVERFLOW)) != 0),
+            late=self.late | failed,
+            failed=self.failed | failed,
             overflow=self.overflow | jnp.any((bits & int(Status.OVERFLOW)) != 0),
             halt=self.halt | jnp.any((bits & halting) != 0),
         )
@@ -327,11 +369,14 @@ def update(
     ``grad_sums`` are the gradients summed over the devices (divided here, inside the
     optimizer's pass). Returns the new state, every device's status and the table
     columns to write."""
-    n = options.n
+    mean: Callable[[jax.Array], jax.Array] = lambda g: g / options.n  # noqa: E731
+    if options.on_failure == "drop":  # the mean over the devices not left out
+        healthy = jnp.maximum(options.n - seen.failing, 1)
+        mean = lambda g: g / healthy.astype(g.dtype)  # noqa: E731
 
     def apply(operands: tuple[Params, PyTree, PyTree]) -> tuple[Params, PyTree, PyTree]:
         params, opt_state, _ = operands
-        grads = jax.tree.map(lambda g: g / n, grad_sums)
+        grads = jax.tree.map(mean, grad_sums)
         updates, opt_state = options.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, model_state
 
@@ -341,11 +386,13 @@ def update(
         new = apply(old)
         checked = new[0] if ctx is None else options.injector.tree("param", new[0], ctx)
         leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
-        mine = jnp.arange(n) == index
+        mine = jnp.arange(options.n) == index
         leaves = jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
         # After a bad gradient every replica's update is bad too: that is the
         # gradient's fault, so parameters are blamed only when nothing else failed.
-        bad = (leaves >= 0) & ~seen.failed & ~seen.overflow
+        # (Under drop, the failing devices' gradients are not in the update.)
+        cleared = seen.late if options.on_failure == "drop" else seen.failed
+        bad = (leaves >= 0) & ~cleared & ~seen.overflow
         columns["param_leaf"] = jnp.where(bad, leaves, -1)
         added = jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
         status = status | added
@@ -379,11 +426,13 @@ def verdict(
         status = status | added
         seen = seen.add(added, int(halting_status(options)))
     overflow, failed, must_halt = seen.overflow, seen.failed, seen.halt
+    if options.on_failure == "drop":  # what leaving the failing devices out cannot cure
+        failed = seen.late | must_halt | (seen.failing > options.dropped_limit)
     scaler, scale_state = options.loss_scale, state.loss_scale
     if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
         assert scale_state is not None  # init gave it one; a state without fails its check
         failed |= overflow & scaler.at_minimum(scale_state)
-    if options.on_failure == "skip":
+    if options.on_failure in ("skip", "drop"):
         limit = options.max_consecutive_skips
         halt_now = must_halt
         if limit is not None:
@@ -394,9 +443,18 @@ def verdict(
         skipped = jnp.array(False)
     rescaled = overflow & ~failed & ~seen.halted  # skipped on every device, not a failure
     ok = ~failed & ~overflow & ~seen.halted
+    drop_fields: dict[str, Any] = {}
+    drop_columns: dict[str, jax.Array] = {}
+    if options.on_failure == "drop":
+        bad_device, _, drop_fields, drop_columns = drop.decide(options, state, seen, ok)
+        ok &= ~bad_device
+        halt_now |= bad_device
+        failed |= bad_device
     halted = seen.halted | halt_now
     if spike is not None:
-        monitor = {"spike": spike.update(state.monitor["spike"], losses, ok)}
+        monitor = {**monitor, "spike": spike.update(state.monitor["spike"], losses, ok)}
+    if "drops" in drop_fields:
+        monitor = {**monitor, "drops": drop_fields.pop("drops")}
     consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
     columns = {
         "step": seen.step,
@@ -404,6 +462,7 @@ def verdict(
         "skipped": skipped | rescaled,
         "consecutive_skips": consecutive,
         "failed": failed,
+        **drop_columns,
     }
     fields = {
         "step": seen.step + (ok | skipped | rescaled),
@@ -411,6 +470,7 @@ def verdict(
         "consecutive_skips": consecutive,
         "total_skips": state.total_skips + skipped,
         "monitor": monitor,
+        **drop_fields,
     }
     if scaler is not None and scale_state is not None:  # both or neither (asserted above)
         fields["loss_scale"] = scaler.update(scale_state, rescaled, ok)

@@ -52,6 +52,8 @@ class Options:
     has_aux: bool = False
     on_failure: Policy = "raise"
     max_consecutive_skips: int | None = 10
+    max_dropped: int | None = None
+    max_consecutive_drops: int | None = 3
     divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY
     loss_spike: LossSpike | None = None
     verify_update: bool = False
@@ -79,11 +81,22 @@ class Options:
         set_(self, "faults", tuple(self.faults))
         set_(self, "injector", Injector(self.faults, devices))
         set_(self, "device_ids", tuple(d.id for d in devices))
+        if self.max_dropped is not None and not 0 <= self.max_dropped < self.n:
+            raise ValueError(
+                f"max_dropped must be None or 0 <= max_dropped < {self.n} (the device "
+                f"count: a step needs one healthy device), got {self.max_dropped!r}"
+            )
 
     @property
     def n(self) -> int:
         """The number of devices."""
         return len(self.device_ids)
+
+    @property
+    def dropped_limit(self) -> int:
+        """``on_failure="drop"``: the most devices one step may leave out (default:
+        fewer than half)."""
+        return (self.n - 1) // 2 if self.max_dropped is None else self.max_dropped
 
 
 def _check(options: Options) -> None:
@@ -100,10 +113,17 @@ def _check(options: Options) -> None:
     if o.backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {o.backend!r}; expected 'shard_map' or 'pmap'")
     if o.on_failure not in POLICIES:
-        raise ValueError(f"unknown on_failure policy {o.on_failure!r}; expected 'raise' or 'skip'")
+        raise ValueError(
+            f"unknown on_failure policy {o.on_failure!r}; expected 'raise', 'skip' or 'drop'"
+        )
     if not (isinstance(o.axis_name, str) and o.axis_name):
         raise TypeError(f"axis_name must be a non-empty str, got {o.axis_name!r}")
     validate.positive_or_none("max_consecutive_skips", o.max_consecutive_skips)
+    validate.positive_or_none("max_consecutive_drops", o.max_consecutive_drops)
+    if o.max_dropped is not None and (
+        isinstance(o.max_dropped, bool) or not isinstance(o.max_dropped, int)
+    ):
+        raise TypeError(f"max_dropped must be an int or None, got {o.max_dropped!r}")
     validate.positive_or_none("microbatches", o.microbatches)
     if o.loss_scale is not None and not isinstance(o.loss_scale, DynamicLossScale):
         raise TypeError(

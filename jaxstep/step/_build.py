@@ -30,6 +30,8 @@ def make_train_step(
     has_aux: bool = False,
     on_failure: Policy = "raise",
     max_consecutive_skips: int | None = 10,
+    max_dropped: int | None = None,
+    max_consecutive_drops: int | None = 3,
     divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY,
     loss_spike: LossSpike | None = None,
     verify_update: bool = False,
@@ -54,13 +56,26 @@ def make_train_step(
       has_aux: whether loss_fn returns ``(loss, aux)``.
       on_failure: ``"raise"``: a failed step freezes the state (``halted``) and
         :func:`fit` raises; ``"skip"``: the update is discarded on every device and
-        training goes on, until ``max_consecutive_skips`` failures in a row halt it.
-        A diverged replica halts under either policy.
+        training goes on, until ``max_consecutive_skips`` failures in a row halt it;
+        ``"drop"``: a device whose own checks fail (non-finite input, loss, gradient or
+        model state, or a user check) is left out of the step's mean and the update
+        uses the mean over the healthy devices (no extra collective); a step with more
+        than ``max_dropped`` failing devices, or a failure found only after the
+        all-reduce (a loss spike), is skipped as under ``"skip"``, and a replica that
+        differs from a strict majority is repaired from it inside the step (once per
+        device). A diverged replica halts under ``"raise"`` and ``"skip"``.
       max_consecutive_skips: with ``"skip"``, the N-th failed step in a row halts the
-        run (after N-1 skips) and :func:`fit` raises (None: never).
+        run (after N-1 skips) and :func:`fit` raises (None: never); with ``"drop"``
+        the same for steps skipped whole.
+      max_dropped: with ``"drop"``, the most devices one step may leave out (None:
+        fewer than half, ``(n - 1) // 2``); a step with more is skipped whole.
+      max_consecutive_drops: with ``"drop"``, a device left out this many steps in a
+        row is a bad device, not bad data: the run halts and :func:`fit` raises naming
+        it (None: never).
       divergence_every: every this many steps each device fingerprints its copy of
         the parameters and optimizer state; a device that disagrees with the majority
-        fails with ``DIVERGED`` (None: never).
+        fails with ``DIVERGED`` (None: never); under ``"drop"`` its copy is first
+        repaired from a majority replica, inside the step, once per device.
       loss_spike: a :class:`jaxstep.LossSpike` to fail devices whose loss jumps
         (``LOSS_SPIKE``); None: off.
       verify_update: also check the parameters after the update, per device, and
@@ -108,6 +123,8 @@ def make_train_step(
         has_aux=has_aux,
         on_failure=on_failure,
         max_consecutive_skips=max_consecutive_skips,
+        max_dropped=max_dropped,
+        max_consecutive_drops=max_consecutive_drops,
         divergence_every=divergence_every,
         loss_spike=loss_spike,
         verify_update=verify_update,

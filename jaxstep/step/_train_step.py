@@ -33,6 +33,7 @@ from jaxstep.core import processes
 from jaxstep.core import validate
 from jaxstep.program import Options
 from jaxstep.program import body
+from jaxstep.program import drop_memory
 from jaxstep.program import fingerprint
 from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
@@ -169,6 +170,12 @@ class TrainStep:
         opt_state = self.optimizer.init(params)
         n = len(self.devices)
         self._inputs.forget_state()  # _check_state below learns the new state's names and shape
+        drops = self.options.on_failure == "drop"
+        monitor: dict[str, Any] = {}
+        if self.options.loss_spike:
+            monitor["spike"] = self.options.loss_spike.init(n)
+        if drops:
+            monitor |= drop_memory(n)
         # Distinct arrays for every leaf: a donated buffer may appear only once.
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
@@ -178,9 +185,10 @@ class TrainStep:
             halted=jnp.zeros((), bool),
             consecutive_skips=jnp.zeros((), jnp.int32),
             total_skips=jnp.zeros((), jnp.int32),
-            monitor={"spike": self.options.loss_spike.init(n)} if self.options.loss_spike else {},
+            monitor=monitor,
             model_state=model_state,
             loss_scale=None if self.options.loss_scale is None else self.options.loss_scale.init(),
+            total_drops=jnp.zeros((), jnp.int32) if drops else None,
         )
         placed = self._backend.place_state(state)
         self._check_state(placed)  # records the state's shape

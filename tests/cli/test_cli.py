@@ -61,6 +61,19 @@ def test_demo_skips_a_transient_gradient_fault_under_the_skip_policy(capsys):
     assert "finished 8 steps" in out
 
 
+def test_demo_leaves_the_injected_nan_out_under_the_drop_policy(capsys):
+    device = jax.devices()[3].id
+    argv = ["demo", "--steps", "8", "--policy", "drop", "--inject", f"nan@device={device},step=5"]
+    code = cli.main(argv)
+    out = capsys.readouterr().out
+    assert code == cli.EXIT_OK
+    assert f"step 5 left out device {device}: non-finite input in ['image']" in out
+    assert "8 of 8 steps, 0 skipped, 1 left out" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 4}
+    assert "1 (step 5: rows" in rows[str(device)]  # the chunk left out, its batch rows
+    assert "finished 8 steps" in out
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [

@@ -54,8 +54,10 @@ def test_make_train_step_gathers_every_option_into_one_frozen_object():
 
 
 def test_options_built_directly_check_their_arguments_like_make_train_step():
-    with pytest.raises(ValueError, match="unknown on_failure policy 'drop'"):
-        Options(loss_fn, optax.sgd(0.1), on_failure="drop")
+    with pytest.raises(ValueError, match="unknown on_failure policy 'dorp'"):
+        Options(loss_fn, optax.sgd(0.1), on_failure="dorp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_dropped"):
+        Options(loss_fn, optax.sgd(0.1), on_failure="drop", max_dropped=-1)
     with pytest.raises(ValueError, match="devices is empty"):
         Options(loss_fn, optax.sgd(0.1), devices=[])
 
