@@ -309,11 +309,11 @@ def _report(
 
 def _left_out(history: History) -> dict[int, str]:
     """Per device id: the steps its chunk was left out of the mean (``drop``) and the
-    global batch rows of that chunk, e.g. ``1 (step 5: rows 80-96)``."""
+    global batch rows of that chunk, e.g. ``1 (step 5: rows 80..95)``, first and last."""
     found: dict[int, list[str]] = {}
     for step, ids, spans in zip(history.step, history.dropped, history.dropped_rows, strict=True):
         for k, device_id in enumerate(ids):
-            rows = f": rows {spans[k][0]}-{spans[k][1]}" if k < len(spans) else ""
+            rows = f": rows {spans[k][0]}..{spans[k][1] - 1}" if k < len(spans) else ""
             found.setdefault(device_id, []).append(f"step {step}{rows}")
     return {d: f"{len(s)} ({', '.join(s[:2])})" for d, s in found.items()}
 
