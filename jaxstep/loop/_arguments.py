@@ -5,19 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Mapping
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
 from jaxstep.core import TrainState
 from jaxstep.core import validate
+from jaxstep.loop._callbacks import HOOKS
 from jaxstep.loop._history import History
 
 if TYPE_CHECKING:
     from jaxstep.step import TrainStep
-
-#: The hooks fit calls on a callback; an object with none of them is never called.
-HOOKS = ("on_fit_start", "on_step_end", "on_failure", "on_fit_end")
 
 
 def check_fit(
@@ -78,7 +75,7 @@ def _callbacks(callbacks: Any) -> tuple[Any, ...]:
         return ()
     if any(hasattr(callbacks, h) for h in HOOKS):
         return (callbacks,)  # one callback object
-    if not isinstance(callbacks, (Sequence, Iterable)) or isinstance(callbacks, (str, bytes)):
+    if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, bytes)):
         raise TypeError(
             f"callbacks must be a list of callback objects, got {type(callbacks).__name__}"
         )

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from jaxstep.step import TrainStep
 
 
+#: The hooks fit calls on a callback, in the order of a run.
+HOOKS = ("on_fit_start", "on_step_end", "on_failure", "on_fit_end")
+
+
 class Callback(Protocol):
     """Hooks into :func:`fit`; define the methods you need (all optional)."""
 
