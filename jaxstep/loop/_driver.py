@@ -194,17 +194,11 @@ class Loop:
             if isinstance(lost, TrainingWorkerError):
                 raise self._report(lost, [pending.batch, *pulled]) from err
             raise lost from err
-        self.read[pending.number] = table
         now = time.perf_counter()
-        n = self.device_count
-        metrics = {} if pending.out.aux is None else scalar_aux(pending.out.aux, n)
-        self.history.append(
-            table, metrics, n * pending.rows / max(now - self.last_time, 1e-9), pending.rows
-        )
+        examples = self.device_count * pending.rows / max(now - self.last_time, 1e-9)
+        self._record(pending, table, examples)
         self.last_time = now
         self.next_step = table.step + 1
-        if self.checkpoints.waiting:
-            self.checkpoints.settled(table)
         self.callbacks.on_step_end(table)
         if table.failed and table.halted:
             error = failure_error(step, table, pending.rows, self.state, self.history)
@@ -261,6 +255,18 @@ class Loop:
         self.checkpoints.close()
         _attach(err, state, untrained, failed, saved)
 
+    def _record(
+        self, pending: Pending, table: HealthTable, examples_per_sec: float = float("nan")
+    ) -> None:
+        """A read table into the history and the checkpoints (once per step: kept in
+        :attr:`read` until the step's settling completes)."""
+        self.read[pending.number] = table
+        aux = pending.out.aux
+        metrics = {} if aux is None else scalar_aux(aux, self.device_count)
+        self.history.append(table, metrics, examples_per_sec, pending.rows)
+        if self.checkpoints.waiting:
+            self.checkpoints.settled(table)
+
     def _settle_unconfirmed(self) -> tuple[list[Any], str | None]:
         """Reads the tables of the steps whose settling did not complete (no callbacks:
         one of them may be what raised); returns the batches from the first failed one
@@ -271,12 +277,7 @@ class Loop:
             table = self.read.get(pending.number)
             if table is None:
                 table = self.step.table(pending.out)
-                metrics = {}
-                if pending.out.aux is not None:
-                    metrics = scalar_aux(pending.out.aux, self.device_count)
-                self.history.append(table, metrics, rows=pending.rows)
-                if self.checkpoints.waiting:
-                    self.checkpoints.settled(table)
+                self._record(pending, table)
             if failed is None and table.failed and table.halted:
                 first = self.step.failures(table, pending.rows)[0]
                 failed = f"step {table.step} failed too (device {first.device_id}: {first.reason})"
