@@ -75,8 +75,10 @@ class Inputs:
     def learn_checks(self, checks: Sequence[str]) -> None:
         self.names["checks"] = list(checks)
 
-    def check_state(self, state: Any) -> None:
+    def check_state(self, state: Any, *, built: bool = False) -> None:
         """Learns the first state's names and shape; checks every later one against it.
+        ``built``: the state comes from this step's ``init``, placed by it and with its
+        optimizer's state, so neither is checked again.
 
         Raises:
           TypeError: ``state`` is not a TrainState.
@@ -87,8 +89,9 @@ class Inputs:
                 f"expected a jaxstep.TrainState, got {type(state).__name__}; build the "
                 "first one with step.init(params)"
             )
-        validate.alive(state)
-        self._check_placement(state)
+        if not built:
+            validate.alive(state)
+            self._check_placement(state)
         leaves, treedef = jax.tree.flatten(state)
         shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
         if self._state_sig is None:
@@ -105,7 +108,8 @@ class Inputs:
             self.options.injector.validate(
                 {"grad": self.names["params"], "param": self.names["params"]}
             )
-            self._check_opt_state(state)
+            if not built:
+                self._check_opt_state(state)
             self._state_sig = (treedef, shapes)
         elif (treedef, shapes) != self._state_sig:
             want_def, want_shapes = self._state_sig

@@ -191,7 +191,7 @@ class TrainStep:
             total_drops=jnp.zeros((), jnp.int32) if drops else None,
         )
         placed = self._backend.place_state(state)
-        self._check_state(placed)  # records the state's shape
+        self._inputs.check_state(placed, built=True)  # records the state's shape
         return placed
 
     def __call__(
