@@ -33,6 +33,8 @@ from jaxstep.core import TrainState
 from jaxstep.core import WeightedLoss
 from jaxstep.loop import Diagnosis
 from jaxstep.loop import History
+from jaxstep.loop import Recover
+from jaxstep.loop import Recovery
 from jaxstep.loop import diagnose
 from jaxstep.loop import fit
 from jaxstep.loop import replica_state
@@ -60,6 +62,8 @@ __all__ = [
     "JsonlWriter",
     "LossSpike",
     "Progress",
+    "Recover",
+    "Recovery",
     "Status",
     "StepOutput",
     "TensorBoardWriter",

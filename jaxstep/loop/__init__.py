@@ -12,6 +12,8 @@ from jaxstep.loop._driver import Pending as Pending
 from jaxstep.loop._failure import replica_state as replica_state
 from jaxstep.loop._fit import fit as fit
 from jaxstep.loop._history import History as History
+from jaxstep.loop._history import Recovery as Recovery
+from jaxstep.loop._recover import Recover as Recover
 
 __all__ = [
     "Callback",
@@ -20,6 +22,8 @@ __all__ = [
     "History",
     "Loop",
     "Pending",
+    "Recover",
+    "Recovery",
     "diagnose",
     "fit",
     "replica_state",

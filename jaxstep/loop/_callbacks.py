@@ -14,11 +14,12 @@ from jaxstep.core import TrainingWorkerError
 
 if TYPE_CHECKING:
     from jaxstep.loop._history import History
+    from jaxstep.loop._history import Recovery
     from jaxstep.step import TrainStep
 
 
 #: The hooks fit calls on a callback, in the order of a run.
-HOOKS = ("on_fit_start", "on_step_end", "on_failure", "on_fit_end")
+HOOKS = ("on_fit_start", "on_step_end", "on_recovery", "on_failure", "on_fit_end")
 
 
 class Callback(Protocol):
@@ -27,6 +28,8 @@ class Callback(Protocol):
     def on_fit_start(self, step: TrainStep, history: History) -> None: ...
 
     def on_step_end(self, table: HealthTable) -> None: ...
+
+    def on_recovery(self, record: Recovery) -> None: ...
 
     def on_failure(self, error: TrainingWorkerError) -> None: ...
 
@@ -49,12 +52,13 @@ class Callbacks:
     1
     """
 
-    __slots__ = ("_end", "_failure", "_start", "_step_end")
+    __slots__ = ("_end", "_failure", "_recovery", "_start", "_step_end")
 
     def __init__(self, callbacks: Iterable[object] = ()):
         callbacks = list(callbacks)
         self._start = _bound(callbacks, "on_fit_start")
         self._step_end = _bound(callbacks, "on_step_end")
+        self._recovery = _bound(callbacks, "on_recovery")
         self._failure = _bound(callbacks, "on_failure")
         self._end = _bound(callbacks, "on_fit_end")
 
@@ -66,6 +70,12 @@ class Callbacks:
         """After ``history`` has the step (the hot path: a loop over the bound hooks)."""
         for hook in self._step_end:
             hook(table)
+
+    def on_recovery(self, record: Recovery) -> None:
+        """After ``fit(..., recover=...)`` acted on a failure (``history.recoveries``
+        has the record already)."""
+        for hook in self._recovery:
+            hook(record)
 
     def on_failure(self, error: TrainingWorkerError) -> None:
         for hook in self._failure:
