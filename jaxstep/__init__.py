@@ -23,6 +23,7 @@ from jaxstep import testing
 from jaxstep.callbacks import JsonlWriter
 from jaxstep.callbacks import Progress
 from jaxstep.callbacks import TensorBoardWriter
+from jaxstep.checkpoint import read_quarantine
 from jaxstep.checkpoint import restore
 from jaxstep.core import Failure
 from jaxstep.core import HealthTable
@@ -76,6 +77,7 @@ __all__ = [
     "fit",
     "make_train_step",
     "plot",
+    "read_quarantine",
     "replica_state",
     "restore",
     "testing",

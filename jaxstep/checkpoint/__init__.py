@@ -4,8 +4,18 @@ them (docs/checkpoints.md)."""
 
 from jaxstep.checkpoint._emergency import Emergency as Emergency
 from jaxstep.checkpoint._emergency import read_emergency as read_emergency
+from jaxstep.checkpoint._quarantine import append_quarantine as append_quarantine
+from jaxstep.checkpoint._quarantine import read_quarantine as read_quarantine
 from jaxstep.checkpoint._saver import FitCheckpoints as FitCheckpoints
 from jaxstep.checkpoint._store import Store as Store
 from jaxstep.checkpoint._store import restore as restore
 
-__all__ = ["Emergency", "FitCheckpoints", "Store", "read_emergency", "restore"]
+__all__ = [
+    "Emergency",
+    "FitCheckpoints",
+    "Store",
+    "append_quarantine",
+    "read_emergency",
+    "read_quarantine",
+    "restore",
+]

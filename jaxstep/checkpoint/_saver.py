@@ -169,10 +169,12 @@ class FitCheckpoints:
                 )
         return state, source, cls(step, store, checkpoint_every, source, first)
 
-    def before(self, state: TrainState) -> bool:
+    def before(self, state: TrainState, index: int | None = None) -> bool:
         """Called with each state just before it is dispatched (and donated). Returns
         whether this step must run the replica check: at a checkpoint step, on every
-        process alike (the same program everywhere), so the checkpoint is verified."""
+        process alike (the same program everywhere), so the checkpoint is verified.
+        ``index``: the source's count before the batch about to run (default: the batch
+        pulled last), the data position a checkpoint of ``state`` resumes from."""
         number = self.number
         self.number += 1
         check = self.every is not None and self.store is not None and number % self.every == 0
@@ -180,8 +182,8 @@ class FitCheckpoints:
             return check
         if self._layout is None:
             self._layout = Layout.of(state, stacked=self.step.stacked)
-        # The batch for this step was pulled just before: the position is before it.
-        position = self.source.position(self.source.count - 1)
+        # The position before the batch of this step (by default the one pulled last).
+        position = self.source.position(self.source.count - 1 if index is None else index)
         if self._key is not None:  # published before the step runs: the writer reads
             # it once the step's collective finished, so it is there by then
             coordination.publish(f"{self._key}{number}", position.to_json())
@@ -247,23 +249,49 @@ class FitCheckpoints:
             "time": time.time(),
         }
 
+    def rewind(self, number: int) -> None:
+        """The next state :meth:`before` sees is step ``number`` (a recovery went back
+        or retries a step); a snapshot waiting for a step that did not count is let go."""
+        self.number = number
+        if self._snap is not None and self._snap.number >= number:
+            self._snap = None
+
+    @property
+    def saved_up_to(self) -> int | None:
+        """The newest step whose checkpoint is written or queued (None: none)."""
+        return max(self._done, default=None)
+
+    def latest_verified(self) -> int | None:
+        """The step of the newest verified checkpoint written (queued writes waited
+        for), or None: none, or no checkpoint directory."""
+        if self.store is None:
+            return None
+        self.drain(_DRAIN_TIMEOUT)
+        return self.store.latest_verified()
+
     def drain(self, timeout: float | None = None) -> None:
         """Waits for the queued writes."""
         concurrent.futures.wait(self._futures, timeout=timeout)
 
-    def failed(self, error: TrainingWorkerError, batches: Sequence[Any]) -> TrainingWorkerError:
+    def failed(
+        self, error: TrainingWorkerError, batches: Sequence[Any], first: int | None = None
+    ) -> TrainingWorkerError:
         """The error with ``batches`` (the failing batch first), and, with a checkpoint
-        directory, the emergency save and the latest verified checkpoint named."""
+        directory, the emergency save and the latest verified checkpoint named.
+        ``first``: the source's count before the first of ``batches`` (default: they
+        are the last ones pulled)."""
         error = error.replace(batches=list(batches))
         if self.store is None:
             return error
         self.drain(_DRAIN_TIMEOUT)
+        if first is None:
+            first = self.source.count - len(error.batches)
         try:
-            return self._save_and_name(error)
+            return self._save_and_name(error, first)
         finally:
             self.close()
 
-    def _save_and_name(self, error: TrainingWorkerError) -> TrainingWorkerError:
+    def _save_and_name(self, error: TrainingWorkerError, first: int) -> TrainingWorkerError:
         assert self.store is not None
         note = error.note
         try:
@@ -271,7 +299,7 @@ class FitCheckpoints:
                 self.store.directory,
                 error,
                 meta=self._meta(error.step, verified=False),
-                failing=self.source.position(self.source.count - len(error.batches)),
+                failing=self.source.position(first),
                 stacked=self.step.stacked,
                 devices=self.step.devices,
             )
@@ -290,10 +318,11 @@ class FitCheckpoints:
             )
         return error.replace(checkpoint=path, note=note)
 
-    def stopped(self, state: TrainState, untrained: int) -> str | None:
+    def stopped(self, state: TrainState, untrained: int, first: int | None = None) -> str | None:
         """``fit`` stops early (Ctrl-C, an exception): saves ``state`` as the checkpoint
         of its step, verified when its replicas agree, with the data position before the
-        ``untrained`` batches pulled last, so ``resume=True`` goes on from it. Returns
+        ``untrained`` batches pulled last (or before the source's ``first``-th batch), so
+        ``resume=True`` goes on from it. Returns
         where, or None (no checkpoint directory; several processes, whose positions
         would need every peer: their latest periodic checkpoint stands)."""
         if self.store is None:
@@ -309,7 +338,7 @@ class FitCheckpoints:
         verified = self.step.replicas_agree(state)
         stacked = self.step.stacked
         layout = self._layout or Layout.of(state, stacked=stacked)
-        position = self.source.position(self.source.count - untrained)
+        position = self.source.position(self.source.count - untrained if first is None else first)
         meta = self._meta(number, verified=verified)
         meta.update(
             data=position.to_json(),

@@ -8,11 +8,12 @@ from jaxstep.loop._callbacks import Callbacks as Callbacks
 from jaxstep.loop._diagnose import Diagnosis as Diagnosis
 from jaxstep.loop._diagnose import diagnose as diagnose
 from jaxstep.loop._driver import Loop as Loop
-from jaxstep.loop._driver import Pending as Pending
 from jaxstep.loop._failure import replica_state as replica_state
 from jaxstep.loop._fit import fit as fit
 from jaxstep.loop._history import History as History
 from jaxstep.loop._history import Recovery as Recovery
+from jaxstep.loop._pending import Item as Item
+from jaxstep.loop._pending import Pending as Pending
 from jaxstep.loop._recover import Recover as Recover
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Callbacks",
     "Diagnosis",
     "History",
+    "Item",
     "Loop",
     "Pending",
     "Recover",

@@ -6,6 +6,7 @@ it) and :meth:`Loop.finish`."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import sys
@@ -15,7 +16,6 @@ from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
-from typing import NamedTuple
 
 from jaxstep import distributed
 from jaxstep.core import HealthTable
@@ -27,20 +27,16 @@ from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History
 from jaxstep.loop._history import scalar_aux
+from jaxstep.loop._pending import Item
+from jaxstep.loop._pending import Pending
+from jaxstep.loop._pending import Recovered
+from jaxstep.loop._recover import Recover
+from jaxstep.loop._recover import Recovery
 from jaxstep.loop._watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from jaxstep.checkpoint import FitCheckpoints
     from jaxstep.step import TrainStep
-
-
-class Pending(NamedTuple):
-    """A dispatched step whose health table has not been read yet."""
-
-    out: StepOutput
-    batch: Any
-    number: int  # the step it runs (as counted from the state fit started with)
-    rows: int  # rows per device of its batch, as this process passed it
 
 
 class Loop:
@@ -66,7 +62,10 @@ class Loop:
         "number",
         "pending",
         "presplit",
+        "pulled",
+        "queue",
         "read",
+        "recovery",
         "state",
         "step",
         "unconfirmed",
@@ -85,6 +84,7 @@ class Loop:
         diagnose: bool = False,
         step_timeout: float | None = None,
         presplit: bool = False,
+        recover: Recover | None = None,
     ):
         self.step = step
         self.state = state
@@ -107,6 +107,9 @@ class Loop:
         self.unconfirmed: list[Pending] = []
         self.read: dict[int, HealthTable] = {}
         self.interrupted = False  # a first Ctrl-C: stop after the step in flight
+        self.queue: collections.deque[Item] = collections.deque()  # to dispatch, in order
+        self.pulled = 0  # batches pulled from the source (advance's calls)
+        self.recovery = None if recover is None else Recovery(recover, self)
 
     def start(self) -> None:
         """Checks that the state is not halted, then starts the run: the history's
@@ -129,18 +132,40 @@ class Loop:
     def advance(self, batch: Any) -> None:
         """Dispatches ``batch``, then settles the step before it (finished by now: the
         host never waits on the step it just dispatched). With the step watchdog the
-        step has finished when its dispatch returns: it is settled at once.
+        step has finished when its dispatch returns: it is settled at once. Under
+        ``recover`` a failure that is recovered queues its batches again: they are
+        dispatched here, before this call returns.
 
         Raises:
           ValueError, TypeError: ``batch`` was rejected before it ran (after any failure
             of the step before it); ``error.state`` holds the state before it.
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
+        self.queue.append(Item(batch, self.pulled))
+        self.pulled += 1
+        self._run_queue()
+
+    def _run_queue(self) -> None:
+        while self.queue:
+            item = self.queue.popleft()
+            try:
+                self._advance(item)
+            except Recovered:
+                continue
+
+    def _advance(self, item: Item) -> None:
+        """:meth:`advance` for one queued batch."""
         watchdog, pending = self.watchdog, self.pending
-        self.held = batch
-        check = self.checkpoints.before(self.state)  # a checkpoint step: check replicas
+        self.held = item
+        batch = item.batch
+        # a checkpoint step: check replicas
+        check = self.checkpoints.before(self.state, item.seq)
         try:
-            if watchdog is not None:
+            if item.drop:  # a data recovery: the failing chunks left out of the mean
+                self.state, out = self.step._internals.rerun_dropping(
+                    self.state, batch, presplit=self.presplit
+                )
+            elif watchdog is not None:
                 self.state, out = watchdog.run(
                     self.state, batch, self.next_step, check, presplit=self.presplit
                 )
@@ -152,29 +177,33 @@ class Loop:
         except (ValueError, TypeError) as err:
             self.pending = None
             if pending is not None:  # a failure of the previous step comes first
-                self.settle(pending, [batch])
+                self.settle(pending, [item])
             err.state = self.state  # type: ignore[union-attr]
             raise
         except TrainingWorkerError as err:  # a hung step
             self.held = None
-            raise self._report(err, [batch]) from None
+            raise self._report(err, [item]) from None
         self.held = None
         number = self.number
         self.number = number + 1
-        new = self.pending = Pending(out, batch, number, self.step._internals.rows_per_device)
+        rows = self.step._internals.rows_per_device
+        new = self.pending = Pending(out, batch, number, rows, item)
+        if self.recovery is not None:
+            self.recovery.dispatched(new)
         self.unconfirmed.append(new)
         if pending is not None:
-            self.settle(pending, [batch])
+            self.settle(pending, [item])
         if watchdog is not None:
             self.pending = None
             self.settle(new)
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
 
-    def settle(self, pending: Pending, pulled: Sequence[Any] = ()) -> None:
+    def settle(self, pending: Pending, pulled: Sequence[Item] = ()) -> None:
         """Reads ``pending``'s health table and appends it to the history; the
         checkpoints and the callbacks see it. ``pulled``: the batches pulled after it,
-        which its failure must hand back untrained.
+        which its failure must hand back untrained. Under ``recover`` a failure may be
+        recovered instead (:class:`Recovered` is raised once the loop is reset).
 
         Raises:
           TrainingWorkerError: the step failed (``error.state``: the last good state,
@@ -186,13 +215,13 @@ class Loop:
                 distributed.wait_ready(pending.out.health, pending.number, step.devices)
             table = step.table(pending.out)
         except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
-            raise self._report(err, [pending.batch, *pulled]) from None
+            raise self._report(err, [pending, *pulled]) from None
         except Exception as err:  # a collective failed: a lost peer is the likely cause
             if not self.watch_peers:
                 raise
             lost = distributed.lost_after(err, pending.number, step.devices)
             if isinstance(lost, TrainingWorkerError):
-                raise self._report(lost, [pending.batch, *pulled]) from err
+                raise self._report(lost, [pending, *pulled]) from err
             raise lost from err
         now = time.perf_counter()
         examples = self.device_count * pending.rows / max(now - self.last_time, 1e-9)
@@ -200,23 +229,33 @@ class Loop:
         self.last_time = now
         self.next_step = table.step + 1
         self.callbacks.on_step_end(table)
+        if self.recovery is not None:
+            self.recovery.settled(pending, table)
         if table.failed and table.halted:
             error = failure_error(step, table, pending.rows, self.state, self.history)
-            if self.diagnose:
+            if self.recovery is not None:  # raises Recovered, or says why it did not
+                error = self.recovery.attempt(pending, table, error)
+            if self.diagnose and error.diagnosis is None:
                 from jaxstep.loop._diagnose import diagnose as replay
 
                 error = error.with_diagnosis(replay(step, error, pending.batch))
             # Nothing pulled is lost: the failing batch and those after it, untrained.
-            raise self._report(error, [pending.batch, *pulled])
+            raise self._report(error, [pending, *pulled])
         self.read.pop(pending.number, None)
         if self.unconfirmed and self.unconfirmed[0] is pending:
             self.unconfirmed.pop(0)
 
     def drain(self) -> None:
-        """Settles the step still in flight, if any (after the last batch)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.settle(pending)
+        """Settles the step still in flight, if any (after the last batch), and, when
+        that recovers a failure, trains the batches it queued again."""
+        while True:
+            pending, self.pending = self.pending, None
+            if pending is None:
+                return
+            try:
+                self.settle(pending)
+            except Recovered:
+                self._run_queue()
 
     def abandon(self, err: BaseException) -> None:
         """An exception (``err``) leaves fit. With peer processes, first lets the newest
@@ -234,11 +273,10 @@ class Loop:
             self.checkpoints.close()
             return
         try:
-            untrained, failed = self._settle_unconfirmed()
+            left, failed = self._settle_unconfirmed()
         except Exception as why:  # the steps in flight cannot be read: say so, lose nothing
-            untrained, failed = [p.batch for p in self.unconfirmed], f"(unread: {why!r})"
-        if self.held is not None:
-            untrained.append(self.held)
+            left, failed = list(self.unconfirmed), f"(unread: {why!r})"
+        untrained, first = self._untrained([*left, self.held, *self.queue])
         state: TrainState | None = self.state
         try:
             validate.alive(state)
@@ -249,7 +287,7 @@ class Loop:
         saved = None
         if state is not None and self.last is not None:  # something trained: keep it
             try:
-                saved = self.checkpoints.stopped(state, len(untrained))
+                saved = self.checkpoints.stopped(state, len(untrained), first)
             except Exception as why:
                 err.add_note(f"jaxstep: saving the state on the way out failed: {why!r}")
         self.checkpoints.close()
@@ -267,11 +305,24 @@ class Loop:
         if self.checkpoints.waiting:
             self.checkpoints.settled(table)
 
-    def _settle_unconfirmed(self) -> tuple[list[Any], str | None]:
+    def _untrained(self, left: Sequence[Pending | Item | None]) -> tuple[list[Any], int | None]:
+        """The batches of ``left`` (steps in flight, the batch held, the queue), in the
+        order they were pulled, and the index of the first (None: unknown); empties the
+        queue, which ``left`` holds."""
+        self.queue.clear()
+        known = [u for u in left if u is not None]
+        order = [u.item if isinstance(u, Pending) else u for u in known]
+        if all(item is not None for item in order):
+            pairs = sorted(zip(order, known, strict=True), key=lambda p: p[0].seq)  # type: ignore[union-attr]
+            known = [u for _, u in pairs]
+        first = min((i.seq for i in order if i is not None), default=None)
+        return [u.batch for u in known], first
+
+    def _settle_unconfirmed(self) -> tuple[list[Pending], str | None]:
         """Reads the tables of the steps whose settling did not complete (no callbacks:
-        one of them may be what raised); returns the batches from the first failed one
+        one of them may be what raised); returns the steps from the first failed one
         on (untrained: a halted state changed nothing after it) and that failure."""
-        untrained: list[Any] = []
+        untrained: list[Pending] = []
         failed: str | None = None
         for pending in self.unconfirmed:
             table = self.read.get(pending.number)
@@ -282,7 +333,7 @@ class Loop:
                 first = self.step.failures(table, pending.rows)[0]
                 failed = f"step {table.step} failed too (device {first.device_id}: {first.reason})"
             if failed is not None:
-                untrained.append(pending.batch)
+                untrained.append(pending)
         self.unconfirmed.clear()
         self.pending = None
         return untrained, failed
@@ -324,10 +375,16 @@ class Loop:
         self.callbacks.on_fit_end(self.history)
         return self.state
 
-    def _report(self, error: TrainingWorkerError, batches: Sequence[Any]) -> TrainingWorkerError:
-        """A failure, a hang or a lost peer: the untrained ``batches`` (failing batch
-        first) and the emergency save go on the error, and the callbacks hear of it."""
-        error = self.checkpoints.failed(error, batches)
+    def _report(
+        self, error: TrainingWorkerError, untrained: Sequence[Pending | Item]
+    ) -> TrainingWorkerError:
+        """A failure, a hang or a lost peer: the ``untrained`` batches (failing batch
+        first, then those pulled after it and those a recovery queued) and the emergency
+        save go on the error, and the callbacks hear of it."""
+        batches, first = self._untrained([*untrained, *self.queue])
+        error = self.checkpoints.failed(error, batches, first)
+        if self.recovery is not None:
+            error = self.recovery.noted(error)
         self.callbacks.on_failure(error)
         return error
 

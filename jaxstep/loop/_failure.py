@@ -4,12 +4,14 @@ state (rebuilt from a healthy replica when one diverged) and a note on how good 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.core import Failure
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
@@ -26,13 +28,11 @@ def failure_error(
     is. ``rows``: rows per device of the failing batch, as this process passed it."""
     failures = step.failures(table, rows)
     note = None
-    bad = {f.device_id for f in failures}
-    here = jax.process_index()  # a healthy copy this process can read
-    good = [i for i, d in enumerate(step.devices) if d.id not in bad and d.process_index == here]
-    if any(f.status & Status.DIVERGED for f in failures) and good:
-        state = replica_state(step, current, good[0])
+    good = majority_position(step, failures)
+    if good is not None:
+        state = replica_state(step, current, good)
         note = (
-            f"error.state was rebuilt from the copy on device {step.devices[good[0]].id}, "
+            f"error.state was rebuilt from the copy on device {step.devices[good].id}, "
             "which agrees with the majority"
         )
     elif any(f.status & Status.DIVERGED for f in failures):
@@ -75,6 +75,17 @@ def failure_error(
                 failures, state=state, note=note, history=history, state_is_good=False
             )
     return TrainingWorkerError(failures, state=state, note=note, history=history)
+
+
+def majority_position(step: TrainStep, failures: Sequence[Failure]) -> int | None:
+    """When a replica diverged: the position of a device this process holds whose copy
+    agrees with the majority (None: none, or no replica diverged)."""
+    if not any(f.status & Status.DIVERGED for f in failures):
+        return None
+    bad = {f.device_id for f in failures}
+    here = jax.process_index()  # a healthy copy this process can read
+    good = [i for i, d in enumerate(step.devices) if d.id not in bad and d.process_index == here]
+    return good[0] if good else None
 
 
 def _repeated_drops(step: TrainStep, table: HealthTable) -> list[int]:

@@ -18,6 +18,7 @@ from jaxstep.loop._arguments import check_fit
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._driver import Loop
 from jaxstep.loop._history import History
+from jaxstep.loop._recover import Recover
 from jaxstep.step import TrainStep
 
 
@@ -36,6 +37,7 @@ def fit(
     keep: int | None = 3,
     resume: bool = False,
     presplit: bool = False,
+    recover: Recover | None = None,
 ) -> TrainState:
     """Trains ``state`` on ``batches`` and returns the final state.
 
@@ -74,6 +76,12 @@ def fit(
       presplit: every batch is pre-split ``(n_devices, per_device, ...)``, as pmap code
         builds it (``step(state, batch, presplit=True)`` for each); ``error.batches``
         hands them back as they were given.
+      recover: a :class:`jaxstep.Recover`: act on each failure's verdict and go on
+        instead of raising (within ``max_recoveries``): a transient fault is retried, bad
+        examples are left out of the step and quarantined, a bad device is left out of
+        the run (``step.devices`` shrinks), a loss spike or a diverged replica is rolled
+        back to the last verified checkpoint, a hang exits for a restart. Each action is a
+        :class:`jaxstep.Recovery` in ``history.recoveries`` (docs/recovery.md).
       resume: restore the latest verified checkpoint of ``checkpoint_dir`` (if any)
         instead of ``state``, which then only gives the expected structure, and go
         on from its data position.
@@ -124,6 +132,7 @@ def fit(
         diagnose=diagnose,
         step_timeout=step_timeout,
         presplit=presplit,
+        recover=recover,
     )
     try:
         loop.start()

@@ -17,6 +17,32 @@ Each action is a :class:`~jaxstep.loop.Recovery` in ``History.recoveries``.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import NoReturn
+
+import numpy as np
+
+from jaxstep.checkpoint import append_quarantine
+from jaxstep.checkpoint import restore
+from jaxstep.core import HealthTable
+from jaxstep.core import Status
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+from jaxstep.core import validate
+from jaxstep.loop._diagnose import Diagnosis
+from jaxstep.loop._diagnose import diagnose
+from jaxstep.loop._failure import majority_position
+from jaxstep.loop._history import Recovery as RecoveryRecord
+from jaxstep.loop._pending import Item
+from jaxstep.loop._pending import Pending
+from jaxstep.loop._pending import Recovered
+
+if TYPE_CHECKING:
+    from jaxstep.loop._driver import Loop
+
+log = logging.getLogger("jaxstep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,3 +86,292 @@ class Recover:
                 f"Recover(rollback_batches=...) must be None or an int >= 1 (the spike's "
                 f"batch and the k - 1 before it are skipped), got {k!r}"
             )
+
+
+class Recovery:
+    """What one fit call's recoveries hold between failures (the :class:`Loop` has
+    one when ``fit(..., recover=...)``): the budget spent, the retries of each batch,
+    and the steps since the last verified checkpoint (a rollback trains them again).
+
+    :meth:`attempt` acts on a failed step's verdict: it resets the loop (the new state,
+    the batches to train queued again) and raises :class:`Recovered`, or returns the
+    error to raise, with a note saying why it was not recovered.
+    """
+
+    def __init__(self, options: Recover, loop: Loop):
+        self.options = options
+        self.loop = loop
+        self.retried: dict[int, int] = {}  # retries by batch (its Item.seq)
+        # (step number, item) of each dispatched step since the last verified
+        # checkpoint, oldest first: what a rollback trains again
+        self.kept: list[tuple[int, Item]] = []
+        self.rolls_back = loop.checkpoints.store is not None
+
+    @property
+    def records(self) -> list[RecoveryRecord]:
+        return self.loop.history.recoveries
+
+    def dispatched(self, pending: Pending) -> None:
+        """A step was dispatched: kept for a rollback until a newer checkpoint."""
+        if self.rolls_back and pending.item is not None:
+            self.kept.append((pending.number, pending.item))
+
+    def settled(self, pending: Pending, table: HealthTable) -> None:
+        """A step's table was read: a replica the step repaired (``drop``) is recorded,
+        and the steps a newer checkpoint holds are let go."""
+        if table.repaired.any():
+            ids = tuple(self.loop.step.devices[i].id for i in np.flatnonzero(table.repaired))
+            self._record(
+                RecoveryRecord(
+                    table.step,
+                    "diverged",
+                    "repaired",
+                    ids,
+                    batch=self._batch(pending.item),
+                    detail="copied from a majority replica inside the step (on_failure='drop')",
+                )
+            )
+        saved = self.loop.checkpoints.saved_up_to
+        if self.kept and saved is not None and self.kept[0][0] < saved:
+            self.kept = [(n, item) for n, item in self.kept if n >= saved]
+
+    def attempt(
+        self, pending: Pending, table: HealthTable, error: TrainingWorkerError
+    ) -> TrainingWorkerError:
+        """Acts on the failure of ``pending`` (``error``, from its ``table``): raises
+        :class:`Recovered` once the loop goes on, or returns the error to raise."""
+        if len(self.records) >= self.options.max_recoveries:
+            return _noted(
+                error,
+                f"not recovered: the budget of max_recoveries={self.options.max_recoveries} "
+                "recoveries is spent",
+            )
+        status = Status(0)
+        for failure in error.failures:
+            status |= failure.status
+        if status & Status.DIVERGED:
+            return self._diverged(pending, error)
+        if status & Status.LOSS_SPIKE:
+            return self._spike(pending, error)
+        found = self._verdict(pending, error)
+        error = error.with_diagnosis(found)
+        if found.verdict == "transient":
+            return self._retry(pending, error)
+        if found.verdict == "data":
+            return self._quarantine(pending, error, found)
+        if found.verdict == "device":
+            return self._exclude(pending, error, found)
+        return _noted(error, f"not recovered: the replay's verdict is {found.verdict!r}")
+
+    def noted(self, error: TrainingWorkerError) -> TrainingWorkerError:
+        """``error`` (about to leave fit) with the recoveries made before it listed."""
+        if not self.records:
+            return error
+        lines = [
+            f"fit recovered {len(self.records)} failure(s) before this one "
+            f"(max_recoveries={self.options.max_recoveries}):"
+        ]
+        lines += [f"  {record}" for record in self.records]
+        return _noted(error, "\n".join(lines))
+
+    # -- the verdicts --------------------------------------------------------------
+
+    def _verdict(self, pending: Pending, error: TrainingWorkerError) -> Diagnosis:
+        return diagnose(self.loop.step, error, pending.batch)
+
+    def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
+        item = _item(pending)
+        done = self.retried.get(item.seq, 0)
+        if done >= self.options.retries:
+            return _noted(
+                error,
+                f"not recovered: the step was retried {done} time(s) already "
+                f"(Recover(retries={self.options.retries}))",
+            )
+        self.retried[item.seq] = done + 1
+        record = RecoveryRecord(
+            error.step,
+            "transient",
+            "retried",
+            _ids(error),
+            batch=self._batch(item),
+            detail="the same batch again from the last good state",
+        )
+        self._resume(pending, error.state, [item], record)
+
+    def _quarantine(
+        self, pending: Pending, error: TrainingWorkerError, found: Diagnosis
+    ) -> TrainingWorkerError:
+        item = _item(pending)
+        if not self.options.quarantine:
+            return _noted(error, "not recovered: Recover(quarantine=False)")
+        if item.drop:
+            return _noted(
+                error, "not recovered: the step failed again with the failing chunks left out"
+            )
+        devices = found.root_devices or _ids(error)
+        record = RecoveryRecord(
+            error.step,
+            "data",
+            "quarantined",
+            devices,
+            examples=found.examples,
+            batch=self._batch(item),
+            detail="the step again with the chunks holding them left out of the mean",
+        )
+        store = self.loop.checkpoints.store
+        if store is not None and record.batch is not None:
+            append_quarantine(
+                store.directory,
+                step=error.step,
+                batch=record.batch,
+                examples=found.examples,
+                batch_size=validate.batch(pending.batch, 1)
+                if not self.loop.presplit
+                else len(self.loop.step.join(pending.batch)),
+                device_ids=devices,
+            )
+        self._resume(pending, error.state, [item._replace(drop=True)], record)
+
+    def _exclude(
+        self, pending: Pending, error: TrainingWorkerError, found: Diagnosis
+    ) -> TrainingWorkerError:
+        if not self.options.exclude_devices:
+            return _noted(error, "not recovered: Recover(exclude_devices=False)")
+        step = self.loop.step
+        ids = _ids(error)
+        if len(ids) >= len(step.devices):
+            return _noted(error, "not recovered: every device failed")
+        state = step.exclude_devices(ids, error.state)
+        self.loop.device_count = len(step.devices)
+        item = _item(pending)
+        record = RecoveryRecord(
+            error.step,
+            "device",
+            "excluded",
+            ids,
+            batch=self._batch(item),
+            detail=f"training goes on on the other {len(step.devices)} device(s)",
+        )
+        self._resume(pending, state, [item], record)
+
+    def _spike(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
+        k = self.options.rollback_batches
+        if k is None:
+            return _noted(error, "not recovered: a loss spike needs Recover(rollback_batches=k)")
+        back = self._since_checkpoint(pending, error)
+        if isinstance(back, TrainingWorkerError):
+            return back
+        c, since = back
+        skip = [(n, item) for n, item in since if n > pending.number - k]
+        again = [item for n, item in since if n <= pending.number - k]
+        record = RecoveryRecord(
+            error.step,
+            "spike",
+            "rolled back",
+            _ids(error),
+            skipped_batches=tuple(b for _, item in skip if (b := self._batch(item)) is not None),
+            batch=self._batch(_item(pending)),
+            detail=f"restored the checkpoint of step {c}; {len(again)} batch(es) since it "
+            "trained again",
+        )
+        self._resume(pending, self._restore(c), again, record)
+
+    def _diverged(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
+        back = self._since_checkpoint(pending, error)
+        if not isinstance(back, TrainingWorkerError):
+            c, since = back
+            record = RecoveryRecord(
+                error.step,
+                "diverged",
+                "rolled back",
+                _ids(error),
+                batch=self._batch(_item(pending)),
+                detail=f"restored the checkpoint of step {c}; {len(since)} batch(es) since it "
+                "trained again",
+            )
+            self._resume(pending, self._restore(c), [item for _, item in since], record)
+        if not error.state_is_good or majority_position(self.loop.step, error.failures) is None:
+            return back
+        record = RecoveryRecord(
+            error.step,
+            "diverged",
+            "repaired",
+            _ids(error),
+            batch=self._batch(_item(pending)),
+            detail="the state rebuilt from a replica that agrees with the majority, "
+            "the step run again",
+        )
+        self._resume(pending, error.state, [_item(pending)], record)
+
+    # -- shared --------------------------------------------------------------------
+
+    def _since_checkpoint(
+        self, pending: Pending, error: TrainingWorkerError
+    ) -> tuple[int, list[tuple[int, Item]]] | TrainingWorkerError:
+        """The last verified checkpoint at or before the failing step, and the steps
+        from it to the failing one (included), or the error to raise."""
+        c = self.loop.checkpoints.latest_verified()
+        if c is None or c > pending.number:
+            return _noted(
+                error,
+                "not recovered: no verified checkpoint to go back to "
+                "(fit(checkpoint_dir=..., checkpoint_every=...))",
+            )
+        since = [(n, item) for n, item in self.kept if c <= n <= pending.number]
+        if [n for n, _ in since] != list(range(c, pending.number + 1)):
+            return _noted(
+                error, f"not recovered: the batches since the checkpoint of step {c} are gone"
+            )
+        return c, since
+
+    def _restore(self, number: int) -> TrainState:
+        store = self.loop.checkpoints.store
+        assert store is not None
+        return restore(self.loop.step, store.directory, at=number)
+
+    def _resume(
+        self, pending: Pending, state: Any, items: list[Item], record: RecoveryRecord
+    ) -> NoReturn:
+        """Resets the loop to go on from ``state`` with ``items``, then the batches in
+        flight after ``pending`` (they ran on a halted state: nothing of them trained),
+        records ``record`` and raises :class:`Recovered`."""
+        loop = self.loop
+        later = [p.item for p in loop.unconfirmed if p.number > pending.number]
+        if loop.held is not None:
+            later.append(loop.held)
+        loop.queue.extendleft(reversed([*items, *(i for i in later if i is not None)]))
+        loop.unconfirmed.clear()
+        loop.read.clear()
+        loop.pending = loop.held = None
+        loop.state = state
+        number = int(np.asarray(loop.step.first_copy(state.step)))
+        loop.number = loop.next_step = number
+        loop.checkpoints.rewind(number)
+        self.kept = [(n, item) for n, item in self.kept if n < number]
+        self._record(record)
+        raise Recovered
+
+    def _record(self, record: RecoveryRecord) -> None:
+        self.records.append(record)
+        log.warning("jaxstep recovered a failure: %s", record)
+        self.loop.callbacks.on_recovery(record)
+
+    def _batch(self, item: Item | None) -> int | None:
+        """The batch's number in the data (counting its first batch as 0)."""
+        if item is None:
+            return None
+        return self.loop.checkpoints.source.start + item.seq
+
+
+def _item(pending: Pending) -> Item:
+    assert pending.item is not None  # every step fit dispatches comes from its queue
+    return pending.item
+
+
+def _ids(error: TrainingWorkerError) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(f.device_id for f in error.failures))
+
+
+def _noted(error: TrainingWorkerError, line: str) -> TrainingWorkerError:
+    return error.replace(note=line if not error.note else f"{error.note}\n{line}")

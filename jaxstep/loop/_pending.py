@@ -1,0 +1,33 @@
+"""What fit's loop moves between its steps: a batch on its way (:class:`Item`), a
+dispatched step not read yet (:class:`Pending`), and the signal of a recovery."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+from jaxstep.core import StepOutput
+
+
+class Item(NamedTuple):
+    """A batch on its way to a step: pulled from the source, or queued again by a
+    recovery (:mod:`jaxstep.loop._recover`)."""
+
+    batch: Any
+    seq: int  # batches pulled by this fit before it (its data position, less the start)
+    drop: bool = False  # run with the failing chunks left out of the mean (a data recovery)
+
+
+class Pending(NamedTuple):
+    """A dispatched step whose health table has not been read yet."""
+
+    out: StepOutput
+    batch: Any
+    number: int  # the step it runs (as counted from the state fit started with)
+    rows: int  # rows per device of its batch, as this process passed it
+    item: Item | None = None  # how it came (None: dispatched outside the queue)
+
+
+class Recovered(Exception):
+    """Raised by a recovery once it has reset the loop (a new state, the batches to
+    train queued again): the loop goes on with the next queued batch."""

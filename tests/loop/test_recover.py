@@ -1,0 +1,165 @@
+"""fit(..., recover=jaxstep.Recover()): each verdict acted on, recorded, and nothing
+lost: every batch either trained or listed in a record."""
+
+import chex
+import jax
+import optax
+import pytest
+
+import jaxstep
+from jaxstep import Status
+from jaxstep.testing import Fault
+from jaxstep.testing import corrupt_replica
+from tests.models import host_params
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+
+
+def _step(backend, **kw):
+    return jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, **kw)
+
+
+def _clean(backend, batches, **kw):
+    step = _step(backend, **kw)
+    return host_params(step, jaxstep.fit(step, step.init(init_params()), batches))
+
+
+def test_a_transient_fault_is_retried_and_leaves_no_trace(backend):
+    dev = jax.devices()[3]
+    batches = make_batches(6)
+    step = _step(backend, faults=[Fault("input", dev.id, step=2, mode="transient")])
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step, step.init(init_params()), batches, recover=jaxstep.Recover(), history=history
+    )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "transient", "retried")
+    assert (record.device_ids, record.batch, record.skipped_batches) == ((dev.id,), 2, ())
+    assert history.step == [0, 1, 2, 2, 3, 4, 5]  # step 2 failed, then ran again
+    assert history.status[2][3] == Status.INPUT_NONFINITE and not history.status[3].any()
+    assert int(step.host_state(state).step) == 6
+    chex.assert_trees_all_equal(host_params(step, state), _clean(backend, batches))
+
+
+def test_retries_run_out_then_the_failure_raises_with_the_recoveries_listed(backend):
+    dev = jax.devices()[5]
+    batches = make_batches(5)
+    # a device fault is a "device" verdict: with exclude_devices off nothing recovers it
+    step = _step(
+        backend,
+        faults=[
+            Fault("input", dev.id, step=1, mode="transient"),
+            Fault("loss", dev.id, step=3, mode="device"),
+        ],
+    )
+    recover = jaxstep.Recover(exclude_devices=False)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), batches, recover=recover)
+    err = info.value
+    assert (err.device_id, err.step) == (dev.id, 3) and Status.LOSS_NONFINITE in err.status
+    assert [f.device_id for f in err.failures] == [dev.id]
+    assert err.diagnosis.verdict == "device"
+    assert "Recover(exclude_devices=False)" in str(err)
+    assert "fit recovered 1 failure(s) before this one" in str(err)
+    assert "step 1: transient -> retried" in str(err)
+    # nothing lost: the failing batch and the one after it come back untrained
+    assert [b is x for b, x in zip(err.batches, batches[3:], strict=True)] == [True, True]
+    assert int(step.host_state(err.state).step) == 3
+
+
+def test_a_budget_of_one_with_two_faults_raises_naming_the_budget(backend):
+    dev = jax.devices()[2]
+    step = _step(
+        backend,
+        faults=[
+            Fault("input", dev.id, step=1, mode="transient"),
+            Fault("input", dev.id, step=3, mode="transient"),
+        ],
+    )
+    history = jaxstep.History()
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            make_batches(5),
+            recover=jaxstep.Recover(max_recoveries=1),
+            history=history,
+        )
+    err = info.value
+    assert err.step == 3 and err.device_id == dev.id
+    assert "max_recoveries=1" in str(err)
+    assert [r.action for r in history.recoveries] == ["retried"]
+
+
+def _spiky_batches(n, spike_at):
+    batches = make_batches(n)
+    batches[spike_at] = dict(batches[spike_at], y=batches[spike_at]["y"] * 1e3)
+    return batches
+
+
+def test_a_loss_spike_rolls_back_to_the_checkpoint_and_skips_its_batches(backend, tmp_path):
+    spike = jaxstep.LossSpike(window=8, warmup=3, sigmas=50.0)
+    batches = _spiky_batches(10, spike_at=7)
+    step = _step(backend, loss_spike=spike)
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step,
+        step.init(init_params()),
+        batches,
+        recover=jaxstep.Recover(rollback_batches=2),
+        history=history,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=3,
+    )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (7, "spike", "rolled back")
+    assert record.skipped_batches == (6, 7) and record.batch == 7
+    assert "checkpoint of step 6" in record.detail
+    # steps 0..7 ran, the spike at 7 sent it back to 6; then batches 8, 9 as steps 6, 7
+    assert history.step == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7]
+    assert int(step.host_state(state).step) == 8
+    kept = [b for i, b in enumerate(batches) if i not in (6, 7)]
+    chex.assert_trees_all_equal(host_params(step, state), _clean(backend, kept, loss_spike=spike))
+
+
+def test_a_spike_without_rollback_batches_raises(backend, tmp_path):
+    spike = jaxstep.LossSpike(window=8, warmup=3, sigmas=50.0)
+    step = _step(backend, loss_spike=spike)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            _spiky_batches(8, spike_at=5),
+            recover=jaxstep.Recover(),
+            checkpoint_dir=tmp_path,
+            checkpoint_every=2,
+        )
+    assert info.value.status == Status.LOSS_SPIKE
+    assert "Recover(rollback_batches=k)" in str(info.value)
+
+
+def test_a_diverged_replica_is_rebuilt_from_the_majority_and_the_step_run_again(backend):
+    devices = jax.devices()
+    step = _step(backend, divergence_every=1)
+    batches = make_batches(6)
+    clean = _clean(backend, batches, divergence_every=1)
+    state = jaxstep.fit(step, step.init(init_params()), batches[:3])
+    bad = devices[6]
+    state = corrupt_replica(step, state, bad.id, "params['dense2']['kernel']", ulps=1)
+    history = jaxstep.History()
+    state = jaxstep.fit(step, state, batches[3:], history=history, recover=jaxstep.Recover())
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (3, "diverged", "repaired")
+    assert record.device_ids == (bad.id,)
+    jaxstep.testing.assert_replicas_equal(step, state)
+    chex.assert_trees_all_equal(host_params(step, state), clean)
+
+
+def test_recover_is_checked():
+    with pytest.raises(ValueError, match="retries"):
+        jaxstep.Recover(retries=-1)
+    with pytest.raises(ValueError, match="rollback_batches"):
+        jaxstep.Recover(rollback_batches=0)
+    with pytest.raises(TypeError, match="quarantine"):
+        jaxstep.Recover(quarantine="yes")
