@@ -1,7 +1,7 @@
 """Pictures of a run from its :class:`jaxstep.History` (matplotlib): a device x step
 heatmap of gradient norms with failures, skipped steps and overflows marked, and the
-loss curve of every device. Drawn by :mod:`jaxstep.callbacks`; this is their public
-home::
+loss curve of every device (recoveries marked). Drawn by :mod:`jaxstep.callbacks`;
+this is their public home::
 
     fig = jaxstep.plot.overview(history, "run.png")
 """
@@ -9,6 +9,7 @@ home::
 from jaxstep.callbacks.plot import COLORBAR_LABEL as COLORBAR_LABEL
 from jaxstep.callbacks.plot import FAILURE_COLOR as FAILURE_COLOR
 from jaxstep.callbacks.plot import OVERFLOW_COLOR as OVERFLOW_COLOR
+from jaxstep.callbacks.plot import RECOVERY_COLOR as RECOVERY_COLOR
 from jaxstep.callbacks.plot import grad_norm_heatmap as grad_norm_heatmap
 from jaxstep.callbacks.plot import loss_curves as loss_curves
 from jaxstep.callbacks.plot import marks as marks
@@ -18,6 +19,7 @@ __all__ = [
     "COLORBAR_LABEL",
     "FAILURE_COLOR",
     "OVERFLOW_COLOR",
+    "RECOVERY_COLOR",
     "grad_norm_heatmap",
     "loss_curves",
     "marks",

@@ -1,6 +1,7 @@
 """Metric writers: callbacks for :func:`jaxstep.fit` that write one record per finished
 step (global loss, each device's loss, gradient norm and status, skipped, examples/s,
-the scalar entries of ``aux``) to JSONL or TensorBoard, added in one line::
+the scalar entries of ``aux``), and each recovery action of ``fit(..., recover=...)``,
+to JSONL or TensorBoard, added in one line::
 
     jaxstep.fit(step, state, batches, callbacks=[jaxstep.JsonlWriter("run.jsonl")])
 """
@@ -21,6 +22,7 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.loop import History
+from jaxstep.loop import Recovery
 
 if TYPE_CHECKING:
     from jaxstep.step import TrainStep
@@ -106,6 +108,12 @@ def failure_record(error: TrainingWorkerError) -> dict[str, Any]:
     }
 
 
+def recovery_record(record: Recovery) -> dict[str, Any]:
+    """A recovery action as JSON-ready Python (``event: "recovery"``): the fields of
+    :meth:`Recovery.to_json` and the ``message`` a person reads."""
+    return {"event": "recovery", **record.to_json(), "message": str(record)}
+
+
 class _Writer:
     """What both writers share: the run's :class:`History`, handed over by ``fit``, and
     writing on one process only (every process of a multi-host run holds the same
@@ -131,9 +139,12 @@ class _Writer:
 
 
 class JsonlWriter(_Writer):
-    """Writes one JSON line per finished step (see :func:`step_record`), and one
-    ``{"event": "failure", ...}`` line if the run fails. Lines are flushed as they
-    are written, so a crashed run keeps every step it finished.
+    """Writes one JSON line per finished step (see :func:`step_record`), one
+    ``{"event": "recovery", ...}`` line per recovery action under ``fit(...,
+    recover=...)`` (see :func:`recovery_record`), where it happened among the steps,
+    and one ``{"event": "failure", ...}`` line if the run fails. Step lines have no
+    ``event`` key. Lines are flushed as they are written, so a crashed run keeps every
+    step it finished.
 
     Args:
       path: the file; appended to, so a resumed run continues it.
@@ -157,6 +168,9 @@ class JsonlWriter(_Writer):
     def on_step_end(self, table: HealthTable) -> None:
         self._write(self._record(table))
 
+    def on_recovery(self, record: Recovery) -> None:
+        self._write(recovery_record(record))
+
     def on_failure(self, error: TrainingWorkerError) -> None:
         self._write(failure_record(error))
         self.close()
@@ -175,6 +189,8 @@ class TensorBoardWriter(_Writer):
     tensorboardX): ``loss``, ``examples_per_sec``, ``skipped``, ``metrics/<name>``
     for each scalar of ``aux``, and ``device_<id>/loss``, ``device_<id>/grad_norm``,
     ``device_<id>/failed`` per device; a failure is written as text (``failure``).
+    Under ``fit(..., recover=...)`` each recovery action adds, at its step, the scalar
+    ``recoveries`` (the count so far) and the text ``recovery`` (the record in words).
 
     Args:
       logdir: the directory for the event files (``tensorboard --logdir``).
@@ -196,6 +212,7 @@ class TensorBoardWriter(_Writer):
         self.logdir = os.fspath(logdir)
         self.all_processes = all_processes
         self.writer = SummaryWriter(self.logdir) if self.writes else None
+        self.recoveries = 0  # written so far (the ``recoveries`` scalar)
 
     def on_step_end(self, table: HealthTable) -> None:
         if self.writer is None:
@@ -217,6 +234,12 @@ class TensorBoardWriter(_Writer):
         for tag, value in scalars.items():
             # TensorBoard draws NaN as a gap: keep the step visible on the curve.
             self.writer.add_scalar(tag, np.nan if value is None else value, step)
+
+    def on_recovery(self, record: Recovery) -> None:
+        self.recoveries += 1
+        if self.writer is not None:
+            self.writer.add_scalar("recoveries", float(self.recoveries), record.step)
+            self.writer.add_text("recovery", str(record), record.step)
 
     def on_failure(self, error: TrainingWorkerError) -> None:
         if self.writer is not None:

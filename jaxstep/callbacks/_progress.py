@@ -1,6 +1,7 @@
 """A progress callback for :func:`jaxstep.fit`: a live ``rich`` bar (step, loss,
-examples/s, skipped steps, the ``aux`` scalars) in a terminal, plain lines every few
-steps elsewhere (logs, CI, notebooks)."""
+examples/s, skipped steps, recoveries, the ``aux`` scalars) in a terminal, plain lines
+every few steps elsewhere (logs, CI, notebooks); each recovery as a line when it
+happens, and their summary at the end."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
 from jaxstep.loop import History
+from jaxstep.loop import Recovery
 
 if TYPE_CHECKING:
     from rich.progress import Progress as Bar
@@ -38,6 +40,11 @@ def _can_draw(file: IO[str]) -> bool:
 
 class Progress:
     """Shows a run's progress; add it with ``fit(..., callbacks=[jaxstep.Progress(n)])``.
+
+    Under ``fit(..., recover=...)`` each recovery is printed as it is taken
+    (``recovered at step 5: data -> quarantined (device 3); examples [40] of batch 5``),
+    counted on the bar (``recovered 1``), and summed up when the run ends
+    (:meth:`History.recovery_summary`).
 
     Args:
       total: the number of steps expected (for the bar), or None.
@@ -116,6 +123,8 @@ class Progress:
             parts.append(f"dropped {dropped}")
         if repaired:
             parts.append(f"repaired {repaired}")
+        if h.recoveries:  # fit(..., recover=...): actions taken
+            parts.append(f"recovered {len(h.recoveries)}")
         return "  ".join(parts)
 
     def on_step_end(self, table: HealthTable) -> None:
@@ -159,10 +168,19 @@ class Progress:
         else:
             print(line, file=self._out())
 
+    def on_recovery(self, record: Recovery) -> None:
+        self._print(f"recovered at {record}")
+        if self._bar is not None and self._task is not None:
+            text = self.describe()  # with the new count; "" before the first step
+            self._bar.update(self._task, text=text or "compiling...")
+
     def on_failure(self, error: TrainingWorkerError) -> None:
         self.close()  # the error itself reaches whoever called fit
 
     def on_fit_end(self, history: History) -> None:
+        summary = history.recovery_summary()
+        if summary:
+            self._print(summary)  # above the bar's last state
         self.close()
 
     def close(self) -> None:

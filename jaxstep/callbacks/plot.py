@@ -1,6 +1,6 @@
 """Pictures of a run from its :class:`jaxstep.History` (matplotlib): a device x step
 heatmap of gradient norms with failures, skipped steps and overflows marked, and the
-loss curve of every device.
+loss curve of every device with the recoveries of ``fit(..., recover=...)`` marked.
 
     fig = jaxstep.plot.overview(history, "run.png")
 """
@@ -29,6 +29,7 @@ FAILURE_COLOR = "#e41a1c"
 OVERFLOW_COLOR = "#ff7f00"
 DROPPED_COLOR = "#ffffff"  # the outline of a chunk left out (on_failure="drop")
 REPAIRED_COLOR = "#4daf4a"  # the outline of a replica repaired from the majority
+RECOVERY_COLOR = "#377eb8"  # the line at a step fit(..., recover=...) recovered
 COLORBAR_LABEL = "gradient norm (before averaging)"
 
 
@@ -57,7 +58,8 @@ def _arrays(history: History) -> dict[str, np.ndarray]:
 def marks(history: History) -> dict[str, np.ndarray]:
     """Where the pictures put their marks, as ``(step, device_id)`` pairs
     (``failures``, ``overflows``, and under ``on_failure="drop"`` the chunks left out,
-    ``dropped``, and the replicas repaired, ``repaired``) and steps (``skipped``)."""
+    ``dropped``, and the replicas repaired, ``repaired``) and steps (``skipped``, and
+    under ``fit(..., recover=...)`` each recovery action's, ``recoveries``)."""
     a = _arrays(history)
     ids = a["device_ids"]
     failed = (a["status"] & ~_NOT_FAILURES) != 0
@@ -78,6 +80,7 @@ def marks(history: History) -> dict[str, np.ndarray]:
         "dropped": listed(history.dropped),
         "repaired": listed(history.repaired),
         "skipped": a["step"][a["skipped"]].astype(np.int64),
+        "recoveries": np.asarray([r.step for r in history.recoveries], np.int64),
     }
 
 
@@ -164,7 +167,8 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
 
 def loss_curves(history: History, ax: Axes | None = None) -> Axes:
     """The loss of every device (thin lines) and their mean (black); steps with a
-    failure get a red dashed line. Returns the axes."""
+    failure get a red dashed line, each recovery of ``fit(..., recover=...)`` a blue
+    one labelled with its action. Returns the axes."""
     plt = _pyplot()
     a = _arrays(history)
     ax = ax if ax is not None else plt.figure(figsize=(10, 3)).gca()
@@ -177,11 +181,12 @@ def loss_curves(history: History, ax: Axes | None = None) -> Axes:
     ax.plot(steps, a["loss"], lw=2.0, color="black", label="mean")
     for s in np.unique(marks(history)["failures"][:, 0]):
         ax.axvline(s, color=FAILURE_COLOR, ls="--", lw=1.2, gid="failure-steps")
+    _recoveries(history, ax)
     ax.set_xlabel("step")
     ax.set_ylabel("loss per device\n(non-finite: gaps)")
     # Above the curves, where it hides none of them.
     ax.legend(
-        ncol=min(len(a["device_ids"]) + 1, 9),
+        ncol=min(len(a["device_ids"]) + 1 + bool(history.recoveries), 9),
         fontsize="small",
         loc="lower center",
         bbox_to_anchor=(0.5, 1.0),
@@ -189,6 +194,33 @@ def loss_curves(history: History, ax: Axes | None = None) -> Axes:
     )
     ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
     return ax
+
+
+def _recoveries(history: History, ax: Axes) -> None:
+    """A dashed line at each recovery's step, its action written along the line's top
+    (one legend entry for them all)."""
+    for i, record in enumerate(history.recoveries):
+        ax.axvline(
+            record.step,
+            color=RECOVERY_COLOR,
+            ls="--",
+            lw=1.2,
+            gid="recoveries",
+            label="recovery" if i == 0 else "_nolegend_",
+            zorder=3,
+        )
+        ax.text(
+            record.step,
+            0.97,
+            f" {record.action}",
+            transform=ax.get_xaxis_transform(),  # x: step, y: fraction of the panel
+            rotation=90,
+            ha="right",
+            va="top",
+            fontsize="small",
+            color=RECOVERY_COLOR,
+            gid="recovery-labels",
+        )
 
 
 def overview(

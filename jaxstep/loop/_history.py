@@ -195,6 +195,32 @@ class History:
     def __len__(self) -> int:
         return len(self.metrics)
 
+    def recovery_summary(self) -> str:
+        """``recoveries`` in words, for the end of a run: a count of each action, then
+        one line a record; ``""`` when there were none.
+
+        >>> h = History(recoveries=[Recovery(5, "transient", "retried")])
+        >>> print(h.recovery_summary())
+        jaxstep: 1 recovery action: 1 retried
+          step 5: transient -> retried
+        """
+        records = self.recoveries
+        if not records:
+            return ""
+        counts = []
+        for action in ACTIONS:
+            taken = [r for r in records if r.action == action]
+            if not taken:
+                continue
+            count = f"{len(taken)} {action}"
+            if action == "excluded":  # who is gone for the rest of the run
+                ids = sorted({d for r in taken for d in r.device_ids})
+                count += f" (device {', '.join(map(str, ids))})" if ids else ""
+            counts.append(count)
+        actions = "action" if len(records) == 1 else "actions"
+        head = f"jaxstep: {len(records)} recovery {actions}: {', '.join(counts)}"
+        return "\n".join([head, *(f"  {r}" for r in records)])
+
     def as_arrays(self) -> dict[str, np.ndarray]:
         """Every field as an array: per-device ones are ``(steps, devices)``; each
         scalar of ``aux`` (``metrics``) as ``"metrics/<name>"``, NaN at steps without it."""

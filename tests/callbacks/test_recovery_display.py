@@ -1,0 +1,238 @@
+"""Each recovery of ``fit(..., recover=...)`` (a ``jaxstep.Recovery`` in
+``History.recoveries``, then ``on_recovery``) is shown by every display: the progress
+line, the JSONL and TensorBoard writers, the overview picture, and the summary at the
+end. Driven here by hand, in fit's order, on tables built on the host: no step runs."""
+
+import io
+import json
+import struct
+
+import matplotlib
+import numpy as np
+import pytest
+
+import jaxstep
+
+matplotlib.use("Agg")
+
+IDS = [10, 11, 12, 13]
+STEPS = 6
+QUARANTINED = jaxstep.Recovery(
+    step=2, verdict="data", action="quarantined", device_ids=(12,), examples=(40, 41), batch=2
+)
+EXCLUDED = jaxstep.Recovery(
+    step=4,
+    verdict="device",
+    action="excluded",
+    device_ids=(13,),
+    batch=4,
+    detail="fails again on replay",
+)
+RECOVERIES = {2: QUARANTINED, 4: EXCLUDED}
+QUARANTINED_TEXT = "step 2: data -> quarantined (device 12); examples [40, 41] of batch 2"
+EXCLUDED_TEXT = "step 4: device -> excluded (device 13) of batch 4; fails again on replay"
+
+
+def _table(step: int) -> jaxstep.HealthTable:
+    """A healthy step's table on the four devices."""
+    n = len(IDS)
+    none = np.full(n, -1, np.int32)
+    zeros = np.zeros(n, np.int32)
+    return jaxstep.HealthTable(
+        status=zeros,
+        input_leaf=none,
+        grad_leaf=none,
+        param_leaf=none,
+        check=none,
+        diverged_leaf=none,
+        model_state_leaf=none,
+        microbatch=none,
+        loss=np.full(n, 1.0 / (step + 1), np.float32),
+        grad_norm=np.ones(n, np.float32),
+        step=step,
+        halted=False,
+        skipped=False,
+        consecutive_skips=0,
+        failed=False,
+        dropped=zeros,
+        repaired=zeros,
+        consecutive_drops=zeros,
+    )
+
+
+def _fit(*callbacks) -> jaxstep.History:
+    """What fit does with callbacks, in its order: each recovery goes into the history,
+    then to ``on_recovery``, before the step it recovered is recorded."""
+    history = jaxstep.History(device_ids=IDS)
+    hooks = jaxstep.loop.Callbacks(callbacks)
+    hooks.on_fit_start(None, history)
+    for t in range(STEPS):
+        if t in RECOVERIES:
+            history.recoveries.append(RECOVERIES[t])
+            hooks.on_recovery(RECOVERIES[t])
+        table = _table(t)
+        history.append(table, {"accuracy": 0.5}, examples_per_sec=100.0)
+        hooks.on_step_end(table)
+    hooks.on_fit_end(history)
+    return history
+
+
+def test_the_records_read_as_the_line_each_display_shows():
+    assert str(QUARANTINED) == QUARANTINED_TEXT
+    assert str(EXCLUDED) == EXCLUDED_TEXT
+
+
+def test_recovery_summary_counts_each_action_then_lists_the_records():
+    history = _fit()
+    assert history.recovery_summary().splitlines() == [
+        "jaxstep: 2 recovery actions: 1 quarantined, 1 excluded (device 13)",
+        f"  {QUARANTINED_TEXT}",
+        f"  {EXCLUDED_TEXT}",
+    ]
+
+
+def test_recovery_summary_is_empty_without_recoveries():
+    assert jaxstep.History(device_ids=IDS).recovery_summary() == ""
+
+
+def test_progress_prints_each_recovery_when_taken_and_the_summary_at_the_end():
+    out = io.StringIO()
+    _fit(jaxstep.Progress(STEPS, every=1, live=False, file=out))
+    lines = out.getvalue().splitlines()
+    step_lines = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == [str(t) for t in range(STEPS)]
+    # Each recovery among the step lines, before the step it recovered.
+    assert lines.index(f"recovered at {QUARANTINED_TEXT}") == lines.index(step_lines[2]) - 1
+    assert lines.index(f"recovered at {EXCLUDED_TEXT}") == lines.index(step_lines[4]) - 1
+    # The count on each step's line, as the bar's other counts.
+    assert "recovered" not in step_lines[1]
+    assert "  recovered 1" in step_lines[3] and step_lines[3].endswith("recovered 1")
+    assert step_lines[-1].endswith("recovered 2")
+    assert lines[-3:] == [
+        "jaxstep: 2 recovery actions: 1 quarantined, 1 excluded (device 13)",
+        f"  {QUARANTINED_TEXT}",
+        f"  {EXCLUDED_TEXT}",
+    ]
+
+
+def test_progress_says_nothing_of_recoveries_when_there_were_none():
+    out = io.StringIO()
+    progress = jaxstep.Progress(STEPS, live=False, file=out)
+    history = jaxstep.History(device_ids=IDS)
+    progress.on_fit_start(None, history)
+    for t in range(STEPS):
+        history.append(_table(t), examples_per_sec=100.0)
+        progress.on_step_end(_table(t))
+    progress.on_fit_end(history)
+    assert "recover" not in out.getvalue()
+
+
+def test_progress_prints_recoveries_above_a_live_bar_and_counts_them_on_it():
+    pytest.importorskip("rich")
+    out = io.StringIO()
+    _fit(jaxstep.Progress(STEPS, live=True, file=out))
+    text = " ".join(out.getvalue().split())  # rich wraps at the console's width
+    assert f"recovered at {QUARANTINED_TEXT}" in text
+    assert f"recovered at {EXCLUDED_TEXT}" in text
+    assert "recovered 2" in text and f"{STEPS}/{STEPS}" in text
+    assert "jaxstep: 2 recovery actions: 1 quarantined, 1 excluded (device 13)" in text
+
+
+def test_jsonl_has_a_recovery_line_before_the_step_it_recovered(tmp_path):
+    path = tmp_path / "run.jsonl"
+    _fit(jaxstep.JsonlWriter(path))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r.get("event", "step") for r in lines] == [
+        "step",
+        "step",
+        "recovery",
+        "step",
+        "step",
+        "recovery",
+        "step",
+        "step",
+    ]
+    steps = [r for r in lines if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    assert all("verdict" not in r for r in steps)  # step lines as they were
+    assert lines[2] == {
+        "event": "recovery",
+        "step": 2,
+        "verdict": "data",
+        "action": "quarantined",
+        "device_ids": [12],
+        "examples": [40, 41],
+        "skipped_batches": [],
+        "batch": 2,
+        "detail": "",
+        "message": QUARANTINED_TEXT,
+    }
+    assert lines[5]["action"] == "excluded" and lines[5]["device_ids"] == [13]
+    assert lines[5]["message"] == EXCLUDED_TEXT
+
+
+def _events(logdir):
+    """(scalars, texts) of TensorBoard event files: ``{tag: {step: value}}`` each
+    (TFRecord framing: length, crc, data, crc)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars, texts = {}, {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("tensor"):
+                    text = b"".join(value.tensor.string_val).decode()
+                    texts.setdefault(value.tag, {})[event.step] = text
+                else:
+                    scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars, texts
+
+
+def test_tensorboard_counts_recoveries_at_their_steps_and_writes_each_as_text(tmp_path):
+    pytest.importorskip("tensorboardX")
+    writer = jaxstep.TensorBoardWriter(tmp_path)
+    _fit(writer)
+    writer.close()
+    scalars, texts = _events(tmp_path)
+    assert scalars["recoveries"] == {2: 1.0, 4: 2.0}
+    assert sorted(scalars["loss"]) == list(range(STEPS))  # the steps as before
+    (tag,) = [tag for tag in texts if tag.startswith("recovery")]
+    assert texts[tag] == {2: QUARANTINED_TEXT, 4: EXCLUDED_TEXT}
+
+
+def test_overview_marks_each_recovery_on_the_loss_panel_with_its_action():
+    import matplotlib.pyplot as plt
+
+    history = _fit()
+    assert jaxstep.plot.marks(history)["recoveries"].tolist() == [2, 4]
+    fig = jaxstep.plot.overview(history)
+    heatmap, losses = fig.axes[0], fig.axes[1]
+    lines = [line for line in losses.lines if line.get_gid() == "recoveries"]
+    assert [line.get_xdata()[0] for line in lines] == [2, 4]
+    assert all(line.get_linestyle() == "--" for line in lines)
+    assert all(line.get_color() == jaxstep.plot.RECOVERY_COLOR for line in lines)
+    labels = [text for text in losses.texts if text.get_gid() == "recovery-labels"]
+    assert [text.get_text().strip() for text in labels] == ["quarantined", "excluded"]
+    legend = [text.get_text() for text in losses.get_legend().get_texts()]
+    assert legend.count("recovery") == 1
+    assert not [line for line in heatmap.lines if line.get_gid() == "recoveries"]
+    plt.close(fig)
+
+
+def test_overview_has_no_recovery_marks_without_recoveries():
+    import matplotlib.pyplot as plt
+
+    history = jaxstep.History(device_ids=IDS)
+    for t in range(STEPS):
+        history.append(_table(t))
+    assert jaxstep.plot.marks(history)["recoveries"].shape == (0,)
+    fig = jaxstep.plot.overview(history)
+    losses = fig.axes[1]
+    assert not [line for line in losses.lines if line.get_gid() == "recoveries"]
+    assert "recovery" not in [text.get_text() for text in losses.get_legend().get_texts()]
+    plt.close(fig)
