@@ -29,6 +29,12 @@ class Callback(Protocol):
 
     def on_step_end(self, table: HealthTable) -> None: ...
 
+    @property
+    def show_recoveries(self) -> bool:
+        """Whether a callback shows recoveries (has ``on_recovery``): fit then logs
+        them at INFO level rather than WARNING, to say each once."""
+        return bool(self._recovery)
+
     def on_recovery(self, record: Recovery) -> None: ...
 
     def on_failure(self, error: TrainingWorkerError) -> None: ...
@@ -70,6 +76,12 @@ class Callbacks:
         """After ``history`` has the step (the hot path: a loop over the bound hooks)."""
         for hook in self._step_end:
             hook(table)
+
+    @property
+    def show_recoveries(self) -> bool:
+        """Whether a callback shows recoveries (has ``on_recovery``): fit then logs
+        them at INFO level rather than WARNING, to say each once."""
+        return bool(self._recovery)
 
     def on_recovery(self, record: Recovery) -> None:
         """After ``fit(..., recover=...)`` acted on a failure (``history.recoveries``

@@ -372,6 +372,8 @@ class Loop:
         """After the last step settled: waits for the last checkpoint write, calls the
         callbacks' ``on_fit_end`` and returns the final state."""
         self.checkpoints.close()
+        if self.recovery is not None:
+            self.recovery.summary()
         self.callbacks.on_fit_end(self.history)
         return self.state
 

@@ -163,6 +163,14 @@ class Recovery:
             return self._exclude(pending, error, found)
         return _noted(error, f"not recovered: the replay's verdict is {found.verdict!r}")
 
+    def summary(self) -> None:
+        """At the end of fit: the recoveries made, logged (at WARNING level unless a
+        callback showed them)."""
+        text = self.loop.history.recovery_summary()
+        if text:
+            level = logging.INFO if self.loop.callbacks.show_recoveries else logging.WARNING
+            log.log(level, "%s", text)
+
     def noted(self, error: TrainingWorkerError) -> TrainingWorkerError:
         """``error`` (about to leave fit) with the recoveries made before it listed."""
         if not self.records:
@@ -354,7 +362,8 @@ class Recovery:
 
     def _record(self, record: RecoveryRecord) -> None:
         self.records.append(record)
-        log.warning("jaxstep recovered a failure: %s", record)
+        level = logging.INFO if self.loop.callbacks.show_recoveries else logging.WARNING
+        log.log(level, "jaxstep recovered a failure: %s", record)
         self.loop.callbacks.on_recovery(record)
 
     def _batch(self, item: Item | None) -> int | None:
