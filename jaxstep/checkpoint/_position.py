@@ -43,24 +43,27 @@ class Position:
       kind: how the source resumes (``callable``, ``checkpointable``, ``sequence``,
         ``iterator``).
       iterator_state: a checkpointable iterator's ``get_state()`` before that batch.
+      rows: rows of that batch trained already (a run that lost a device carries rows
+        from batch to batch, ``jaxstep.loop._carry``): a resume passes over them.
     """
 
     index: int
     kind: str
     iterator_state: Any = None
+    rows: int = 0
 
     def to_json(self) -> dict[str, Any]:
         state = self.iterator_state
         if isinstance(state, bytes):  # grain's iterators return JSON as bytes
             state = {"base64": base64.b64encode(state).decode("ascii")}
-        return {"index": self.index, "kind": self.kind, "iterator_state": state}
+        return {"index": self.index, "kind": self.kind, "iterator_state": state, "rows": self.rows}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Position:
         state = data.get("iterator_state")
         if isinstance(state, dict) and set(state) == {"base64"}:
             state = base64.b64decode(state["base64"])
-        return cls(int(data["index"]), str(data["kind"]), state)
+        return cls(int(data["index"]), str(data["kind"]), state, int(data.get("rows", 0)))
 
 
 def _checkpointable(obj: Any) -> bool:
@@ -91,6 +94,7 @@ class Source(Iterator[Any]):
         if isinstance(start, int):
             start = Position(start, "")
         self.start = start.index
+        self.skip_rows = start.rows  # rows of the first batch trained already
         self.count = 0  # batches pulled through this source
         self._resuming = resuming and start.index > 0
         self._marks: dict[int, Any] = {}
@@ -145,13 +149,14 @@ class Source(Iterator[Any]):
         source) whenever ``before(count)``: cheap for the other batches."""
         self._watch = before if self.kind == CHECKPOINTABLE else None
 
-    def position(self, count: int | None = None) -> Position:
-        """The position before this source's ``count``-th batch (default: the next)."""
+    def position(self, count: int | None = None, rows: int = 0) -> Position:
+        """The position before this source's ``count``-th batch (default: the next), or
+        ``rows`` rows into it."""
         count = self.count if count is None else count
         state = self._marks.get(count)
         if state is None and self.kind == CHECKPOINTABLE and count == self.count:
             state = self._it.get_state()
-        return Position(self.start + count, self.kind, state)
+        return Position(self.start + count, self.kind, state, rows)
 
     def __next__(self) -> Any:
         if self._watch is not None and self._watch(self.count):

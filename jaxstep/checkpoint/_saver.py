@@ -169,12 +169,13 @@ class FitCheckpoints:
                 )
         return state, source, cls(step, store, checkpoint_every, source, first)
 
-    def before(self, state: TrainState, index: int | None = None) -> bool:
+    def before(self, state: TrainState, index: int | None = None, rows: int = 0) -> bool:
         """Called with each state just before it is dispatched (and donated). Returns
         whether this step must run the replica check: at a checkpoint step, on every
         process alike (the same program everywhere), so the checkpoint is verified.
         ``index``: the source's count before the batch about to run (default: the batch
-        pulled last), the data position a checkpoint of ``state`` resumes from."""
+        pulled last), the data position a checkpoint of ``state`` resumes from, ``rows``
+        rows into that batch."""
         number = self.number
         self.number += 1
         check = self.every is not None and self.store is not None and number % self.every == 0
@@ -183,7 +184,7 @@ class FitCheckpoints:
         if self._layout is None:
             self._layout = Layout.of(state, stacked=self.step.stacked)
         # The position before the batch of this step (by default the one pulled last).
-        position = self.source.position(self.source.count - 1 if index is None else index)
+        position = self.source.position(self.source.count - 1 if index is None else index, rows)
         if self._key is not None:  # published before the step runs: the writer reads
             # it once the step's collective finished, so it is there by then
             coordination.publish(f"{self._key}{number}", position.to_json())
@@ -274,24 +275,29 @@ class FitCheckpoints:
         concurrent.futures.wait(self._futures, timeout=timeout)
 
     def failed(
-        self, error: TrainingWorkerError, batches: Sequence[Any], first: int | None = None
+        self,
+        error: TrainingWorkerError,
+        batches: Sequence[Any],
+        first: tuple[int, int] | None = None,
     ) -> TrainingWorkerError:
         """The error with ``batches`` (the failing batch first), and, with a checkpoint
         directory, the emergency save and the latest verified checkpoint named.
-        ``first``: the source's count before the first of ``batches`` (default: they
-        are the last ones pulled)."""
+        ``first``: the data position of the first of ``batches`` (the source's count
+        before its batch, rows into it; default: they are the last ones pulled)."""
         error = error.replace(batches=list(batches))
         if self.store is None:
             return error
         self.drain(_DRAIN_TIMEOUT)
         if first is None:
-            first = self.source.count - len(error.batches)
+            first = (self.source.count - len(error.batches), 0)
         try:
             return self._save_and_name(error, first)
         finally:
             self.close()
 
-    def _save_and_name(self, error: TrainingWorkerError, first: int) -> TrainingWorkerError:
+    def _save_and_name(
+        self, error: TrainingWorkerError, first: tuple[int, int]
+    ) -> TrainingWorkerError:
         assert self.store is not None
         note = error.note
         try:
@@ -299,7 +305,7 @@ class FitCheckpoints:
                 self.store.directory,
                 error,
                 meta=self._meta(error.step, verified=False),
-                failing=self.source.position(first),
+                failing=self.source.position(*first),
                 stacked=self.step.stacked,
                 devices=self.step.devices,
             )
@@ -318,10 +324,13 @@ class FitCheckpoints:
             )
         return error.replace(checkpoint=path, note=note)
 
-    def stopped(self, state: TrainState, untrained: int, first: int | None = None) -> str | None:
+    def stopped(
+        self, state: TrainState, untrained: int, first: tuple[int, int] | None = None
+    ) -> str | None:
         """``fit`` stops early (Ctrl-C, an exception): saves ``state`` as the checkpoint
         of its step, verified when its replicas agree, with the data position before the
-        ``untrained`` batches pulled last (or before the source's ``first``-th batch), so
+        ``untrained`` batches pulled last (or at ``first``: the source's count before a
+        batch, rows into it), so
         ``resume=True`` goes on from it. Returns
         where, or None (no checkpoint directory; several processes, whose positions
         would need every peer: their latest periodic checkpoint stands)."""
@@ -338,7 +347,9 @@ class FitCheckpoints:
         verified = self.step.replicas_agree(state)
         stacked = self.step.stacked
         layout = self._layout or Layout.of(state, stacked=stacked)
-        position = self.source.position(self.source.count - untrained if first is None else first)
+        if first is None:
+            first = (self.source.count - untrained, 0)
+        position = self.source.position(*first)
         meta = self._meta(number, verified=verified)
         meta.update(
             data=position.to_json(),

@@ -29,12 +29,6 @@ class Callback(Protocol):
 
     def on_step_end(self, table: HealthTable) -> None: ...
 
-    @property
-    def show_recoveries(self) -> bool:
-        """Whether a callback shows recoveries (has ``on_recovery``): fit then logs
-        them at INFO level rather than WARNING, to say each once."""
-        return bool(self._recovery)
-
     def on_recovery(self, record: Recovery) -> None: ...
 
     def on_failure(self, error: TrainingWorkerError) -> None: ...

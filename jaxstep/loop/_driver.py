@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import validate
 from jaxstep.loop._callbacks import Callbacks
+from jaxstep.loop._carry import Carry
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History
 from jaxstep.loop._history import scalar_aux
@@ -50,7 +52,9 @@ class Loop:
 
     __slots__ = (
         "callbacks",
+        "carry",
         "checkpoints",
+        "columns",
         "device_count",
         "diagnose",
         "held",
@@ -110,6 +114,12 @@ class Loop:
         self.queue: collections.deque[Item] = collections.deque()  # to dispatch, in order
         self.pulled = 0  # batches pulled from the source (advance's calls)
         self.recovery = None if recover is None else Recovery(recover, self)
+        # rows carried from step to step once a device left the run (or on a resume
+        # inside a batch): see loop._carry
+        self.carry: Carry | None = None
+        self.columns: Any = None  # once a device left: its devices' columns in the history
+        if checkpoints.source.skip_rows:
+            self.carry = Carry(self.unit, checkpoints.source.skip_rows, presplit)
 
     def start(self) -> None:
         """Checks that the state is not halted, then starts the run: the history's
@@ -153,25 +163,37 @@ class Loop:
             except Recovered:
                 continue
 
+    @property
+    def unit(self) -> int:
+        """The rows a step's batch must divide by: devices x micro-batches."""
+        return len(self.step.devices) * (self.step.options.microbatches or 1)
+
     def _advance(self, item: Item) -> None:
         """:meth:`advance` for one queued batch."""
         watchdog, pending = self.watchdog, self.pending
+        if self.carry is not None:
+            taken = self.carry.take(item)
+            if taken is None:  # fewer rows than devices at hand: all carried on
+                return
+            item = taken
         self.held = item
         batch = item.batch
+        presplit = self.presplit and item.first is None  # carried rows come joined
         # a checkpoint step: check replicas
-        check = self.checkpoints.before(self.state, item.seq)
+        first = item.seq if item.first is None else item.first
+        check = self.checkpoints.before(self.state, first, item.offset)
         try:
             if item.drop:  # a data recovery: the failing chunks left out of the mean
                 self.state, out = self.step._internals.rerun_dropping(
-                    self.state, batch, presplit=self.presplit
+                    self.state, batch, presplit=presplit
                 )
             elif watchdog is not None:
                 self.state, out = watchdog.run(
-                    self.state, batch, self.next_step, check, presplit=self.presplit
+                    self.state, batch, self.next_step, check, presplit=presplit
                 )
             else:
                 self.state, out = self.step.dispatch(
-                    self.state, batch, check_replicas=check, presplit=self.presplit
+                    self.state, batch, check_replicas=check, presplit=presplit
                 )
             self.last = out
         except (ValueError, TypeError) as err:
@@ -301,22 +323,29 @@ class Loop:
         self.read[pending.number] = table
         aux = pending.out.aux
         metrics = {} if aux is None else scalar_aux(aux, self.device_count)
-        self.history.append(table, metrics, examples_per_sec, pending.rows)
+        self.history.append(table, metrics, examples_per_sec, pending.rows, self.columns)
         if self.checkpoints.waiting:
             self.checkpoints.settled(table)
 
-    def _untrained(self, left: Sequence[Pending | Item | None]) -> tuple[list[Any], int | None]:
-        """The batches of ``left`` (steps in flight, the batch held, the queue), in the
-        order they were pulled, and the index of the first (None: unknown); empties the
-        queue, which ``left`` holds."""
+    def _untrained(
+        self, left: Sequence[Pending | Item | None]
+    ) -> tuple[list[Any], tuple[int, int] | None]:
+        """The batches of ``left`` (steps in flight, the batch held, the queue) and the
+        rows carried, in the order they were pulled, and the data position of the first
+        ``(seq, rows into it)`` (None: unknown); empties the queue and the carry."""
         self.queue.clear()
         known = [u for u in left if u is not None]
+        carried = None if self.carry is None else self.carry.left()
+        if carried is not None and self.carry is not None:
+            seq, offset, rows = carried
+            known.append(Item(rows, seq, first=seq, offset=offset))
+            self.carry.rows = None
         order = [u.item if isinstance(u, Pending) else u for u in known]
-        if all(item is not None for item in order):
-            pairs = sorted(zip(order, known, strict=True), key=lambda p: p[0].seq)  # type: ignore[union-attr]
-            known = [u for _, u in pairs]
-        first = min((i.seq for i in order if i is not None), default=None)
-        return [u.batch for u in known], first
+        if any(item is None for item in order):
+            return [u.batch for u in known], None
+        where = [_where(item) for item in order if item is not None]
+        known = [u for _, u in sorted(zip(where, known, strict=True), key=lambda p: p[0])]
+        return [u.batch for u in known], min(where, default=None)
 
     def _settle_unconfirmed(self) -> tuple[list[Pending], str | None]:
         """Reads the tables of the steps whose settling did not complete (no callbacks:
@@ -372,6 +401,17 @@ class Loop:
         """After the last step settled: waits for the last checkpoint write, calls the
         callbacks' ``on_fit_end`` and returns the final state."""
         self.checkpoints.close()
+        left = None if self.carry is None else self.carry.left()
+        if left is not None:  # fewer rows than devices when the data ended
+            seq, offset, rows = left
+            start = self.checkpoints.source.start
+            self.history.left_over.extend(_stretches(start, seq, offset, rows))
+            warnings.warn(
+                f"{validate.batch(rows, 1)} row(s) carried after a device left the run were "
+                f"not trained: the data ended with fewer rows than the {self.unit} a step "
+                f"needs; they are listed in history.left_over {self.history.left_over}",
+                stacklevel=3,
+            )
         if self.recovery is not None:
             self.recovery.summary()
         self.callbacks.on_fit_end(self.history)
@@ -389,6 +429,17 @@ class Loop:
             error = self.recovery.noted(error)
         self.callbacks.on_failure(error)
         return error
+
+
+def _stretches(start: int, seq: int, offset: int, rows: Any) -> list[tuple[int, int, int]]:
+    """``(batch, first row, stop)`` of carried ``rows``, which start ``offset`` rows into
+    the ``seq``-th batch pulled (the data's batches counted from ``start``)."""
+    return [(start + seq, offset, offset + validate.batch(rows, 1))]
+
+
+def _where(item: Item) -> tuple[int, int]:
+    """The data position before ``item``'s first row: (seq of its batch, rows into it)."""
+    return (item.seq if item.first is None else item.first), item.offset
 
 
 def _attach(

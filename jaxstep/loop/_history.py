@@ -129,12 +129,21 @@ class History:
     examples_per_sec: list[float] = dataclasses.field(default_factory=list)
     #: ``fit(..., recover=...)``: each recovery action, in the order taken
     recoveries: list[Recovery] = dataclasses.field(default_factory=list)
+    #: rows never trained because the data ended while they were carried (a run that
+    #: lost a device carries the rows that do not divide by the devices left into the
+    #: next step): ``(batch, first row, stop)`` of each stretch, the batch counted from
+    #: the data's first (0)
+    left_over: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     # tables appended but not decoded yet, oldest first
     _tables: list[HealthTable] = dataclasses.field(
         default_factory=list, init=False, repr=False, compare=False
     )
     # rows per device of each waiting table's batch (0: unknown)
     _rows: list[int] = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    # per waiting table: None, or the positions of its devices in device_ids
+    _columns: list[Any] = dataclasses.field(
         default_factory=list, init=False, repr=False, compare=False
     )
 
@@ -149,13 +158,20 @@ class History:
         metrics: dict[str, float] | None = None,
         examples_per_sec: float = float("nan"),
         rows: int = 0,
+        columns: Any = None,
     ) -> None:
         """Adds a finished step (what :func:`fit` calls once per step): its table is
         kept as it is and decoded into the fields above when one is first read.
-        ``rows``: rows per device of the step's batch (for ``dropped_rows``)."""
+        ``rows``: rows per device of the step's batch (for ``dropped_rows``).
+        ``columns``: once a device left the run, the position in ``device_ids`` of each
+        of the table's devices (the per-device fields keep a column for every device
+        the run started with: NaN loss and status 0 where a device no longer ran)."""
         fields = object.__getattribute__(self, "__dict__")  # once: fit calls this each step
         fields["_tables"].append(table)
         fields["_rows"].append(rows)
+        if columns is not None or fields["_columns"]:
+            fields["_columns"] += [None] * (len(fields["_rows"]) - 1 - len(fields["_columns"]))
+            fields["_columns"].append(columns)
         fields["metrics"].append(dict(metrics) if metrics else {})
         fields["examples_per_sec"].append(float(examples_per_sec))
 
@@ -167,30 +183,28 @@ class History:
         waiting.clear()  # first: the fields read below are then decoded
         waiting_rows: list[int] = object.__getattribute__(self, "_rows")
         rows, waiting_rows[:] = waiting_rows[: len(tables)], waiting_rows[len(tables) :]
-        if len(tables) == 1:  # read after every step (a callback): no stacking
-            self.loss.append(tables[0].mean_loss)
-        else:
-            losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
-            # np.mean's value for each step: the float32 sum over the devices, divided
-            self.loss.extend((np.add.reduce(losses, axis=1) / losses.shape[1]).tolist())
-        start = len(self.loss) - len(tables)
-        for k, table in enumerate(tables):
-            if table.dropped.any():  # drop: the mean over the chunks the step trained on
-                kept = table.loss[~table.dropped.astype(bool)]
-                self.loss[start + k] = float(np.add.reduce(kept) / max(kept.size, 1))
+        waiting_columns: list[Any] = object.__getattribute__(self, "_columns")
+        columns = waiting_columns[: len(tables)]
+        waiting_columns[:] = waiting_columns[len(tables) :]
+        columns += [None] * (len(tables) - len(columns))
+        self.loss.extend(_mean_losses(tables, uniform=all(c is None for c in columns)))
+        sizes = rows + [0] * (len(tables) - len(rows))
+        for table, size in zip(tables, sizes, strict=True):  # chunk i: rows of position i
+            spans = ((int(i) * size, (int(i) + 1) * size) for i in np.flatnonzero(table.dropped))
+            self.dropped_rows.append(tuple(spans) if size else ())
+        n = len(self.device_ids)
+        tables = [t if c is None else _widen(t, c, n) for t, c in zip(tables, columns, strict=True)]
         self.step.extend(t.step for t in tables)
         self.device_loss.extend(t.loss for t in tables)
         self.device_grad_norm.extend(t.grad_norm for t in tables)
         self.status.extend(t.status for t in tables)
         self.skipped.extend(t.skipped for t in tables)
         ids = self.device_ids
-        for table, size in zip(tables, rows + [0] * (len(tables) - len(rows)), strict=True):
+        for table in tables:
             dropped = np.flatnonzero(table.dropped)
             self.dropped.append(tuple(int(ids[i]) for i in dropped) if ids else ())
             repaired = np.flatnonzero(table.repaired)
             self.repaired.append(tuple(int(ids[i]) for i in repaired) if ids else ())
-            spans = ((int(i) * size, (int(i) + 1) * size) for i in dropped)
-            self.dropped_rows.append(tuple(spans) if size else ())
 
     def __len__(self) -> int:
         return len(self.metrics)
@@ -242,6 +256,36 @@ class History:
             "repaired": _id_array(self.repaired),
             "examples_per_sec": np.asarray(self.examples_per_sec, np.float64),
         }
+
+
+def _mean_losses(tables: list[HealthTable], *, uniform: bool) -> list[float]:
+    """Each step's loss: the mean over its devices (under ``drop`` over the chunks it
+    trained on), as np.mean computes it (the float32 sum, then divided)."""
+    if len(tables) == 1:  # read after every step (a callback): no stacking
+        means = [tables[0].mean_loss]
+    elif uniform:
+        losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
+        means = (np.add.reduce(losses, axis=1) / losses.shape[1]).tolist()
+    else:
+        means = [t.mean_loss for t in tables]
+    for k, table in enumerate(tables):
+        if table.dropped.any():
+            kept = table.loss[~table.dropped.astype(bool)]
+            means[k] = float(np.add.reduce(kept) / max(kept.size, 1))
+    return means
+
+
+def _widen(table: HealthTable, columns: Any, n: int) -> HealthTable:
+    """``table`` with a column for each of the run's ``n`` devices: its own at
+    ``columns``, NaN (floats) or 0 where a device no longer ran."""
+    changed = {}
+    for name, value in table._asdict().items():
+        if isinstance(value, np.ndarray) and value.ndim == 1 and value.shape[0] == len(columns):
+            fill = np.nan if np.issubdtype(value.dtype, np.floating) else 0
+            wide = np.full((n,), fill, value.dtype)
+            wide[np.asarray(columns)] = value
+            changed[name] = wide
+    return table._replace(**changed)  # type: ignore[arg-type]
 
 
 def _id_array(steps: list[tuple[int, ...]]) -> np.ndarray:

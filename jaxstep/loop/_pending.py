@@ -16,6 +16,10 @@ class Item(NamedTuple):
     batch: Any
     seq: int  # batches pulled by this fit before it (its data position, less the start)
     drop: bool = False  # run with the failing chunks left out of the mean (a data recovery)
+    # rows carried (loop._carry): the seq of the batch its first row came from, and the
+    # rows of that batch trained before it (the data position of a checkpoint before it)
+    first: int | None = None
+    offset: int = 0
 
 
 class Pending(NamedTuple):

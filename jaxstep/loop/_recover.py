@@ -31,6 +31,7 @@ from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import validate
+from jaxstep.loop._carry import Carry
 from jaxstep.loop._diagnose import Diagnosis
 from jaxstep.loop._diagnose import diagnose
 from jaxstep.loop._failure import majority_position
@@ -251,7 +252,13 @@ class Recovery:
         if len(ids) >= len(step.devices):
             return _noted(error, "not recovered: every device failed")
         state = step.exclude_devices(ids, error.state)
-        self.loop.device_count = len(step.devices)
+        loop = self.loop
+        loop.device_count = len(step.devices)
+        where = {d: i for i, d in enumerate(loop.history.device_ids)}
+        loop.columns = np.asarray([where[d.id] for d in step.devices])
+        if loop.carry is None:
+            loop.carry = Carry(loop.unit, presplit=loop.presplit)
+        loop.carry.unit = loop.unit
         item = _item(pending)
         record = RecoveryRecord(
             error.step,
@@ -348,6 +355,8 @@ class Recovery:
         later = [p.item for p in loop.unconfirmed if p.number > pending.number]
         if loop.held is not None:
             later.append(loop.held)
+        if loop.carry is not None:  # newer than any step queued again
+            later.append(loop.carry.requeue())
         loop.queue.extendleft(reversed([*items, *(i for i in later if i is not None)]))
         loop.unconfirmed.clear()
         loop.read.clear()
