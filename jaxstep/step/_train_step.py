@@ -35,6 +35,7 @@ from jaxstep.program import Options
 from jaxstep.program import body
 from jaxstep.program import drop_memory
 from jaxstep.program import fingerprint
+from jaxstep.step import _exclude as exclude
 from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
 from jaxstep.step._inputs import Inputs
@@ -46,13 +47,24 @@ class TrainStep:
     """A compiled, checked training step. Build it with :func:`make_train_step`.
 
     Its face: ``init``, calling it (``dispatch``), ``table``, ``failures``,
-    ``replay``, ``clear_halt``, ``compile`` / ``lower``; moving states: ``host_state``,
-    ``place_state``, ``local_copy``, ``first_copy``, ``join``; and what it was built
-    with: ``options`` (every option, one :class:`~jaxstep.program.Options`), ``devices``,
-    ``backend``, ``axis_name``, ``loss_fn``, ``optimizer``, ``has_aux``, ``stacked``,
-    ``names``. What only jaxstep's loop reads sits in ``step._internals``."""
+    ``replay``, ``clear_halt``, ``exclude_devices``, ``compile`` / ``lower``; moving
+    states: ``host_state``, ``place_state``, ``local_copy``, ``first_copy``, ``join``;
+    and what it was built with: ``options`` (every option, one
+    :class:`~jaxstep.program.Options`), ``devices``, ``backend``, ``axis_name``,
+    ``loss_fn``, ``optimizer``, ``has_aux``, ``stacked``, ``names``. What only
+    jaxstep's loop reads sits in ``step._internals``."""
 
     def __init__(self, options: Options):
+        self._build(options)
+        self._internals = Internals(self)
+        # The state and batch it takes, and their leaf names (``names``).
+        self._inputs = Inputs(options)
+        self.names = self._inputs.names
+
+    def _build(self, options: Options) -> None:
+        """Everything that follows from the options and their device list: the backend,
+        the compiled programs (compiled on first use), the fault bookkeeping and the
+        caches. Run when the step is built, and again by :meth:`exclude_devices`."""
         self.options = options
         self.devices: list[jax.Device] = list(options.devices)
         self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name)
@@ -77,10 +89,6 @@ class TrainStep:
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
         )
         self._aot: dict[tuple[Any, ...], jax.stages.Compiled] = {}
-        self._internals = Internals(self)
-        # The state and batch it takes, and their leaf names (``names``).
-        self._inputs = Inputs(options)
-        self.names = self._inputs.names
         self._info: StepInfo | None = None
         self._last_state: TrainState | None = None
         self._fingerprints: Any = None  # replicas_agree's program
@@ -328,6 +336,57 @@ class TrainStep:
         """The same state with ``halted`` cleared, to resume from a failed step."""
         return self._clear_halt(state)
 
+    def exclude_devices(self, device_ids: Sequence[int], state: TrainState) -> TrainState:
+        """Goes on without the devices ``device_ids`` (``jax.Device.id`` s): this step,
+        in place, runs from now on the others, in the same order, and the state returned
+        is ``state`` on them, ready for every method of the step.
+
+        The state is rebuilt from the copy of the first remaining device this process
+        holds (one read of it; the devices that go are never read), ``halted`` cleared,
+        and the per-device columns of its monitor (the loss-spike window, the drop
+        policy's counts) kept for the remaining devices. Each batch from now on splits
+        over ``len(step.devices)`` devices: its leading axis must divide by the new
+        count. Injected faults keep their devices (a fault on a device that goes never
+        fires; a transient that fired does not fire again); an explicit
+        ``max_dropped`` is lowered to the new count minus one where it must be. The
+        compiled programs are compiled again on first use. With several processes,
+        every process calls it with the same ids.
+
+        Args:
+          device_ids: the ids of the devices to leave out, from ``step.devices``.
+          state: a good state of this step (the state passed in is not donated).
+
+        Returns:
+          The state on the remaining devices.
+
+        Raises:
+          ValueError: an id is not one of the step's devices, or no device would
+            remain, or (several processes) a process would keep none of its devices;
+            the step is unchanged.
+          TypeError: ``device_ids`` is not a sequence of ints.
+        """
+        keep = exclude.kept_positions(self.options, device_ids)
+        options, kept_faults = exclude.smaller_options(self.options, keep)
+        self._check_state(state)
+        here = jax.process_index()  # a copy this process holds, of a device that stays
+        source = next(i for i in keep if self.devices[i].process_index == here)
+        host = exclude.shrink_state(self.local_copy(state, source), keep)
+        fired = None
+        if self._injector:
+            fired = np.asarray(self._backend.read_first(self._extras["fired"]))[kept_faults]
+        inputs = self._inputs
+        self._build(options)
+        self._extras = self._make_extras(np.arange(len(self.devices)), fired)
+        self._internals.rebuild()
+        self._inputs = Inputs(options)
+        self._inputs.names = self.names  # the same names: the model did not change
+        self._inputs.presplit_warned = inputs.presplit_warned
+        self._inputs.rows_per_device = inputs.rows_per_device
+        placed = self._backend.place_state(from_host(host))
+        self._inputs.check_state(placed, built=True)  # learns the new state's shapes
+        self._last_state, self._next_number = placed, int(host.step)
+        return placed
+
     def first_copy(self, tree: PyTree) -> PyTree:
         """The numpy copy of ``tree`` held by this process's first device of the step
         (a small read: e.g. ``step.first_copy(state.step)``); typed keys come as
@@ -375,11 +434,11 @@ class TrainStep:
             gathered = gathered[0]
         return bool(np.all(gathered == gathered[:1]))
 
-    def _make_extras(self, chunks: np.ndarray) -> dict[str, Any]:
+    def _make_extras(self, chunks: np.ndarray, fired: np.ndarray | None = None) -> dict[str, Any]:
         if not self._injector:
             return {}
         values = {
-            "fired": np.zeros(len(self._injector.faults), bool),
+            "fired": np.zeros(len(self._injector.faults), bool) if fired is None else fired,
             "chunk": np.asarray(chunks, np.int32),
         }
         return self._backend.place_extras(values, self._split)
@@ -402,14 +461,66 @@ class TrainStep:
 class Internals:
     """What jaxstep's own upper layers read of a :class:`TrainStep` and users do not
     call (``step._internals``): the heartbeats of ``fit(step_timeout=...)``, the rows
-    per device of the batch dispatched last, and the replay diagnosis's two passes
-    over one failing chunk. Kept off the step's face, in one named place."""
+    per device of the batch dispatched last, the replay diagnosis's two passes over
+    one failing chunk, and the rerun of a step as under ``on_failure="drop"``
+    (``fit(recover=...)``'s quarantine). Kept off the step's face, in one named place."""
 
     def __init__(self, step: TrainStep):
         self._step = step
-        self._passes = Passes(step.options, len(step.devices))
         #: device position -> last step whose local part it finished (heartbeat mode).
         self.heartbeats: dict[int, int] = {}
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Starts afresh for the step's (new) devices: the diagnosis passes, the
+        heartbeats (positions), the dropping step of :meth:`rerun_dropping`."""
+        step = self._step
+        self._passes = Passes(step.options, len(step.devices))
+        self.heartbeats.clear()
+        self._dropping: TrainStep | None = None
+
+    def rerun_dropping(
+        self, state: TrainState, batch: Batch, *, presplit: bool = False
+    ) -> tuple[TrainState, StepOutput]:
+        """Runs one step on ``batch`` from ``state`` as a step built with
+        ``on_failure="drop"`` would, whatever this step's policy: each device whose own
+        checks fail (non-finite input, loss, gradient or model state, a user check) is
+        left out of the step's mean, and the update is the mean over the others'
+        chunks. Any number of devices but all may be left out (all failing: the step
+        is skipped, as under ``skip``), with no limit on drops in a row; a failure found
+        after the all-reduce (a loss spike) skips it whole. ``halted`` is cleared first:
+        this reruns a failed step.
+
+        ``state`` is this step's (its structure in and out: the drop policy's fields,
+        ``total_drops`` and ``monitor["drops"]`` / ``["repairs"]``, are added and let
+        go on the host, reading nothing; under ``on_failure="drop"`` they are kept). It
+        is not donated. Read the output with ``step.table(out)``: ``table.dropped``
+        marks the devices left out. Injected faults fire as in the step itself (a
+        ``"data"`` fault again on its chunk; a transient that fired does not). The
+        dropping step is compiled on first use (and again after
+        :meth:`TrainStep.exclude_devices`).
+
+        Raises:
+          ValueError, TypeError: the state or batch does not fit this step.
+        """
+        step = self._step
+        step.check_state(state)
+        own = step.options.on_failure == "drop"
+        if self._dropping is None:
+            self._dropping = TrainStep(exclude.dropping_options(step.options))
+        dropping = self._dropping
+        placed = step._backend.place_state(exclude.drop_fields(len(step.devices)))
+        entering = exclude.into_dropping(state, placed, own=own)
+        dropping._extras = step._extras  # the same fault bookkeeping (what fired)
+        dropping._inputs.presplit_warned = step._inputs.presplit_warned
+        try:
+            new, out = dropping.dispatch(entering, batch, presplit=presplit)
+        finally:
+            step._extras = dropping._extras
+        leaving = exclude.out_of_dropping(new, own=own)
+        step._last_state, step._next_number = leaving, dropping._next_number
+        step._inputs.rows_per_device = dropping._inputs.rows_per_device
+        return leaving, out
 
     @property
     def rows_per_device(self) -> int:

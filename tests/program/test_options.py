@@ -19,6 +19,7 @@ FACE = {
     "compile",
     "devices",
     "dispatch",
+    "exclude_devices",
     "failures",
     "first_copy",
     "has_aux",

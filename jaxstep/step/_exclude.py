@@ -1,0 +1,154 @@
+"""Training on without some devices (``TrainStep.exclude_devices``) and one step rerun
+as under ``on_failure="drop"`` (``step._internals.rerun_dropping``): the options of
+the smaller or the dropping step, and the host-side moves of a state between them.
+Host code only; nothing here is traced or reads a device."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxstep.core import TrainState
+from jaxstep.program import Options
+
+#: the per-device arrays of ``state.monitor``: (keys, the axis that runs over the devices)
+PER_DEVICE: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("spike", "losses"), 1),  # LossSpike's window, (window, n)
+    (("drops",), 0),  # on_failure="drop": steps in a row each device was left out, (n,)
+    (("repairs",), 0),  # and how often its replica was repaired, (n,)
+)
+
+
+def kept_positions(options: Options, device_ids: Sequence[int]) -> list[int]:
+    """The positions of ``options.devices`` that stay when ``device_ids`` go.
+
+    Raises:
+      TypeError: an id is not an int.
+      ValueError: an id is not one of the step's devices; no device would remain; with
+        several processes, one of them would keep none of its devices.
+    """
+    if isinstance(device_ids, int | str | jax.Device):
+        raise TypeError(
+            f"device_ids must be a sequence of jax.Device.id ints, got {device_ids!r}; "
+            "e.g. step.exclude_devices([3], state)"
+        )
+    ids = options.device_ids
+    for d in device_ids:
+        if isinstance(d, bool) or not isinstance(d, int | np.integer):
+            raise TypeError(f"device_ids must hold jax.Device.id ints, got {d!r}")
+        if d not in ids:
+            raise ValueError(
+                f"device {d} is not one of this step's devices {list(ids)}: pass ids "
+                "from [d.id for d in step.devices]"
+            )
+    gone = {int(d) for d in device_ids}
+    keep = [i for i, d in enumerate(ids) if d not in gone]
+    if not keep:
+        raise ValueError(
+            f"excluding devices {sorted(gone)} leaves this step no device: keep at least "
+            "one (build a new step with make_train_step(devices=[...]) to move elsewhere)"
+        )
+    devices = options.devices
+    held = {d.process_index for d in devices}
+    left = {devices[i].process_index for i in keep}
+    if held != left:
+        lost = sorted(held - left)
+        raise ValueError(
+            f"excluding devices {sorted(gone)} leaves process(es) {lost} with no device of "
+            "this step; every process needs one (it feeds its own rows): restart the run "
+            "without that process instead (python -m jaxstep.launch --restarts)"
+        )
+    return keep
+
+
+def smaller_options(options: Options, keep: Sequence[int]) -> tuple[Options, list[int]]:
+    """The options of the step on ``devices[keep]``, and the indices of the faults it
+    keeps (a fault on a device that goes can no longer fire: it is let go). An
+    explicit ``max_dropped`` above the new limit becomes ``n - 1``; None still means
+    the default for the new count."""
+    devices = [options.devices[i] for i in keep]
+    ids = {d.id for d in devices}
+    kept_faults = [k for k, f in enumerate(options.faults) if f.device_id in ids]
+    max_dropped = options.max_dropped
+    if max_dropped is not None:
+        max_dropped = min(max_dropped, len(devices) - 1)
+    smaller = dataclasses.replace(
+        options,
+        devices=devices,
+        faults=[options.faults[k] for k in kept_faults],
+        max_dropped=max_dropped,
+    )
+    return smaller, kept_faults
+
+
+def shrink_state(host: TrainState, keep: Sequence[int]) -> TrainState:
+    """A one-replica host copy of a state with the per-device columns of its monitor
+    (:data:`PER_DEVICE`) kept for the positions ``keep`` only, and ``halted`` cleared."""
+    monitor = _copy_dicts(host.monitor)
+    index = np.asarray(keep)
+    for keys, axis in PER_DEVICE:
+        *path, last = keys
+        parent = monitor
+        for key in path:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and parent.get(last) is not None:
+            parent[last] = np.take(np.asarray(parent[last]), index, axis=axis)
+    cleared: Any = np.zeros((), bool)  # a host copy: numpy leaves
+    return dataclasses.replace(host, monitor=monitor, halted=cleared)
+
+
+def _copy_dicts(tree: Any) -> Any:
+    """``tree``'s nested dicts copied (their leaves shared): changed without touching
+    the caller's."""
+    if isinstance(tree, dict):
+        return {k: _copy_dicts(v) for k, v in tree.items()}
+    return tree
+
+
+def dropping_options(options: Options) -> Options:
+    """The options of the step that reruns a step as under ``on_failure="drop"``: any
+    number of devices but all may be left out, no limit on drops in a row, and the
+    state passed in is not donated."""
+    return dataclasses.replace(
+        options,
+        on_failure="drop",
+        max_dropped=options.n - 1,
+        max_consecutive_drops=None,
+        donate=False,
+    )
+
+
+def drop_fields(n: int) -> dict[str, Any]:
+    """The host values a state of another policy takes into the dropping step:
+    ``halted`` cleared, ``total_drops`` and the per-device drop memory at zero."""
+    return {
+        "halted": np.zeros((), bool),
+        "total_drops": np.zeros((), np.int32),
+        "drops": np.zeros((n,), np.int32),
+        "repairs": np.zeros((n,), np.int32),
+    }
+
+
+def into_dropping(state: TrainState, placed: dict[str, Any], *, own: bool) -> TrainState:
+    """``state`` as the dropping step takes it; ``placed``: :func:`drop_fields` on the
+    devices; ``own``: the state is already the drop policy's (only ``halted`` is
+    cleared)."""
+    if own:
+        return dataclasses.replace(state, halted=placed["halted"])
+    monitor = {**state.monitor, "drops": placed["drops"], "repairs": placed["repairs"]}
+    return dataclasses.replace(
+        state, halted=placed["halted"], total_drops=placed["total_drops"], monitor=monitor
+    )
+
+
+def out_of_dropping(state: TrainState, *, own: bool) -> TrainState:
+    """The dropping step's state as a step of another policy takes it (its drop
+    memory let go); ``own``: the drop policy's, returned as it is."""
+    if own:
+        return state
+    monitor = {k: v for k, v in state.monitor.items() if k not in ("drops", "repairs")}
+    return dataclasses.replace(state, total_drops=None, monitor=monitor)
