@@ -3,6 +3,7 @@ lost: every batch either trained or listed in a record."""
 
 import chex
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -10,6 +11,7 @@ import jaxstep
 from jaxstep import Status
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
+from tests.models import PER_DEVICE
 from tests.models import host_params
 from tests.models import init_params
 from tests.models import loss_fn
@@ -163,3 +165,78 @@ def test_recover_is_checked():
         jaxstep.Recover(rollback_batches=0)
     with pytest.raises(TypeError, match="quarantine"):
         jaxstep.Recover(quarantine="yes")
+
+
+def test_a_data_fault_is_quarantined_and_its_step_trained_on_the_healthy_chunks(backend, tmp_path):
+    dev = jax.devices()[3]
+    fault = Fault("input", dev.id, step=2, mode="data", example=1)
+    batches = make_batches(5)
+    step = _step(backend, faults=[fault])
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step,
+        step.init(init_params()),
+        batches,
+        recover=jaxstep.Recover(),
+        history=history,
+        checkpoint_dir=tmp_path,
+    )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "data", "quarantined")
+    assert record.device_ids == (dev.id,) and record.examples == (3 * PER_DEVICE + 1,)
+    assert record.batch == 2
+    assert history.dropped == [(), (), (), (dev.id,), (), ()]  # the step run again
+    assert jaxstep.read_quarantine(tmp_path) == {2: (3 * PER_DEVICE + 1,)}
+    # the same update as a step that leaves the failing chunk out of its mean
+    reference = _clean(backend, batches, faults=[fault], on_failure="drop")
+    chex.assert_trees_all_close(host_params(step, state), reference, rtol=1e-6, atol=1e-7)
+
+
+def _carried(batches, first, n):
+    """The batches a run on ``n`` devices trains from ``batches[first:]`` under the
+    carry rule: the largest multiple of ``n`` of the rows at hand, in order."""
+    rows = {k: np.concatenate([b[k] for b in batches[first:]]) for k in batches[0]}
+    out, at, held = [], 0, 0
+    for b in batches[first:]:
+        held += len(b["x"])
+        keep = held // n * n
+        if keep:
+            out.append({k: v[at : at + keep] for k, v in rows.items()})
+            at, held = at + keep, held - keep
+    return out, at, len(rows["x"])
+
+
+def test_a_bad_device_is_excluded_and_every_row_trained_on_the_others(backend):
+    devices = jax.devices()
+    dev = devices[5]
+    faults = [Fault("loss", dev.id, step=t, mode="device") for t in range(2, 9)]
+    batches = make_batches(7)
+    step = _step(backend, faults=faults)
+    history = jaxstep.History()
+    with pytest.warns(UserWarning, match="not trained"):
+        state = jaxstep.fit(
+            step, step.init(init_params()), batches, recover=jaxstep.Recover(), history=history
+        )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "device", "excluded")
+    assert record.device_ids == (dev.id,)
+    assert [d.id for d in step.devices] == [d.id for d in devices if d != dev]
+    # the rest, on 7 devices: 32-row batches carried over into 28, 35, 28, ... rows
+    rest = [d for d in devices if d != dev]
+    reference_step = _step(backend, devices=rest)
+    head = _step(backend)
+    start = jaxstep.fit(head, head.init(init_params()), batches[:2])
+    again, trained, total = _carried(batches, 2, len(rest))
+    expected = jaxstep.fit(
+        reference_step, reference_step.place_state(head.host_state(start)), again
+    )
+    assert history.step[3:] == list(range(2, 2 + len(again)))
+    assert not any(s.any() for s in history.status[3:])
+    assert history.left_over == [(6, 32 - (total - trained), 32)]
+    chex.assert_trees_all_close(
+        host_params(step, state), host_params(reference_step, expected), rtol=1e-6, atol=1e-7
+    )
+    # the history keeps a column per device the run started with
+    arrays = history.as_arrays()
+    assert arrays["status"].shape == (len(history.step), 8)
+    assert np.isnan(arrays["device_loss"][3:, 5]).all()
