@@ -1,6 +1,8 @@
 """fit(..., recover=jaxstep.Recover()): each verdict acted on, recorded, and nothing
 lost: every batch either trained or listed in a record."""
 
+import json
+
 import chex
 import jax
 import numpy as np
@@ -240,3 +242,44 @@ def test_a_bad_device_is_excluded_and_every_row_trained_on_the_others(backend):
     arrays = history.as_arrays()
     assert arrays["status"].shape == (len(history.step), 8)
     assert np.isnan(arrays["device_loss"][3:, 5]).all()
+
+
+def test_a_resume_after_a_device_left_goes_on_from_the_row_it_stopped_at(backend, tmp_path):
+    """A checkpoint taken while rows are carried holds a data position inside a batch:
+    the resumed run trains exactly the rows the first run had not."""
+    devices = jax.devices()
+    dev = devices[5]
+    faults = [Fault("loss", dev.id, step=t, mode="device") for t in range(2, 9)]
+    batches = make_batches(7)
+    whole = _step(backend, faults=faults)
+    with pytest.warns(UserWarning, match="not trained"):
+        expected = jaxstep.fit(whole, whole.init(init_params()), batches, recover=jaxstep.Recover())
+    first = _step(backend, faults=faults)
+    with pytest.warns(UserWarning, match="not trained"):
+        jaxstep.fit(
+            first,
+            first.init(init_params()),
+            batches,
+            num_steps=5,
+            recover=jaxstep.Recover(),
+            checkpoint_dir=tmp_path,
+            checkpoint_every=2,
+        )
+    # step 4's checkpoint: 28 + 35 rows of 7 devices trained since batch 2, 63 = 32 + 31
+    meta = json.loads((tmp_path / "4" / "meta" / "metadata").read_text())
+    assert (meta["data"]["index"], meta["data"]["rows"]) == (3, 31)
+    rest = _step(backend, devices=[d for d in devices if d != dev])
+    history = jaxstep.History()
+    with pytest.warns(UserWarning, match="not trained"):
+        state = jaxstep.fit(
+            rest,
+            rest.init(init_params()),
+            batches,
+            resume=True,
+            checkpoint_dir=tmp_path,
+            history=history,
+        )
+    assert history.left_over == [(6, 32 - 160 % 7, 32)]  # 5 batches of 32 rows on 7
+    chex.assert_trees_all_close(
+        host_params(rest, state), host_params(whole, expected), rtol=1e-6, atol=1e-7
+    )
