@@ -283,3 +283,42 @@ def test_a_resume_after_a_device_left_goes_on_from_the_row_it_stopped_at(backend
     chex.assert_trees_all_close(
         host_params(rest, state), host_params(whole, expected), rtol=1e-6, atol=1e-7
     )
+
+
+@pytest.mark.parametrize("at", [0, 4])
+def test_the_first_and_the_last_step_recover_too(backend, at):
+    """Step 0 has no step before it in flight; the last is settled by the drain."""
+    dev = jax.devices()[1]
+    batches = make_batches(5)
+    step = _step(backend, faults=[Fault("grad", dev.id, step=at, mode="transient")])
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step, step.init(init_params()), batches, recover=jaxstep.Recover(), history=history
+    )
+    assert [(r.step, r.action) for r in history.recoveries] == [(at, "retried")]
+    assert int(step.host_state(state).step) == 5
+    chex.assert_trees_all_equal(host_params(step, state), _clean(backend, batches))
+
+
+def test_an_exception_after_a_recovery_hands_back_every_untrained_batch(backend):
+    """A callback's exception right after a retry: the batch queued again is in
+    error.batches, with the others pulled and not trained, in order."""
+    dev = jax.devices()[1]
+    batches = make_batches(5)
+    step = _step(backend, faults=[Fault("grad", dev.id, step=2, mode="transient")])
+
+    class Stop:
+        def on_recovery(self, record):
+            raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here") as info:
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            batches,
+            recover=jaxstep.Recover(),
+            callbacks=[Stop()],
+        )
+    err = info.value
+    assert int(step.host_state(err.state).step) == 2
+    assert [b is x for b, x in zip(err.batches, batches[2:4], strict=True)] == [True, True]
