@@ -106,7 +106,13 @@ class Recovery:
         # (step number, item) of each dispatched step since the last verified
         # checkpoint, oldest first: what a rollback trains again
         self.kept: list[tuple[int, Item]] = []
-        self.rolls_back = loop.checkpoints.store is not None
+        # only when asked for, and with periodic checkpoints (without them no step is
+        # ever let go): the batches since the newest checkpoint are held (references)
+        self.rolls_back = (
+            options.rollback_batches is not None
+            and loop.checkpoints.store is not None
+            and loop.checkpoints.every is not None
+        )
 
     @property
     def records(self) -> list[RecoveryRecord]:
