@@ -14,6 +14,7 @@ from jaxstep.loop._fit import fit as fit
 from jaxstep.loop._history import History as History
 from jaxstep.loop._history import Recovery as Recovery
 from jaxstep.loop._recover import Recover as Recover
+from jaxstep.loop._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 
 __all__ = [
     "Callback",
@@ -22,6 +23,7 @@ __all__ = [
     "History",
     "Loop",
     "Pending",
+    "RESTART_EXIT_CODE",
     "Recover",
     "Recovery",
     "diagnose",

@@ -27,10 +27,12 @@ from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History
 from jaxstep.loop._history import scalar_aux
+from jaxstep.loop._restart import exit_for_restart
 from jaxstep.loop._watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from jaxstep.checkpoint import FitCheckpoints
+    from jaxstep.loop._recover import Recover
     from jaxstep.step import TrainStep
 
 
@@ -67,6 +69,7 @@ class Loop:
         "pending",
         "presplit",
         "read",
+        "recover",
         "state",
         "step",
         "unconfirmed",
@@ -85,6 +88,7 @@ class Loop:
         diagnose: bool = False,
         step_timeout: float | None = None,
         presplit: bool = False,
+        recover: Recover | None = None,
     ):
         self.step = step
         self.state = state
@@ -93,6 +97,7 @@ class Loop:
         self.callbacks = callbacks if isinstance(callbacks, Callbacks) else Callbacks(callbacks)
         self.diagnose = diagnose
         self.presplit = presplit  # batches come as (n_devices, per_device, ...)
+        self.recover = recover
         self.device_count = len(step.devices)
         self.watchdog = None if step_timeout is None else StepWatchdog(step, step_timeout)
         self.watch_peers = False  # set by start: several processes, peer heartbeats on
@@ -157,7 +162,7 @@ class Loop:
             raise
         except TrainingWorkerError as err:  # a hung step
             self.held = None
-            raise self._report(err, [batch]) from None
+            raise self._hung(err, [batch]) from None
         self.held = None
         number = self.number
         self.number = number + 1
@@ -186,13 +191,13 @@ class Loop:
                 distributed.wait_ready(pending.out.health, pending.number, step.devices)
             table = step.table(pending.out)
         except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
-            raise self._report(err, [pending.batch, *pulled]) from None
+            raise self._hung(err, [pending.batch, *pulled]) from None
         except Exception as err:  # a collective failed: a lost peer is the likely cause
             if not self.watch_peers:
                 raise
             lost = distributed.lost_after(err, pending.number, step.devices)
             if isinstance(lost, TrainingWorkerError):
-                raise self._report(lost, [pending.batch, *pulled]) from err
+                raise self._hung(lost, [pending.batch, *pulled]) from err
             raise lost from err
         now = time.perf_counter()
         examples = self.device_count * pending.rows / max(now - self.last_time, 1e-9)
@@ -329,6 +334,15 @@ class Loop:
         first) and the emergency save go on the error, and the callbacks hear of it."""
         error = self.checkpoints.failed(error, batches)
         self.callbacks.on_failure(error)
+        return error
+
+    def _hung(self, error: TrainingWorkerError, batches: Sequence[Any]) -> TrainingWorkerError:
+        """A hung step or a lost peer, reported (:meth:`_report`: the emergency save).
+        Nothing of this process can go on; under ``recover`` it exits for its launcher
+        to restart the job from the last verified checkpoint (:func:`exit_for_restart`)."""
+        error = self._report(error, batches)
+        if self.recover is not None:
+            exit_for_restart(error)
         return error
 
 

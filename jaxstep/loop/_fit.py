@@ -18,6 +18,7 @@ from jaxstep.loop._arguments import check_fit
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._driver import Loop
 from jaxstep.loop._history import History
+from jaxstep.loop._recover import Recover
 from jaxstep.step import TrainStep
 
 
@@ -36,6 +37,7 @@ def fit(
     keep: int | None = 3,
     resume: bool = False,
     presplit: bool = False,
+    recover: Recover | None = None,
 ) -> TrainState:
     """Trains ``state`` on ``batches`` and returns the final state.
 
@@ -77,6 +79,12 @@ def fit(
       resume: restore the latest verified checkpoint of ``checkpoint_dir`` (if any)
         instead of ``state``, which then only gives the expected structure, and go
         on from its data position.
+      recover: a :class:`jaxstep.Recover`: act on failures instead of raising. A hung
+        step or a lost peer process cannot be recovered in this process: after the
+        emergency save it exits with code ``jaxstep.RESTART_EXIT_CODE`` (75), and
+        ``python -m jaxstep.launch --restarts N`` (or ``scripts/tpu_vm/launch.sh``)
+        restarts the job; pass ``checkpoint_dir`` and ``resume=True`` so the restarted
+        job goes on from the last verified checkpoint (docs/multihost.md).
 
     Returns:
       The state after the last step.
@@ -104,6 +112,7 @@ def fit(
         history=history,
         callbacks=callbacks,
         step_timeout=step_timeout,
+        recover=recover,
     )
     _check(step, diagnose)
     state, source, checkpoints = FitCheckpoints.begin(
@@ -124,6 +133,7 @@ def fit(
         diagnose=diagnose,
         step_timeout=step_timeout,
         presplit=presplit,
+        recover=recover,
     )
     try:
         loop.start()
