@@ -32,6 +32,7 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import WeightedLoss
+from jaxstep.loop import RESTART_EXIT_CODE
 from jaxstep.loop import Diagnosis
 from jaxstep.loop import History
 from jaxstep.loop import Recover
@@ -63,6 +64,7 @@ __all__ = [
     "JsonlWriter",
     "LossSpike",
     "Progress",
+    "RESTART_EXIT_CODE",
     "Recover",
     "Recovery",
     "Status",

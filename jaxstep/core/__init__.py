@@ -5,6 +5,8 @@ layers share (pytrees, ``BackendName``, ``Policy``). Imports nothing else of jax
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
 from jaxstep.core._errors import failures_from_table as failures_from_table
+from jaxstep.core._restart import ENV_RESTART as ENV_RESTART
+from jaxstep.core._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 from jaxstep.core._state import HostKey as HostKey
 from jaxstep.core._state import StepInfo as StepInfo
 from jaxstep.core._state import StepOutput as StepOutput
@@ -30,6 +32,7 @@ __all__ = [
     "Batch",
     "COL",
     "COLUMNS",
+    "ENV_RESTART",
     "Failure",
     "HealthTable",
     "HostKey",
@@ -37,6 +40,7 @@ __all__ = [
     "Params",
     "Policy",
     "PyTree",
+    "RESTART_EXIT_CODE",
     "Status",
     "StepInfo",
     "StepOutput",

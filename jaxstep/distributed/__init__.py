@@ -28,6 +28,7 @@ from jaxstep.distributed._runtime import ENV_PROCESS_ID as ENV_PROCESS_ID
 from jaxstep.distributed._runtime import finish_in_flight as finish_in_flight
 from jaxstep.distributed._runtime import initialize as initialize
 from jaxstep.distributed._runtime import is_multiprocess as is_multiprocess
+from jaxstep.distributed._runtime import leave as leave
 from jaxstep.distributed._runtime import log_stacks as log_stacks
 from jaxstep.distributed._runtime import lost_after as lost_after
 from jaxstep.distributed._runtime import lost_error as lost_error
@@ -50,6 +51,7 @@ __all__ = [
     "host_name",
     "initialize",
     "is_multiprocess",
+    "leave",
     "local_batch",
     "local_positions",
     "local_rows",

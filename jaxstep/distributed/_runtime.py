@@ -358,9 +358,9 @@ def record(fn: _F) -> _F:
                 raise
             traceback.print_exception(exc)
             if isinstance(exc, TrainingWorkerError):  # a hang or a lost peer: all leave
-                _leave(exit_code=1, note="exited")
+                leave(exit_code=1, note="exited")
             first = (str(exc).splitlines() or [""])[0][:200]
-            _leave(exit_code=1, note=f"failed: {type(exc).__name__}: {first}")
+            leave(exit_code=1, note=f"failed: {type(exc).__name__}: {first}")
             raise  # not reached
         if _peers is not None:
             _peers.stop()
@@ -376,10 +376,13 @@ def _shared_verdict(exc: BaseException) -> bool:
     return not any(f.status & Status.HUNG for f in exc.failures)
 
 
-def _leave(exit_code: int, note: str, wait_s: float = 10.0) -> NoReturn:
-    """Tells the others (``note``) and exits at once; process 0 first waits (up to
-    ``wait_s``) for the others to leave, since they abort when its coordination service
-    goes before them."""
+def leave(exit_code: int, note: str = "exited", wait_s: float = 10.0) -> NoReturn:
+    """Tells the others (``note``: ``exited`` or ``failed: why``, which they read as this
+    process lost, at once) and exits with ``os._exit(exit_code)``, its output and logs
+    flushed: after a hang or a lost peer the computation in flight can neither finish
+    nor be cancelled, and JAX's exit would wait for the peers. Process 0 first waits (up
+    to ``wait_s``) for the others to leave, since they abort when its coordination
+    service goes before them. One process: flushes and exits."""
     if _peers is not None:
         _peers.mark(note)
         if _peers.me == 0:

@@ -5,10 +5,15 @@ Starts N copies of a script (or ``-m module``) as processes 0..N-1 of one
 output line by line with a ``[pN]`` prefix, and stops the others when one fails (after
 a grace period in which they can reach the same verdict on their own and write their
 error reports). The exit code is 0 when every process succeeded, else the first
-failure's. The script calls :func:`jaxstep.distributed.initialize`, which reads::
+failure's. With ``--restarts N`` the whole job starts again (up to N times) when the
+first process to fail exited with ``RESTART_EXIT_CODE`` (75: ``fit(recover=...)`` after
+a hang or a lost peer) or was killed by a signal; any other failure is final. The
+script calls :func:`jaxstep.distributed.initialize`, which reads::
 
     JAXSTEP_COORDINATOR=127.0.0.1:PORT  JAXSTEP_NUM_PROCESSES=N  JAXSTEP_PROCESS_ID=i
     JAXSTEP_ERROR_DIR=DIR (with --error-dir)  JAX_NUM_CPU_DEVICES=K  JAX_PLATFORMS=cpu
+
+and ``JAXSTEP_RESTART`` is the attempt (0 first, 1 after the first restart).
 
 This is a tool for a laptop or CI; on TPU VMs and clusters the scheduler starts the
 processes and ``jax.distributed`` finds its peers itself (see ``docs/multihost.md``).
@@ -25,8 +30,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO
+from typing import NamedTuple
 
+from jaxstep.core import ENV_RESTART
+from jaxstep.core import RESTART_EXIT_CODE
 from jaxstep.distributed import reports
 
 
@@ -44,8 +53,11 @@ def child_env(
     devices_per_process: int,
     error_dir: str | None,
     base: dict[str, str] | None = None,
+    *,
+    restart: int = 0,
 ) -> dict[str, str]:
-    """The environment of process ``process_id``: where to meet, who it is, its devices."""
+    """The environment of process ``process_id``: where to meet, who it is, its devices,
+    and which attempt of the job this is (``restart``: 0 first)."""
     env = dict(os.environ if base is None else base)
     env.update(
         JAXSTEP_COORDINATOR=f"127.0.0.1:{port}",
@@ -62,6 +74,7 @@ def child_env(
         if not f.startswith("--xla_force_host_platform_device_count")
     ]
     env["XLA_FLAGS"] = " ".join(flags)
+    env[ENV_RESTART] = str(restart)
     if error_dir is not None:
         env[reports.ENV_ERROR_DIR] = os.path.abspath(error_dir)
     return env
@@ -75,6 +88,18 @@ def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) 
             out.flush()
 
 
+class _Job(NamedTuple):
+    """What every attempt of one :func:`launch` runs, and where its output goes."""
+
+    command: tuple[str, ...]
+    num_processes: int
+    devices_per_process: int
+    error_dir: str | None
+    grace: float
+    out: IO[str]
+    lock: threading.Lock
+
+
 def launch(
     command: Sequence[str],
     *,
@@ -84,6 +109,7 @@ def launch(
     grace: float = 60.0,
     timeout: float | None = None,
     out: IO[str] | None = None,
+    restarts: int = 0,
 ) -> int:
     """Runs ``command`` as processes 0..num_processes-1 of one local job.
 
@@ -92,31 +118,65 @@ def launch(
       num_processes: how many processes.
       devices_per_process: fake CPU devices in each.
       error_dir: where each process writes its JSON error report (and where this
-        launcher writes one for a process that died without writing its own).
+        launcher writes one for a process that died without writing its own); on a
+        restart the attempt's reports move to ``error_dir/attempt-K/``.
       grace: seconds the others get, after the first process fails, to fail on their
         own (the same verdict, a lost-process error) before they are terminated.
-      timeout: seconds for the whole job (None: no limit); then every process is killed.
+      timeout: seconds for the whole job, restarts included (None: no limit); then
+        every process is killed.
       out: where the prefixed output goes (default ``sys.stdout``).
+      restarts: start the whole job again, up to this many times, when the first
+        process to fail exited with ``RESTART_EXIT_CODE`` (75: ``fit(recover=...)``
+        after a hang or a lost peer) or was killed by a signal (a crash). Any other
+        exit code (1: a bug, an unrecovered ``TrainingWorkerError``) is final. Each
+        process reads its attempt in ``$JAXSTEP_RESTART`` (0 first).
 
     Returns:
-      0 if every process exited with 0, else the exit code of the first that did not
-      (128 + N for a signal N).
+      0 if every process of the last attempt exited with 0, else the exit code of the
+      first that did not (128 + N for a signal N, 124 past ``timeout``).
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     if devices_per_process < 1:
         raise ValueError(f"devices_per_process must be >= 1, got {devices_per_process}")
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"restarts must be an int >= 0, got {restarts!r}")
     out = sys.stdout if out is None else out
     if error_dir is not None:
         os.makedirs(error_dir, exist_ok=True)
-    port = free_port()
     lock = threading.Lock()
+    job = _Job(tuple(command), num_processes, devices_per_process, error_dir, grace, out, lock)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(restarts + 1):
+        first = _attempt(job, attempt, deadline)
+        if first is None:
+            return 0
+        who, code = first
+        why = _restart_reason(code)
+        if why is None:
+            return _exit_code(code)
+        if attempt == restarts:
+            _note(out, lock, f"process {who} {why}; no restart left (--restarts {restarts})")
+            return _exit_code(code)
+        _note(out, lock, f"process {who} {why}; restarting the job ({attempt + 1} of {restarts})")
+        if error_dir is not None:
+            _set_aside(error_dir, attempt)
+    raise AssertionError("not reached")
+
+
+def _attempt(job: _Job, attempt: int, deadline: float | None) -> tuple[int, int] | None:
+    """One run of the job; returns the first process to fail and its return code
+    (negative: a signal; ``(-1, 124)`` past the deadline), or None when all succeeded."""
+    num_processes, grace, out, lock = job.num_processes, job.grace, job.out, job.lock
+    port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     threads = []
     for i in range(num_processes):
-        env = child_env(i, num_processes, port, devices_per_process, error_dir)
+        env = child_env(
+            i, num_processes, port, job.devices_per_process, job.error_dir, restart=attempt
+        )
         proc = subprocess.Popen(
-            list(command),
+            list(job.command),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -128,8 +188,7 @@ def launch(
         t.start()
         threads.append(t)
 
-    start = time.monotonic()
-    first_failure: tuple[int, int] | None = None  # (process, code)
+    first_failure: tuple[int, int] | None = None  # (process, return code)
     failed_at: float | None = None
     codes: dict[int, int] = {}
     try:
@@ -138,22 +197,22 @@ def launch(
                 if i in codes or proc.poll() is None:
                     continue
                 code = proc.returncode
-                codes[i] = code if code >= 0 else 128 - code
+                codes[i] = _exit_code(code)
                 if codes[i] != 0:
                     _note(out, lock, f"process {i} exited with {_describe(code)}")
                     if first_failure is None:
-                        first_failure, failed_at = (i, codes[i]), time.monotonic()
+                        first_failure, failed_at = (i, code), time.monotonic()
             now = time.monotonic()
             if failed_at is not None and first_failure is not None and now - failed_at > grace:
                 who = first_failure[0]
                 _note(out, lock, f"stopping the others {grace:g} s after process {who} failed")
                 _stop(procs, codes)
                 failed_at = None
-            if timeout is not None and now - start > timeout:
-                _note(out, lock, f"the job ran past --timeout {timeout:g} s: stopping it")
+            if deadline is not None and now > deadline:
+                _note(out, lock, "the job ran past --timeout: stopping it")
                 _stop(procs, codes)
                 first_failure = first_failure or (-1, 124)
-                timeout = None
+                deadline = None
             time.sleep(0.05)
     except KeyboardInterrupt:
         _stop(procs, codes)
@@ -162,13 +221,36 @@ def launch(
         for t in threads:
             t.join(timeout=5)
     for i, proc in enumerate(procs):
-        codes.setdefault(i, proc.returncode if proc.returncode >= 0 else 128 - proc.returncode)
-    if error_dir is not None and any(codes.values()):
+        codes.setdefault(i, _exit_code(proc.returncode))
+    if job.error_dir is not None and any(codes.values()):
         ended = {i: procs[i].returncode for i in codes}  # in the order they ended
-        reports.complete(error_dir, ended, procs)
-    if first_failure is None:
-        return 0
-    return first_failure[1]
+        reports.complete(job.error_dir, ended, procs)
+    return first_failure
+
+
+def _exit_code(returncode: int) -> int:
+    """A process's return code as a shell reports it: 128 + N for a signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _restart_reason(returncode: int) -> str | None:
+    """Why a job whose first failure is ``returncode`` is restarted, or None: it is not."""
+    if returncode == RESTART_EXIT_CODE:
+        return f"exited with code {RESTART_EXIT_CODE} (restart requested)"
+    if returncode < 0:
+        return f"was killed by signal {signal.Signals(-returncode).name} (a crash)"
+    return None
+
+
+def _set_aside(error_dir: str, attempt: int) -> None:
+    """Moves an attempt's error reports to ``error_dir/attempt-K/``: the next attempt's
+    reports, and the launcher's completion of them, start from an empty directory."""
+    found = sorted(Path(error_dir).glob("error-p*.json"))
+    if found:
+        aside = Path(error_dir) / f"attempt-{attempt}"
+        aside.mkdir(exist_ok=True)
+        for path in found:
+            path.replace(aside / path.name)
 
 
 def _describe(code: int) -> str:
@@ -208,10 +290,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--error-dir", help="one JSON error report per failed process goes here")
     parser.add_argument("--grace", type=float, default=60.0, help="seconds (default 60)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole job")
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start the job again, up to N times, when a process exits with code 75 "
+        "(fit(recover=...) after a hang or a lost peer) or is killed by a signal; any other "
+        "failure is final (default 0)",
+    )
     parser.add_argument("-m", dest="module", help="run a module (python -m MODULE) instead")
     parser.add_argument("script", nargs="?", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     ns = parser.parse_args(argv)
+    if ns.restarts < 0:
+        parser.error(f"--restarts must be >= 0, got {ns.restarts}")
     if ns.module is None and ns.script is None:
         parser.error("give a script (train.py ARGS) or a module (-m MODULE ARGS)")
     if ns.module is not None:
@@ -226,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         error_dir=ns.error_dir,
         grace=ns.grace,
         timeout=ns.timeout,
+        restarts=ns.restarts,
     )
 
 

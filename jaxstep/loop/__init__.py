@@ -15,6 +15,7 @@ from jaxstep.loop._history import Recovery as Recovery
 from jaxstep.loop._pending import Item as Item
 from jaxstep.loop._pending import Pending as Pending
 from jaxstep.loop._recover import Recover as Recover
+from jaxstep.loop._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 
 __all__ = [
     "Callback",
@@ -24,6 +25,7 @@ __all__ = [
     "Item",
     "Loop",
     "Pending",
+    "RESTART_EXIT_CODE",
     "Recover",
     "Recovery",
     "diagnose",

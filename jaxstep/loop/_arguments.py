@@ -12,6 +12,7 @@ from jaxstep.core import TrainState
 from jaxstep.core import validate
 from jaxstep.loop._callbacks import HOOKS
 from jaxstep.loop._history import History
+from jaxstep.loop._recover import Recover
 
 if TYPE_CHECKING:
     from jaxstep.step import TrainStep
@@ -26,6 +27,7 @@ def check_fit(
     history: Any,
     callbacks: Any,
     step_timeout: Any,
+    recover: Any = None,
 ) -> tuple[Any, ...]:
     """Raises for a wrong argument of :func:`jaxstep.fit`; returns the callbacks as a
     tuple (one callback object may be passed without a list)."""
@@ -51,6 +53,11 @@ def check_fit(
         raise TypeError(
             f"history must be a jaxstep.History or None, got {type(history).__name__}; "
             "pass history=jaxstep.History() and read it after fit"
+        )
+    if recover is not None and not isinstance(recover, Recover):
+        raise TypeError(
+            f"recover must be a jaxstep.Recover or None, got {recover!r}; pass "
+            "recover=jaxstep.Recover() (its defaults) or Recover(retries=2, ...)"
         )
     _check_batches(batches)
     return _callbacks(callbacks)

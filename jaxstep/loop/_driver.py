@@ -34,6 +34,7 @@ from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Recovered
 from jaxstep.loop._recover import Recover
 from jaxstep.loop._recover import Recovery
+from jaxstep.loop._restart import exit_for_restart
 from jaxstep.loop._watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ class Loop:
             raise
         except TrainingWorkerError as err:  # a hung step
             self.held = None
-            raise self._report(err, [item]) from None
+            raise self._hung(err, [item]) from None
         self.held = None
         number = self.number
         self.number = number + 1
@@ -237,13 +238,13 @@ class Loop:
                 distributed.wait_ready(pending.out.health, pending.number, step.devices)
             table = step.table(pending.out)
         except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
-            raise self._report(err, [pending, *pulled]) from None
+            raise self._hung(err, [pending, *pulled]) from None
         except Exception as err:  # a collective failed: a lost peer is the likely cause
             if not self.watch_peers:
                 raise
             lost = distributed.lost_after(err, pending.number, step.devices)
             if isinstance(lost, TrainingWorkerError):
-                raise self._report(lost, [pending, *pulled]) from err
+                raise self._hung(lost, [pending, *pulled]) from err
             raise lost from err
         now = time.perf_counter()
         examples = self.device_count * pending.rows / max(now - self.last_time, 1e-9)
@@ -428,6 +429,17 @@ class Loop:
         if self.recovery is not None:
             error = self.recovery.noted(error)
         self.callbacks.on_failure(error)
+        return error
+
+    def _hung(
+        self, error: TrainingWorkerError, batches: Sequence[Pending | Item]
+    ) -> TrainingWorkerError:
+        """A hung step or a lost peer, reported (:meth:`_report`: the emergency save).
+        Nothing of this process can go on; under ``recover`` it exits for its launcher
+        to restart the job from the last verified checkpoint (:func:`exit_for_restart`)."""
+        error = self._report(error, batches)
+        if self.recovery is not None:
+            exit_for_restart(error)
         return error
 
 

@@ -80,8 +80,13 @@ def fit(
         instead of raising (within ``max_recoveries``): a transient fault is retried, bad
         examples are left out of the step and quarantined, a bad device is left out of
         the run (``step.devices`` shrinks), a loss spike or a diverged replica is rolled
-        back to the last verified checkpoint, a hang exits for a restart. Each action is a
-        :class:`jaxstep.Recovery` in ``history.recoveries`` (docs/recovery.md).
+        back to the last verified checkpoint. Each action is a :class:`jaxstep.Recovery`
+        in ``history.recoveries`` (docs/recovery.md). A hung step or a lost peer process
+        cannot be recovered in this process: after the emergency save it exits with code
+        ``jaxstep.RESTART_EXIT_CODE`` (75), and ``python -m jaxstep.launch --restarts N``
+        (or ``scripts/tpu_vm/launch.sh``) restarts the job; pass ``checkpoint_dir`` and
+        ``resume=True`` so the restarted job goes on from the last verified checkpoint
+        (docs/multihost.md).
       resume: restore the latest verified checkpoint of ``checkpoint_dir`` (if any)
         instead of ``state``, which then only gives the expected structure, and go
         on from its data position.
@@ -112,6 +117,7 @@ def fit(
         history=history,
         callbacks=callbacks,
         step_timeout=step_timeout,
+        recover=recover,
     )
     _check(step, diagnose)
     state, source, checkpoints = FitCheckpoints.begin(

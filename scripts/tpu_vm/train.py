@@ -41,6 +41,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
     p.add_argument("--error-dir", help="JSON error reports (default $JAXSTEP_ERROR_DIR)")
     p.add_argument("--step-timeout", type=float, default=None, help="seconds; names hung devices")
+    p.add_argument(
+        "--recover",
+        action="store_true",
+        help="fit(recover=jaxstep.Recover()): after a hang or a lost peer, exit with code 75 "
+        "for launch.sh --restarts (with --resume and --checkpoint-dir)",
+    )
     p.add_argument("--fault-step", type=int, default=-1, help="plant a NaN at this step (-1: no)")
     p.add_argument("--fault-device", type=int, default=-1, help="jax.Device.id for --fault-step")
     p.add_argument("--save-params", help="process 0 writes the final parameters here (.npz)")
@@ -151,6 +157,7 @@ def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[A
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
         resume=args.resume,
+        recover=jaxstep.Recover() if args.recover else None,
     )
     return step, state
 

@@ -196,6 +196,7 @@ def test_a_string_in_aux_is_refused_naming_its_key(backend):
         ({"num_steps": "10"}, r"num_steps must be an int >= 0 or None, got '10'"),
         ({"step_timeout": "10"}, r"step_timeout must be a number of seconds > 0 or None"),
         ({"history": []}, r"history must be a jaxstep\.History or None, got list"),
+        ({"recover": True}, r"recover must be a jaxstep\.Recover or None, got True"),
         ({"callbacks": [print]}, r"callbacks\[0\].*on_step_end"),
         ({"checkpoint_every": 0, "checkpoint_dir": "x"}, r"checkpoint_every must be"),
     ],
