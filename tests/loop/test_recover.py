@@ -114,14 +114,15 @@ def test_a_loss_spike_rolls_back_to_the_checkpoint_and_skips_its_batches(backend
         recover=jaxstep.Recover(rollback_batches=2),
         history=history,
         checkpoint_dir=tmp_path,
-        checkpoint_every=3,
+        checkpoint_every=4,
     )
     (record,) = history.recoveries
     assert (record.step, record.verdict, record.action) == (7, "spike", "rolled back")
     assert record.skipped_batches == (6, 7) and record.batch == 7
-    assert "checkpoint of step 6" in record.detail
-    # steps 0..7 ran, the spike at 7 sent it back to 6; then batches 8, 9 as steps 6, 7
-    assert history.step == [0, 1, 2, 3, 4, 5, 6, 7, 6, 7]
+    assert "checkpoint of step 4" in record.detail and "2 batch(es)" in record.detail
+    # steps 0..7 ran, the spike at 7 sent it back to 4: batches 4, 5 again, then 8, 9
+    assert history.step == [0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
+    assert history.loss[8:10] == history.loss[4:6]  # the same batches from the same state
     assert int(step.host_state(state).step) == 8
     kept = [b for i, b in enumerate(batches) if i not in (6, 7)]
     chex.assert_trees_all_equal(host_params(step, state), _clean(backend, kept, loss_spike=spike))
