@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
+import jax
+
 from jaxstep import distributed
 from jaxstep.core import HealthTable
 from jaxstep.core import StepOutput
@@ -52,6 +54,7 @@ class Loop:
     """
 
     __slots__ = (
+        "batch_rows",
         "callbacks",
         "carry",
         "checkpoints",
@@ -118,6 +121,7 @@ class Loop:
         # rows carried from step to step once a device left the run (or on a resume
         # inside a batch): see loop._carry
         self.carry: Carry | None = None
+        self.batch_rows: int | None = None  # rows of the first batch (under recover)
         self.columns: Any = None  # once a device left: its devices' columns in the history
         if checkpoints.source.skip_rows:
             self.carry = Carry(self.unit, checkpoints.source.skip_rows, presplit)
@@ -152,6 +156,8 @@ class Loop:
             of the step before it); ``error.state`` holds the state before it.
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
+        if self.batch_rows is None and self.recovery is not None:
+            self.batch_rows = _rows(batch, self.presplit)
         self.queue.append(Item(batch, self.pulled))
         self.pulled += 1
         self._run_queue()
@@ -447,6 +453,14 @@ def _stretches(start: int, seq: int, offset: int, rows: Any) -> list[tuple[int, 
     """``(batch, first row, stop)`` of carried ``rows``, which start ``offset`` rows into
     the ``seq``-th batch pulled (the data's batches counted from ``start``)."""
     return [(start + seq, offset, offset + validate.batch(rows, 1))]
+
+
+def _rows(batch: Any, presplit: bool) -> int | None:
+    """The rows of a batch as the data gives it (None: not an array batch)."""
+    shape: tuple[int, ...] = tuple(getattr((jax.tree.leaves(batch) or [None])[0], "shape", ()))
+    if len(shape) < 1 + presplit:
+        return None
+    return shape[0] * shape[1] if presplit else shape[0]
 
 
 def _where(item: Item) -> tuple[int, int]:

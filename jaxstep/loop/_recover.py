@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import NoReturn
 
+import jax
 import numpy as np
 
 from jaxstep.checkpoint import append_quarantine
@@ -192,7 +194,10 @@ class Recovery:
     # -- the verdicts --------------------------------------------------------------
 
     def _verdict(self, pending: Pending, error: TrainingWorkerError) -> Diagnosis:
-        return diagnose(self.loop.step, error, pending.batch)
+        batch = pending.batch
+        if self.loop.presplit and _item(pending).first is None:
+            batch = self.loop.step.join(batch)  # the replay takes the global batch
+        return diagnose(self.loop.step, error, batch)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
         item = _item(pending)
@@ -225,6 +230,8 @@ class Recovery:
                 error, "not recovered: the step failed again with the failing chunks left out"
             )
         devices = found.root_devices or _ids(error)
+        sources = self._sources(item, found.examples)
+        where = "; ".join(f"batch {b} rows {rows}" for b, rows in sources.items())
         record = RecoveryRecord(
             error.step,
             "data",
@@ -232,20 +239,20 @@ class Recovery:
             devices,
             examples=found.examples,
             batch=self._batch(item),
-            detail="the step again with the chunks holding them left out of the mean",
+            detail="the step again with the chunks holding them left out of the mean"
+            + (f" (in the data: {where})" if item.first is not None else ""),
         )
         store = self.loop.checkpoints.store
-        if store is not None and record.batch is not None:
-            append_quarantine(
-                store.directory,
-                step=error.step,
-                batch=record.batch,
-                examples=found.examples,
-                batch_size=validate.batch(pending.batch, 1)
-                if not self.loop.presplit
-                else len(self.loop.step.join(pending.batch)),
-                device_ids=devices,
-            )
+        if store is not None:
+            for batch, rows in sources.items():
+                append_quarantine(
+                    store.directory,
+                    step=error.step,
+                    batch=batch,
+                    examples=rows,
+                    batch_size=self._rows_of(item),
+                    device_ids=devices,
+                )
         self._resume(pending, error.state, [item._replace(drop=True)], record)
 
     def _exclude(
@@ -380,6 +387,28 @@ class Recovery:
         level = logging.INFO if self.loop.callbacks.show_recoveries else logging.WARNING
         log.log(level, "jaxstep recovered a failure: %s", record)
         self.loop.callbacks.on_recovery(record)
+
+    def _rows_of(self, item: Item) -> int:
+        """The rows of a batch as the data gives them (presplit ones joined)."""
+        size = validate.batch(item.batch, 1)
+        if self.loop.presplit and item.first is None:
+            size *= int(jax.tree.leaves(item.batch)[0].shape[1])
+        return size
+
+    def _sources(self, item: Item, examples: Sequence[int]) -> dict[int, list[int]]:
+        """Where ``examples`` (indices into ``item``'s batch) are in the data: ``{batch:
+        rows}``, the batches counted from the data's first. Rows carried after a device
+        left the run (``item.first`` set) come from several batches, each of
+        ``loop.batch_rows`` rows."""
+        start = self.loop.checkpoints.source.start
+        if item.first is None:
+            return {start + item.seq: [int(e) for e in examples]} if examples else {}
+        size = self.loop.batch_rows or 1
+        found: dict[int, list[int]] = {}
+        for e in examples:
+            at = item.offset + int(e)
+            found.setdefault(start + item.first + at // size, []).append(at % size)
+        return found
 
     def _batch(self, item: Item | None) -> int | None:
         """The batch's number in the data (counting its first batch as 0)."""

@@ -323,3 +323,29 @@ def test_an_exception_after_a_recovery_hands_back_every_untrained_batch(backend)
     err = info.value
     assert int(step.host_state(err.state).step) == 2
     assert [b is x for b, x in zip(err.batches, batches[2:4], strict=True)] == [True, True]
+
+
+def test_a_bad_example_after_a_device_left_is_quarantined_where_it_is_in_the_data(
+    backend, tmp_path
+):
+    """Once rows are carried a step's batch spans two of the data's batches: the
+    quarantine file names the data's batch and row, not the step's."""
+    faults = [Fault("loss", 5, step=t, mode="device") for t in range(2, 9)]
+    faults.append(Fault("input", 2, step=4, mode="data", example=2))
+    step = _step(backend, faults=faults)
+    history = jaxstep.History()
+    with pytest.warns(UserWarning, match="not trained"):
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            make_batches(6),
+            recover=jaxstep.Recover(),
+            history=history,
+            checkpoint_dir=tmp_path,
+        )
+    assert [(r.step, r.action) for r in history.recoveries] == [(2, "excluded"), (4, "quarantined")]
+    # step 2: rows 0..27 of batch 2; step 3: 28..31 and 0..30 of batch 3; step 4: row 31
+    # of batch 3 and rows 0..26 of batch 4, on 7 devices of 4 rows: position 2's example
+    # 2 is the step's row 10, batch 4's row 9
+    assert history.recoveries[1].examples == (10,)
+    assert jaxstep.read_quarantine(tmp_path) == {4: (9,)}
