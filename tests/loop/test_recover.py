@@ -349,3 +349,21 @@ def test_a_bad_example_after_a_device_left_is_quarantined_where_it_is_in_the_dat
     # 2 is the step's row 10, batch 4's row 9
     assert history.recoveries[1].examples == (10,)
     assert jaxstep.read_quarantine(tmp_path) == {4: (9,)}
+
+
+def test_presplit_batches_recover_and_come_back_as_given(backend):
+    dev = jax.devices()[3]
+    batches = make_batches(5)
+    split = [{k: v.reshape(8, -1, *v.shape[1:]) for k, v in b.items()} for b in batches]
+    step = _step(backend, faults=[Fault("input", dev.id, step=2, mode="data", example=1)])
+    history = jaxstep.History()
+    jaxstep.fit(
+        step,
+        step.init(init_params()),
+        split,
+        presplit=True,
+        recover=jaxstep.Recover(),
+        history=history,
+    )
+    (record,) = history.recoveries
+    assert (record.action, record.examples) == ("quarantined", (3 * PER_DEVICE + 1,))
