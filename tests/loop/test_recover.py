@@ -351,7 +351,7 @@ def test_a_bad_example_after_a_device_left_is_quarantined_where_it_is_in_the_dat
     assert jaxstep.read_quarantine(tmp_path) == {4: (9,)}
 
 
-def test_presplit_batches_recover_and_come_back_as_given(backend):
+def test_presplit_batches_recover(backend):
     dev = jax.devices()[3]
     batches = make_batches(5)
     split = [{k: v.reshape(8, -1, *v.shape[1:]) for k, v in b.items()} for b in batches]
