@@ -10,7 +10,9 @@ concatenated (:func:`local_rows`).
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import json
 import os
 import socket
@@ -50,6 +52,31 @@ def local_rows(devices: Sequence[jax.Device], global_batch_size: int) -> np.ndar
         [np.arange(i * size, (i + 1) * size) for i in local_positions(devices)]
         or [np.zeros((0,), np.int64)]
     )
+
+
+def local_rotation(devices: Sequence[jax.Device], k: int = 1) -> np.ndarray:
+    """The chunk each device runs when every process's chunks are rotated by ``k`` among
+    that process's own devices: ``order[i]`` is the chunk ``devices[i]`` gets.
+
+    A process holds only its own rows, so a replay can move a chunk only to another
+    device of the same process: with positions ``P = [p0, p1, ...]`` (step order) of one
+    process, ``devices[P[j]]`` gets chunk ``P[(j + k) % len(P)]``. With one process it is
+    ``(i + k) % n``; a process with one device keeps its chunk. Reads only the device
+    list, so every process computes the same array.
+
+    >>> class D:
+    ...     def __init__(self, p):
+    ...         self.process_index = p
+    >>> local_rotation([D(0), D(0), D(1), D(1), D(1)]).tolist()
+    [1, 0, 3, 4, 2]
+    """
+    order = np.arange(len(devices))
+    by_process: dict[int, list[int]] = {}
+    for i, d in enumerate(devices):
+        by_process.setdefault(d.process_index, []).append(i)
+    for positions in by_process.values():
+        order[positions] = np.roll(positions, -k)
+    return order
 
 
 def local_batch(batch: Batch, devices: Sequence[jax.Device]) -> Any:
@@ -102,6 +129,49 @@ def local_rows_per_device(batch: Batch, devices: Sequence[jax.Device]) -> int:
 
 
 KEY = "jaxstep/"  # every key jaxstep sets in the store starts with this
+
+# shares so far, by the processes sharing: every process counts its calls alike
+_shares: collections.defaultdict[tuple[int, ...], itertools.count[int]] = collections.defaultdict(
+    itertools.count
+)
+
+
+def share(
+    name: str, value: Any, devices: Sequence[jax.Device], timeout_s: float = 120.0
+) -> dict[int, Any]:
+    """What each process of ``devices`` says: this process publishes ``value`` (JSON) in
+    the coordination service's key-value store and reads every other one's.
+
+    Every process of ``devices`` calls it, in the same order as its other calls for the
+    same processes (a count, the same everywhere, keeps each call's keys apart), as it
+    runs the steps of those devices: after a step they all ran, each is there. Without
+    several processes (or ``jax.distributed``): ``{this process: value}``.
+
+    Returns:
+      ``{process index: value}`` for every process of ``devices``.
+
+    Raises:
+      TimeoutError: a process did not publish within ``timeout_s`` (lost, or elsewhere).
+    """
+    me = jax.process_index()
+    among = tuple(sorted({int(d.process_index) for d in devices}))
+    store = client()
+    if store is None or len(among) < 2:
+        return {me: value}
+    key = f"{KEY}share/{'-'.join(map(str, among))}/{next(_shares[among])}/{name}"
+    store.key_value_set(f"{key}/{me}", json.dumps(value), True)
+    out = {me: value}
+    for p in among:
+        if p == me:
+            continue
+        try:
+            out[p] = json.loads(store.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)))
+        except Exception as err:  # the runtime raises its own error type on a timeout
+            raise TimeoutError(
+                f"process {p} did not share {name!r} within {timeout_s:g} s ({err}): lost, "
+                "or not running the same step"
+            ) from None
+    return out
 
 
 def client() -> Any:

@@ -12,10 +12,12 @@ reaches the same verdict inside the step and raises the same error.
 from jaxstep.core.processes import host_name as host_name
 from jaxstep.core.processes import local_batch as local_batch
 from jaxstep.core.processes import local_positions as local_positions
+from jaxstep.core.processes import local_rotation as local_rotation
 from jaxstep.core.processes import local_rows as local_rows
 from jaxstep.core.processes import local_rows_per_device as local_rows_per_device
 from jaxstep.core.processes import place_local_batch as place_local_batch
 from jaxstep.core.processes import process_pid as process_pid
+from jaxstep.core.processes import share as share
 from jaxstep.core.processes import spans_processes as spans_processes
 from jaxstep.distributed import reports as reports
 from jaxstep.distributed._heartbeats import PeerHeartbeats as PeerHeartbeats
@@ -54,6 +56,7 @@ __all__ = [
     "leave",
     "local_batch",
     "local_positions",
+    "local_rotation",
     "local_rows",
     "local_rows_per_device",
     "log_stacks",
@@ -66,6 +69,7 @@ __all__ = [
     "record",
     "reports",
     "root_cause",
+    "share",
     "share_heartbeats",
     "spans_processes",
     "wait_ready",

@@ -8,10 +8,17 @@ With 64-row batches on 7 devices the steps take 63 rows (9 a device), then, once
 rows are carried, 70 (10 a device): two shapes, each compiled once. Rows still carried
 when the data ends (fewer than ``unit``) are never trained: fit lists them in
 ``History.left_over``.
+
+With several processes (:class:`Cut`) rows cannot be carried: each process passes its
+own rows, the rows per device must be the same on every process, and no process can
+hand rows to another. So each batch keeps its rows per device; the process that lost a
+device trains the chunks of its remaining devices and lists the lost device's chunk of
+every batch in ``History.left_over``. Every row is trained or listed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -99,3 +106,75 @@ class Carry:
         if self.rows is None:
             return None
         return self.first, self.offset, self.rows
+
+
+class Cut:
+    """Several processes, a device gone: the chunks of each of this process's batches
+    that no device is left to train, cut out and listed (``History.left_over``).
+
+    Batches keep the layout of the devices this process held when the first device
+    left (``origin``): chunk ``j`` of each is ``origin[j]``'s. A batch keeps its rows per
+    device; the chunks of the devices still there are trained, in order, and the others
+    are listed as ``(batch, first row, stop)``, rows of the batch as this process passed
+    it. Nothing is carried, so a checkpoint's data position is the next batch's start,
+    as without a device gone.
+
+    Args:
+      origin: the ids of this process's devices, in the step's order, before any left.
+      start: the data's count of the first batch fit pulled (``History.left_over``
+        counts batches from the data's first).
+      left_over: where the cut rows are listed (``History.left_over``).
+      presplit: batches come ``(n_devices, per_device, ...)``: joined here when cut.
+    """
+
+    rows = None  # the carry's protocol: nothing is ever carried
+
+    def __init__(
+        self,
+        origin: Sequence[int],
+        start: int,
+        left_over: list[tuple[int, int, int]],
+        presplit: bool = False,
+    ):
+        self.origin = list(origin)
+        self.here = set(self.origin)  # of them, the devices still in the step
+        self.start = start
+        self.left_over = left_over
+        self.presplit = presplit
+        self.cut = 0  # rows listed by this fit call
+
+    def exclude(self, device_ids: Sequence[int]) -> None:
+        """Devices that left: their chunks are cut from now on."""
+        self.here -= set(device_ids)
+
+    def take(self, item: Item) -> Item:
+        """``item`` without the chunks of devices that left (as it is when it has none).
+        An item cut before (a recovery queued it again) loses only what left since."""
+        chunks = tuple(range(len(self.origin))) if item.chunks is None else item.chunks
+        keep = tuple(j for j in chunks if self.origin[j] in self.here)
+        if keep == chunks:
+            return item
+        batch = item.batch
+        if self.presplit and item.first is None:
+            batch = jax.tree.map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), batch)
+        size = validate.batch(batch, len(chunks)) // len(chunks)
+        at = {j: i for i, j in enumerate(chunks)}
+        rows = np.concatenate([np.arange(at[j] * size, (at[j] + 1) * size) for j in keep])
+        first = item.seq if item.first is None else item.first
+        for j in chunks:
+            if j not in keep:  # rows of the batch as passed: chunk j of its layout
+                self.left_over.append((self.start + first, j * size, (j + 1) * size))
+                self.cut += size
+        return item._replace(
+            batch=jax.tree.map(lambda x: np.asarray(x)[rows], batch),
+            first=first,
+            chunks=keep,
+        )
+
+    def requeue(self) -> None:
+        """Nothing carried to queue again."""
+        return None
+
+    def left(self) -> None:
+        """No rows carried."""
+        return None

@@ -2,7 +2,11 @@
 
 Megatron-LM re-runs a step after a job restart to tell these apart; jaxstep's state
 is a value, so it replays in place: once with the same placement and once with the
-chunks rotated onto other devices.
+chunks rotated onto other devices. With several processes the chunks rotate among each
+process's own devices (a process holds only its rows); the replays' health tables are
+global, and what only one process can see (the examples of its chunks, the gradient
+leaves of its device) is shared through the coordination service, so every process
+reaches the same diagnosis.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxstep import distributed
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
-from jaxstep.core import validate
 from jaxstep.step import TrainStep
 
 # Causes a replay can follow from chunk to device, earliest in the chain first.
@@ -39,8 +43,10 @@ class Diagnosis:
         fail again) or ``"inconclusive"``.
       evidence: what each replay showed, in words.
       examples: for ``"data"``: indices in the global batch of the examples that fail
-        on their own (empty if none does alone).
-      replays: ``(rotation, failing device ids)`` of each replay.
+        on their own (empty if none does alone), found on every process.
+      replays: ``(rotation, failing device ids)`` of each replay: 0 in place, 1 with
+        each process's chunks rotated by one among its devices (with one process, chunk
+        ``i + 1`` on device ``i``).
       grad_leaves: for a non-finite gradient that comes back on replay: the gradient
         leaves it reached on the first failing device, in tree order (the error names
         only the first of them).
@@ -67,10 +73,14 @@ class Diagnosis:
 def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnosis:
     """Replays the failed step of ``error`` on ``batch`` from ``error.state``.
 
+    With several processes, every process calls it (the replays are steps of every
+    device) and gets the same diagnosis.
+
     Args:
       step: the step that failed.
       error: its error; ``error.state`` is the last good state (left untouched).
-      batch: the global batch of the failed step.
+      batch: the batch of the failed step, as the step took it (with several
+        processes: this process's rows).
 
     Returns:
       A :class:`Diagnosis`.
@@ -139,22 +149,29 @@ def _verdict(
         )
     if len(same) == n:
         return _spread(step, error, batch, replays)
-    moved = run(1)  # device i now holds chunk (i + 1) % n
+    order = distributed.local_rotation(step.devices, 1)
+    stuck = [ids[i] for i in same if order[i] == i]
+    if stuck:
+        evidence = (
+            f"fails again on replay on device(s) {[ids[i] for i in same]}; device(s) "
+            f"{stuck} are the only device of their process in this step, and a process "
+            "holds only its own rows, so their chunk cannot move to tell data from device",
+        )
+        return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+    moved = run(1)  # device i now holds chunk order[i] (i + 1 with one process)
     replays.append((1, tuple(ids[i] for i in moved)))
     chunks_then = set(same)
-    chunks_now = {(i + 1) % n for i in moved}
+    chunks_now = {int(order[i]) for i in moved}
     where_now = [ids[i] for i in moved]
     if moved and chunks_now == chunks_then and set(moved) != set(same):
-        size = validate.batch(batch, n) // n
+        size = distributed.local_rows_per_device(batch, step.devices)
         rows = ", ".join(f"{c * size}..{(c + 1) * size - 1}" for c in sorted(chunks_then))
         evidence = (
             f"fails again on replay on device(s) {[ids[i] for i in same]}",
             f"with the chunks rotated it fails on device(s) {where_now}, which now hold the "
             f"same rows ({rows}): the failure follows the data",
         )
-        examples = tuple(
-            step._internals.failing_examples(error.state, batch, sorted(chunks_then), error.step)
-        )
+        examples = _examples(step, error, batch, sorted(chunks_then))
         return Diagnosis("data", evidence, examples, tuple(replays))
     if set(moved) == set(same) and error.state.rng is not None:
         evidence = (
@@ -187,9 +204,8 @@ def _spread(
     """Every device fails again on replay: either the model or the update is at fault,
     or one device's rows fail and a collective in the model carries the failure to the
     others. Each example alone (collectives see a one-example axis) tells which."""
-    assert error.state is not None  # checked by diagnose
     n, ids = len(step.devices), [d.id for d in step.devices]
-    examples = step._internals.failing_examples(error.state, batch, list(range(n)), error.step)
+    examples = _examples(step, error, batch, list(range(n)))
     evidence: tuple[str, ...]
     if not examples:
         evidence = (
@@ -198,7 +214,7 @@ def _spread(
             "device or one chunk",
         )
         return Diagnosis("inconclusive", evidence, replays=tuple(replays))
-    size = validate.batch(batch, n) // n
+    size = distributed.local_rows_per_device(batch, step.devices)
     roots = tuple(dict.fromkeys(ids[e // size] for e in examples))
     evidence = (
         "every device fails again on replay",
@@ -210,6 +226,18 @@ def _spread(
     return Diagnosis("data", evidence, tuple(examples), tuple(replays), root_devices=roots)
 
 
+def _examples(
+    step: TrainStep, error: TrainingWorkerError, batch: Any, chunks: list[int]
+) -> tuple[int, ...]:
+    """The examples of ``chunks`` (device positions) that fail alone, sorted: each
+    process runs the chunks it holds, and with several processes each one's finds are
+    shared (:func:`jaxstep.distributed.share`), so every process holds them all."""
+    assert error.state is not None  # checked by diagnose
+    mine = step._internals.failing_examples(error.state, batch, chunks, error.step)
+    found = distributed.share("diagnose/examples", mine, step.devices)
+    return tuple(sorted(int(e) for seen in found.values() for e in seen))
+
+
 def _with_grad_leaves(
     found: Diagnosis, step: TrainStep, error: TrainingWorkerError, batch: Any, position: int
 ) -> Diagnosis:
@@ -217,7 +245,11 @@ def _with_grad_leaves(
     ``devices[position]``: the error names the first in tree order, which is not
     where a NaN that arose near the output started."""
     assert error.state is not None  # checked by diagnose
-    bad = step._internals.nonfinite_grad_leaves(error.state, batch, position, error.step)
+    bad = None  # only the process holding the device's rows can run them: it shares them
+    if position in distributed.local_positions(step.devices):
+        bad = step._internals.nonfinite_grad_leaves(error.state, batch, position, error.step)
+    shared = distributed.share("diagnose/grad_leaves", bad, step.devices)
+    bad = next(seen for seen in shared.values() if seen is not None)
     names = step.names["params"]
     device = step.devices[position].id
     if not bad:

@@ -28,6 +28,7 @@ from jaxstep.core import TrainState
 from jaxstep.core import validate
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._carry import Carry
+from jaxstep.loop._carry import Cut
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History
 from jaxstep.loop._history import scalar_aux
@@ -120,8 +121,9 @@ class Loop:
         self.recovery = None if recover is None else Recovery(recover, self)
         # rows carried from step to step once a device left the run (or on a resume
         # inside a batch): see loop._carry
-        self.carry: Carry | None = None
-        self.batch_rows: int | None = None  # rows of the first batch (under recover)
+        self.carry: Carry | Cut | None = None
+        # rows of the data's first batch, every process's together (under recover)
+        self.batch_rows: int | None = None
         self.columns: Any = None  # once a device left: its devices' columns in the history
         if checkpoints.source.skip_rows:
             self.carry = Carry(self.unit, checkpoints.source.skip_rows, presplit)
@@ -157,7 +159,10 @@ class Loop:
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
         if self.batch_rows is None and self.recovery is not None:
-            self.batch_rows = _rows(batch, self.presplit)
+            rows = _rows(batch, self.presplit)  # this process's rows: its devices' chunks
+            if rows is not None:
+                mine = len(distributed.local_positions(self.step.devices))
+                self.batch_rows = rows * len(self.step.devices) // max(mine, 1)
         self.queue.append(Item(batch, self.pulled))
         self.pulled += 1
         self._run_queue()
@@ -417,6 +422,14 @@ class Loop:
                 f"{validate.batch(rows, 1)} row(s) carried after a device left the run were "
                 f"not trained: the data ended with fewer rows than the {self.unit} a step "
                 f"needs; they are listed in history.left_over {self.history.left_over}",
+                stacklevel=3,
+            )
+        if isinstance(self.carry, Cut) and self.carry.cut:
+            warnings.warn(
+                f"{self.carry.cut} row(s) of this process's batches were not trained: they "
+                "were the chunks of devices that left the run, and with several processes "
+                "a process cannot hand its rows to another; they are listed in "
+                f"history.left_over {self.history.left_over}",
                 stacklevel=3,
             )
         if self.recovery is not None:

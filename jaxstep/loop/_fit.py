@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
-from jaxstep import distributed
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.core import TrainState
 from jaxstep.loop._arguments import check_fit
@@ -60,7 +59,9 @@ def fit(
         and ``on_fit_end(history)`` (after the last step, when nothing failed); e.g.
         :class:`jaxstep.Progress`, :class:`jaxstep.JsonlWriter`.
       diagnose: on a failure, replay the step (:func:`jaxstep.diagnose`) and put the
-        verdict on ``error.diagnosis`` and in its message.
+        verdict on ``error.diagnosis`` and in its message (with several processes the
+        chunks move only among each process's devices; every process gets the same
+        verdict).
       step_timeout: seconds a step may take (counted from its dispatch, compile
         excluded) before the devices that did not finish their part are named in a
         ``HUNG`` error; the Python stacks go to the ``jaxstep`` logger first. Adds one
@@ -119,7 +120,6 @@ def fit(
         step_timeout=step_timeout,
         recover=recover,
     )
-    _check(step, diagnose)
     state, source, checkpoints = FitCheckpoints.begin(
         step,
         state,
@@ -158,13 +158,3 @@ def fit(
             stacklevel=2,
         )
     return loop.finish()
-
-
-def _check(step: TrainStep, diagnose: bool) -> None:
-    if diagnose and distributed.spans_processes(step.devices):
-        raise ValueError(
-            "diagnose=True replays a failed step with its chunks moved to other devices, "
-            "which needs the whole batch in one process: not available when the step's "
-            "devices span processes. The error still names the device and its rows; replay "
-            "them on one host with make_train_step(..., devices=jax.local_devices())"
-        )

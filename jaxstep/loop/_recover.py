@@ -12,6 +12,11 @@ and acted on, within a budget:
 - a hang -> the emergency save, then the process exits for ``launch --restarts``.
 
 Each action is a :class:`~jaxstep.loop.Recovery` in ``History.recoveries``.
+
+With several processes every process takes the same action at the same step: the
+failure and the replays are read from global health tables, the offending examples are
+shared (:mod:`jaxstep.loop._diagnose`), so every process appends the same records. A
+device gone leaves its process's rows with it: see :class:`jaxstep.loop._carry.Cut`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import NoReturn
 import jax
 import numpy as np
 
+from jaxstep import distributed
 from jaxstep.checkpoint import append_quarantine
 from jaxstep.checkpoint import restore
 from jaxstep.core import HealthTable
@@ -34,6 +40,7 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import validate
 from jaxstep.loop._carry import Carry
+from jaxstep.loop._carry import Cut
 from jaxstep.loop._diagnose import Diagnosis
 from jaxstep.loop._diagnose import diagnose
 from jaxstep.loop._failure import majority_position
@@ -244,13 +251,13 @@ class Recovery:
         )
         store = self.loop.checkpoints.store
         if store is not None:
-            for batch, rows in sources.items():
+            for batch, rows in sources.items():  # process 0 writes it
                 append_quarantine(
                     store.directory,
                     step=error.step,
                     batch=batch,
                     examples=rows,
-                    batch_size=self._rows_of(item),
+                    batch_size=self.loop.batch_rows or self._rows_of(item),
                     device_ids=devices,
                 )
         self._resume(pending, error.state, [item._replace(drop=True)], record)
@@ -264,22 +271,34 @@ class Recovery:
         ids = _ids(error)
         if len(ids) >= len(step.devices):
             return _noted(error, "not recovered: every device failed")
-        state = step.exclude_devices(ids, error.state)
+        many = distributed.spans_processes(step.devices)
+        here = [d.id for d in step.devices if d.process_index == jax.process_index()]
+        gone = sorted({d.process_index for d in step.devices if d.id in ids})
+        try:
+            state = step.exclude_devices(ids, error.state)
+        except ValueError as err:  # a process would keep none of its devices
+            return _noted(error, f"not recovered: {err}")
         loop = self.loop
         loop.device_count = len(step.devices)
         where = {d: i for i, d in enumerate(loop.history.device_ids)}
         loop.columns = np.asarray([where[d.id] for d in step.devices])
-        if loop.carry is None:
-            loop.carry = Carry(loop.unit, presplit=loop.presplit)
-        loop.carry.unit = loop.unit
+        detail = f"training goes on on the other {len(step.devices)} device(s)"
+        if many:  # rows stay with their process: the lost devices' chunks are listed
+            if not isinstance(loop.carry, Cut):
+                start = loop.checkpoints.source.start
+                loop.carry = Cut(here, start, loop.history.left_over, loop.presplit)
+            loop.carry.exclude(ids)
+            detail += (
+                f"; process(es) {gone} no longer train their chunk(s) of each batch "
+                "(a process cannot hand its rows to another): listed in history.left_over"
+            )
+        else:  # the rows that do not divide by the devices left are carried
+            carry = loop.carry if isinstance(loop.carry, Carry) else None
+            loop.carry = carry or Carry(loop.unit, presplit=loop.presplit)
+            loop.carry.unit = loop.unit
         item = _item(pending)
         record = RecoveryRecord(
-            error.step,
-            "device",
-            "excluded",
-            ids,
-            batch=self._batch(item),
-            detail=f"training goes on on the other {len(step.devices)} device(s)",
+            error.step, "device", "excluded", ids, batch=self._batch(item), detail=detail
         )
         self._resume(pending, state, [item], record)
 

@@ -33,10 +33,16 @@ class Passes:
         self._grad_leaves: Any = None
 
     def failing_examples(
-        self, copy: TrainState, batch: Batch, chunks: Sequence[int], step_number: int
+        self,
+        copy: TrainState,
+        batch: Batch,
+        chunks: Sequence[int],
+        step_number: int,
+        local: Sequence[int] | None = None,
     ) -> list[int]:
         """Global batch indices of the examples of ``chunks`` that fail on their own;
-        ``copy``: one device's numpy copy of the state (``step.local_copy``)."""
+        ``copy``: one device's numpy copy of the state (``step.local_copy``); ``local``:
+        the positions whose chunks ``batch`` holds, in order (default: all)."""
         if self._examples is None:
             options, axis = self.options, self.options.axis_name
 
@@ -47,7 +53,7 @@ class Passes:
                 return _with_axis(alone, axis, example)
 
             self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
-        state, size, part = self._split(copy, batch, step_number)
+        state, size, part = self._split(copy, batch, step_number, local)
         found: list[int] = []
         for c in chunks:
             flags = self._examples(state, part(c), jnp.int32(c), jnp.arange(size))
@@ -55,7 +61,13 @@ class Passes:
         return found
 
     def nonfinite_grad_leaves(
-        self, copy: TrainState, batch: Batch, position: int, device_id: int, step_number: int
+        self,
+        copy: TrainState,
+        batch: Batch,
+        position: int,
+        device_id: int,
+        step_number: int,
+        local: Sequence[int] | None = None,
     ) -> list[int]:
         """Indices (tree order) of the gradient leaves that are not finite for chunk
         ``position`` of ``batch`` as device ``device_id`` ran it."""
@@ -69,22 +81,24 @@ class Passes:
                 return _with_axis(alone, axis, part)
 
             self._grad_leaves = jax.jit(one)
-        state, _, part = self._split(copy, batch, step_number)
+        state, _, part = self._split(copy, batch, step_number, local)
         args = (jnp.int32(device_id), jnp.int32(position))
         finite = np.asarray(self._grad_leaves(state, part(position), *args))
         return [int(i) for i in np.flatnonzero(~finite)]
 
     def _split(
-        self, copy: TrainState, batch: Batch, step_number: int
+        self, copy: TrainState, batch: Batch, step_number: int, local: Sequence[int] | None
     ) -> tuple[TrainState, int, Callable[[int], Batch]]:
-        """The state at step ``step_number``, the rows per device, and chunk c of
-        ``batch``."""
+        """The state at step ``step_number``, the rows per device, and chunk c (a device
+        position) of ``batch``, which holds the chunks of ``local`` in order."""
         step = jnp.asarray(step_number, jnp.int32)
         state = dataclasses.replace(from_host(copy), step=step)
-        size = jax.tree.leaves(batch)[0].shape[0] // self.n
+        at = {c: j for j, c in enumerate(range(self.n) if local is None else local)}
+        size = jax.tree.leaves(batch)[0].shape[0] // len(at)
 
         def part(c: int) -> Batch:
-            return jax.tree.map(lambda x: np.asarray(x)[c * size : (c + 1) * size], batch)
+            j = at[c]
+            return jax.tree.map(lambda x: np.asarray(x)[j * size : (j + 1) * size], batch)
 
         return state, size, part
 

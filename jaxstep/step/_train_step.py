@@ -299,26 +299,78 @@ class TrainStep:
         return every is not None and step_number % every == 0
 
     def replay(
-        self, state: TrainState, batch: Batch, *, rotation: int = 0
+        self,
+        state: TrainState,
+        batch: Batch,
+        *,
+        rotation: int = 0,
+        order: Sequence[int] | None = None,
     ) -> tuple[TrainState, StepOutput]:
-        """Runs the step again from ``state`` (not donated) with chunk ``(i + rotation)
-        % n`` of ``batch`` on ``devices[i]``. Used by :func:`jaxstep.diagnose`."""
-        n = len(self.devices)
+        """Runs the step again from ``state`` (not donated) with its chunks moved:
+        ``devices[i]`` runs chunk ``order[i]`` of the global batch. By default each
+        process's chunks are rotated by ``rotation`` among its own devices
+        (:func:`jaxstep.distributed.local_rotation`): with one process, chunk ``(i +
+        rotation) % n`` runs on ``devices[i]``. ``batch`` is what the step took (with
+        several processes, this process's rows). Used by :func:`jaxstep.diagnose`.
+
+        Raises:
+          ValueError: ``order`` is not a permutation of the device positions, or (several
+            processes) gives a device a chunk of another process, whose rows are not here.
+        """
         self._check_state(state)
         self._inputs.check_batch(batch)
-        order = (np.arange(n) + rotation) % n
-        size = jax.tree.leaves(batch)[0].shape[0] // n  # checked just above
-        rows = (order[:, None] * size + np.arange(size)[None, :]).reshape(-1)
+        if order is None:
+            chunks = processes.local_rotation(self.devices, rotation)
+        else:
+            chunks = self._replay_order(order)
+        local = self._local_positions()
+        at = {p: j for j, p in enumerate(local)}  # position -> its chunk in this batch
+        size = jax.tree.leaves(batch)[0].shape[0] // len(local)  # checked just above
+        source = np.asarray([at[int(chunks[p])] for p in local], np.int64)
+        rows = (source[:, None] * size + np.arange(size)[None, :]).reshape(-1)
         moved = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         copy = jax.tree.map(jnp.copy, state)
         extras = dict(self._extras)
         if self._injector:
-            extras["chunk"] = self._make_extras(order)["chunk"]
+            extras["chunk"] = self._make_extras(chunks)["chunk"]
         placed = self._backend.place_batch(moved)
         fn = self._compiled[(False, self._checks_replicas(self._step_number(state)))]
         new_state, out, _ = fn(copy, placed, extras)
         self._learn(out.info)
         return new_state, out
+
+    def _replay_order(self, order: Sequence[int]) -> np.ndarray:
+        """``order`` checked: a permutation of the positions that keeps every chunk on a
+        device of its own process."""
+        n = len(self.devices)
+        chunks = np.asarray(order)
+        if chunks.shape != (n,) or sorted(chunks.tolist()) != list(range(n)):
+            raise ValueError(
+                f"replay order must be a permutation of the {n} device positions 0..{n - 1} "
+                f"(order[i]: the chunk devices[i] runs), got {list(order)!r}"
+            )
+        crossing = [
+            i
+            for i, c in enumerate(chunks.tolist())
+            if self.devices[c].process_index != self.devices[i].process_index
+        ]
+        if crossing:
+            i = crossing[0]
+            raise ValueError(
+                f"replay order gives device {self.devices[i].id} (process "
+                f"{self.devices[i].process_index}) chunk {int(chunks[i])}, whose rows process "
+                f"{self.devices[int(chunks[i])].process_index} holds: each process passes "
+                "only its own rows, so a chunk moves only among its process's devices "
+                "(jaxstep.distributed.local_rotation)"
+            )
+        return chunks
+
+    def _local_positions(self) -> list[int]:
+        """The positions whose chunks this process's batches hold, in order: every one
+        with one process."""
+        if processes.spans_processes(self.devices):
+            return processes.local_positions(self.devices)
+        return list(range(len(self.devices)))
 
     def table(self, out: StepOutput) -> HealthTable:
         """Reads a step's health table on the host (waits for that step)."""
@@ -534,11 +586,16 @@ class Internals:
         (input, loss, gradient, model state or a user check) from ``state`` at step
         ``step_number``: the per-example health pass of the replay diagnosis. Runs on
         one device; ``axis_name`` is bound to a one-example axis, so a model that
-        communicates (cross-device BatchNorm) sees each example alone."""
+        communicates (cross-device BatchNorm) sees each example alone. With several
+        processes only the chunks of ``chunks`` this process holds are run (the other
+        rows are not here): the caller gathers the rest from the other processes."""
         step = self._step
         step._inputs.check_batch(batch)
-        copy = step.local_copy(state, 0)
-        return self._passes.failing_examples(copy, batch, chunks, step_number)
+        local = step._local_positions()
+        held = set(local)
+        mine = [c for c in chunks if c in held]
+        copy = step.local_copy(state, local[0])
+        return self._passes.failing_examples(copy, batch, mine, step_number, local)
 
     def nonfinite_grad_leaves(
         self, state: TrainState, batch: Batch, position: int, step_number: int
@@ -547,9 +604,16 @@ class Internals:
         ``devices[position]`` holds of ``batch``, run from ``state`` at step
         ``step_number`` as that device ran them (one pass over the whole chunk, on one
         device; ``axis_name`` is bound to a one-chunk axis): which layers a non-finite
-        gradient reached. Used by :func:`jaxstep.diagnose`."""
+        gradient reached. Used by :func:`jaxstep.diagnose`. With several processes only
+        the process holding ``devices[position]`` can run it (ValueError elsewhere)."""
         step = self._step
         step._inputs.check_batch(batch)
-        copy, device = step.local_copy(state, 0), step.devices[position].id
-        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step_number)
+        local = step._local_positions()
+        if position not in local:
+            raise ValueError(
+                f"device {step.devices[position].id}'s rows are not in this process's "
+                f"batch: ask process {step.devices[position].process_index}"
+            )
+        copy, device = step.local_copy(state, local[0]), step.devices[position].id
+        bad = self._passes.nonfinite_grad_leaves(copy, batch, position, device, step_number, local)
         return [step.names["params"][i] for i in bad]

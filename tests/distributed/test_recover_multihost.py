@@ -1,0 +1,131 @@
+"""``fit(..., recover=jaxstep.Recover())`` on two processes x four fake CPU devices: every
+process takes the same action at the same step and ends with the same parameters.
+
+One ``python -m jaxstep.launch`` job (``tests/recover_child.py``) runs a clean fit and
+three recovered ones, each with a fault on process 1's second device at step 2; the
+tests read what each process printed. Device ids are read, never assumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.models import PER_DEVICE
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD = ROOT / "tests" / "recover_child.py"
+JOB_TIMEOUT = 240  # seconds, start-up and compiles included (~40 s here)
+AT = 2  # the failing step
+
+pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """``{(run, process): RESULT}`` of the job, and the folder its checkpoints went to."""
+    base = tmp_path_factory.mktemp("recover")
+    cmd = [sys.executable, "-m", "jaxstep.launch", "-n", "2", "--devices-per-process", "4"]
+    cmd += ["--error-dir", str(base / "errors"), str(CHILD), str(base)]
+    try:
+        done = subprocess.run(
+            cmd,
+            cwd=str(ROOT),
+            capture_output=True,
+            text=True,
+            timeout=JOB_TIMEOUT,
+            env={**os.environ, "CHILD_LOST_TIMEOUT": "6"},
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"job ran past {JOB_TIMEOUT} s:\n{str(err.stdout)[-4000:]}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    results = {}
+    for line in output.splitlines():
+        head, _, rest = line.partition("] ")
+        if rest.startswith("RESULT "):
+            got = json.loads(rest[len("RESULT ") :])
+            results[got["run"], int(head[2:])] = got
+    assert len(results) == 8, output[-6000:]
+    return results, base
+
+
+def _both(results, run):
+    return results[run, 0], results[run, 1]
+
+
+def _assert_close(a, b):
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-6, atol=1e-7, err_msg=key)
+
+
+def test_a_transient_fault_on_process_1_is_retried_on_both_processes(job):
+    results, _ = job
+    clean, _ = _both(results, "clean")
+    p0, p1 = _both(results, "transient")
+    target = p1["target"]
+    assert target == clean["devices"][5] >= 2048  # process 1's second device, by its id
+    for seen in (p0, p1):
+        (record,) = seen["recoveries"]
+        assert (record["step"], record["verdict"], record["action"]) == (AT, "transient", "retried")
+        assert (record["device_ids"], record["batch"]) == ([target], AT)
+        assert seen["history_step"] == [0, 1, 2, 2, 3, 4, 5]  # step 2 failed, then ran again
+        assert seen["step"] == 6 and seen["left_over"] == []
+    assert p0["recoveries"] == p1["recoveries"]
+    # the same parameters on both processes, bit for bit those of the clean run
+    assert p0["params"] == p1["params"] == clean["params"]
+
+
+def test_a_data_fault_on_process_1_is_quarantined_on_both_processes(job):
+    results, _ = job
+    p0, p1 = _both(results, "data")
+    target = results["transient", 1]["target"]
+    example = 5 * PER_DEVICE + 1  # example 1 of chunk 5 (the target's), found by process 1
+    for seen in (p0, p1):
+        (record,) = seen["recoveries"]
+        assert (record["step"], record["verdict"], record["action"]) == (AT, "data", "quarantined")
+        assert record["device_ids"] == [target] and record["examples"] == [example]
+        assert record["batch"] == AT
+        assert seen["dropped"] == [[], [], [], [target], [], [], []]  # the step run again
+        assert seen["quarantine"] == {str(AT): [example]}  # written once, by process 0
+    assert p0["recoveries"] == p1["recoveries"]
+    assert p0["params"] == p1["params"]
+    # the update of a step that leaves the failing chunk out of its mean
+    _assert_close(p0["params"], p0["reference"])
+
+
+def test_a_device_of_process_1_that_keeps_failing_is_excluded_and_its_rows_listed(job):
+    results, base = job
+    clean, _ = _both(results, "clean")
+    p0, p1 = _both(results, "device")
+    target = p1["target"]
+    rest = [d for d in clean["devices"] if d != target]
+    for seen in (p0, p1):
+        (record,) = seen["recoveries"]
+        assert (record["step"], record["verdict"], record["action"]) == (AT, "device", "excluded")
+        assert record["device_ids"] == [target] and record["batch"] == AT
+        assert "process(es) [1] no longer train their chunk(s)" in record["detail"]
+        assert seen["devices"] == rest  # 7 devices, the same on both processes
+        assert seen["history_step"] == [0, 1, 2, 2, 3, 4, 5]
+        assert seen["step"] == 6
+    assert p0["recoveries"] == p1["recoveries"]
+    # Process 1 trains the chunks of its 3 devices left and lists the target's (rows
+    # 4..7 of each batch it passes, from the failing batch on); process 0 trains all.
+    assert p1["left_over"] == [[b, PER_DEVICE, 2 * PER_DEVICE] for b in range(AT, 6)]
+    assert p0["left_over"] == [] and p0["warnings"] == []
+    assert "16 row(s) of this process's batches were not trained" in p1["warnings"][0]
+    assert p0["params"] == p1["params"]
+    # two steps on 8 devices, then the 7 others on the batches without the target's rows
+    _assert_close(p0["params"], p0["reference"])
+    # the checkpoint after the exclusion: 7 devices, each process's data position the
+    # start of batch 4 (nothing carried)
+    meta = json.loads((base / "device" / "4" / "meta" / "metadata").read_text())
+    assert meta["device_ids"] == rest
+    positions = {p: (d["index"], d["rows"]) for p, d in meta["data_by_process"].items()}
+    assert positions == {"0": (4, 0), "1": (4, 0)}

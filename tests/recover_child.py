@@ -1,0 +1,127 @@
+"""One process of the multi-process recovery test, started by ``python -m jaxstep.launch``.
+
+    python -m jaxstep.launch -n 2 --devices-per-process 4 tests/recover_child.py DIR
+
+Every process builds the same global batches and passes its own rows. It runs, one
+after the other, a clean ``fit`` and three with ``recover=jaxstep.Recover()`` and a
+fault on process 1's second device (id 2049 on this JAX) at step 2: ``transient``,
+``data`` (example 1 of its chunk; checkpoints in ``DIR/data``) and ``device`` (it
+fails every step; checkpoints every 2 steps in ``DIR/device``), each with the reference
+it must match. Each run prints one line ``RESULT {json}`` with what this process saw.
+"""
+
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import numpy as np
+import optax
+
+import jaxstep
+from jaxstep import distributed
+from jaxstep.testing import Fault
+from tests.models import PER_DEVICE
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+
+STEPS = 6
+AT = 2
+
+
+def result(**fields):
+    fields.update(process=jax.process_index(), pid=os.getpid(), at=time.time())
+    print("RESULT " + json.dumps(fields), flush=True)
+
+
+def params_of(step, state):
+    """The parameters as lists of floats (float32 values survive JSON exactly)."""
+    here = distributed.local_positions(step.devices)[0]  # a copy this process holds
+    params = step.local_copy(state.params, here)
+    return {jax.tree_util.keystr(k): np.asarray(v).ravel().tolist() for k, v in _flat(params)}
+
+
+def _flat(tree):
+    return jax.tree_util.tree_leaves_with_path(tree)
+
+
+def records(history):
+    return [r.to_json() for r in history.recoveries]
+
+
+def run(faults, batches, **kwargs):
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults)
+    history = jaxstep.History()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = jaxstep.fit(step, step.init(init_params()), batches, history=history, **kwargs)
+    return step, state, history, [str(w.message) for w in caught]
+
+
+def seen(name, step, state, history, caught, **more):
+    result(
+        run=name,
+        params=params_of(step, state),
+        step=int(step.first_copy(state.step)),
+        devices=[d.id for d in step.devices],
+        history_step=list(history.step),
+        recoveries=records(history),
+        dropped=[list(d) for d in history.dropped],
+        left_over=[list(t) for t in history.left_over],
+        warnings=caught,
+        **more,
+    )
+
+
+@distributed.record
+def main(base: str) -> None:
+    devices = jax.devices()
+    target = [d for d in devices if d.process_index == 1][1]
+    full = make_batches(STEPS)
+    mine = [distributed.local_batch(b, devices) for b in full]
+    recover = jaxstep.Recover()
+
+    seen("clean", *run([], mine))
+
+    fault = Fault("input", target.id, step=AT, mode="transient")
+    seen("transient", *run([fault], mine, recover=recover), target=target.id)
+
+    fault = Fault("input", target.id, step=AT, mode="data", example=1)
+    out = run([fault], mine, recover=recover, checkpoint_dir=f"{base}/data")
+    quarantine = jaxstep.read_quarantine(f"{base}/data")
+    # the reference: the failing step with the failing chunk left out of its mean
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=[fault], on_failure="drop")
+    reference = jaxstep.fit(step, step.init(init_params()), mine)
+    seen(
+        "data",
+        *out,
+        quarantine={str(k): list(v) for k, v in quarantine.items()},
+        reference=params_of(step, reference),
+    )
+
+    faults = [Fault("loss", target.id, step=t, mode="device") for t in range(AT, STEPS + 1)]
+    out = run(faults, mine, recover=recover, checkpoint_dir=f"{base}/device", checkpoint_every=2)
+    # the reference: two steps on 8 devices, then the rest on the 7 others, each batch
+    # without the rows of the device that left (the global batch cut, then split anew)
+    head = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
+    start = jaxstep.fit(head, head.init(init_params()), mine[:AT])
+    rest = [d for d in devices if d != target]
+    gone = devices.index(target)
+    cut = np.r_[0 : gone * PER_DEVICE, (gone + 1) * PER_DEVICE : len(full[0]["x"])]
+    tail = [distributed.local_batch({k: v[cut] for k, v in b.items()}, rest) for b in full[AT:]]
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=rest)
+    copy = head.local_copy(start, distributed.local_positions(devices)[0])
+    reference = jaxstep.fit(step, step.place_state(copy), tail)
+    seen("device", *out, target=target.id, reference=params_of(step, reference))
+
+
+if __name__ == "__main__":
+    # Before any computation; not at import (pytest imports this file for doctests).
+    distributed.initialize(lost_timeout=float(os.environ.get("CHILD_LOST_TIMEOUT", "6")))
+    main(*sys.argv[1:])
