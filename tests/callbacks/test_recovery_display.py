@@ -127,6 +127,22 @@ def test_progress_says_nothing_of_recoveries_when_there_were_none():
     assert "recover" not in out.getvalue()
 
 
+def test_progress_counts_steps_not_tries_when_a_failed_step_runs_again_or_rolls_back():
+    """Under recover a failed step's row (its state unchanged) is followed by the step
+    again, and a rollback trains steps again: the count follows the step number."""
+    out = io.StringIO()
+    progress = jaxstep.Progress(4, every=1, live=False, file=out)
+    history = jaxstep.History(device_ids=IDS)
+    progress.on_fit_start(None, history)
+    failed = _table(1)._replace(failed=True, halted=True)
+    for table in [_table(0), failed, _table(1), _table(2), _table(1), _table(2), _table(3)]:
+        history.append(table, examples_per_sec=100.0)
+        progress.on_step_end(table)
+    progress.on_fit_end(history)
+    counts = [line.split()[2] for line in out.getvalue().splitlines()]
+    assert counts == ["(1/4)", "(1/4)", "(2/4)", "(3/4)", "(2/4)", "(3/4)", "(4/4)"]
+
+
 def test_progress_prints_recoveries_above_a_live_bar_and_counts_them_on_it():
     pytest.importorskip("rich")
     out = io.StringIO()
