@@ -252,3 +252,32 @@ def test_overview_has_no_recovery_marks_without_recoveries():
     assert not [line for line in losses.lines if line.get_gid() == "recoveries"]
     assert "recovery" not in [text.get_text() for text in losses.get_legend().get_texts()]
     plt.close(fig)
+
+
+def test_overview_draws_a_step_run_again_as_a_column_per_try_labelled_with_its_step():
+    """Under recover a failed step's row is followed by the step again: each row is a
+    column in the order run, the failure and the recovery at the failed try."""
+    import matplotlib.pyplot as plt
+
+    history = jaxstep.History(device_ids=IDS)
+    status = np.zeros(len(IDS), np.int32)
+    status[2] = int(jaxstep.Status.GRAD_NONFINITE)
+    failed = _table(2)._replace(status=status, failed=True, halted=True)
+    for t, table in enumerate([_table(0), _table(1), failed, _table(2), _table(3)]):
+        history.append(table, examples_per_sec=100.0)
+        if t == 2:
+            history.recoveries.append(jaxstep.Recovery(2, "transient", "retried", (IDS[2],)))
+    assert jaxstep.plot.marks(history)["failures"].tolist() == [[2, IDS[2]]]
+    fig = jaxstep.plot.overview(history)
+    heatmap, losses = fig.axes[0], fig.axes[1]
+    assert heatmap.images[0].get_array().shape == (len(IDS), 5)
+    assert list(heatmap.images[0].get_extent()[:2]) == [-0.5, 4.5]  # a cell per column
+    (cross,) = [c for c in heatmap.collections if c.get_gid() == "failures"]
+    assert cross.get_offsets().tolist() == [[2.0, 2.0]]  # the failed try, device 12's row
+    (line,) = [line for line in losses.lines if line.get_gid() == "recoveries"]
+    assert line.get_xdata()[0] == 2
+    fig.canvas.draw()
+    labels = zip(losses.get_xticks(), losses.get_xticklabels(), strict=True)
+    ticks = {round(x): text.get_text() for x, text in labels}
+    assert ticks[3] == "2" and ticks[4] == "3"  # the retry is labelled with its step
+    plt.close(fig)
