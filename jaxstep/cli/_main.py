@@ -47,14 +47,16 @@ def _injection(text: str) -> Injection:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+DEVICES_HELP = (
+    "N fake CPU devices, or 'real' for the devices JAX finds (a bare --devices means real)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    devices_help = (
-        "N fake CPU devices, or 'real' for the devices JAX finds (a bare --devices means real)"
-    )
     demo = sub.add_parser(
         "demo",
         help="train a CNN on scikit-learn's digits on every device; --inject meets a fault",
@@ -66,13 +68,41 @@ def _parser() -> argparse.ArgumentParser:
         + __doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _demo_arguments(demo)
+    doctor = sub.add_parser(
+        "doctor",
+        help="list the devices, compare their results bitwise, time an all-reduce",
+        description="Check the devices: the same program on each must give the same bits.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument(
+        "--devices",
+        type=_device_spec,
+        nargs="?",
+        const="real",
+        default="real",
+        help=DEVICES_HELP + " (default real)",
+    )
+    doctor.add_argument("--size", type=int, default=256, help="the probe's matrix side")
+    doctor.add_argument(
+        "--corrupt",
+        type=int,
+        metavar="DEVICE_ID",
+        help="flip one bit of this device's result, to see a failing scan",
+    )
+    return parser
+
+
+def _demo_arguments(demo: argparse.ArgumentParser) -> None:
+    """``jaxstep demo``'s arguments."""
     demo.add_argument(
         "--devices",
         type=_device_spec,
         nargs="?",
         const="real",
         default=8,
-        help=devices_help + " (default 8)",
+        help=DEVICES_HELP + " (default 8)",
     )
     demo.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
     demo.add_argument(
@@ -109,29 +139,6 @@ def _parser() -> argparse.ArgumentParser:
         "and --recover the quarantined examples (default with --inject: a new temporary "
         "directory)",
     )
-    doctor = sub.add_parser(
-        "doctor",
-        help="list the devices, compare their results bitwise, time an all-reduce",
-        description="Check the devices: the same program on each must give the same bits.",
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    doctor.add_argument(
-        "--devices",
-        type=_device_spec,
-        nargs="?",
-        const="real",
-        default="real",
-        help=devices_help + " (default real)",
-    )
-    doctor.add_argument("--size", type=int, default=256, help="the probe's matrix side")
-    doctor.add_argument(
-        "--corrupt",
-        type=int,
-        metavar="DEVICE_ID",
-        help="flip one bit of this device's result, to see a failing scan",
-    )
-    return parser
 
 
 def _devices(spec: int | str) -> list[jax.Device]:
