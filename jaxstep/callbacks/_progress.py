@@ -72,7 +72,9 @@ class Progress:
         self._task: TaskID | None = None
         self._step: TrainStep | None = None
         self.history: History | None = None
-        self._done = 0
+        self._done = 0  # steps trained, over every fit this Progress has shown
+        self._first: int | None = None  # this fit's first step, and _done before it
+        self._before = 0
 
     def _out(self) -> IO[str]:
         return self.file if self.file is not None else sys.stdout
@@ -80,6 +82,7 @@ class Progress:
     def on_fit_start(self, step: TrainStep, history: History) -> None:
         self.history = history
         self._step = step  # a Progress used for several fits keeps counting
+        self._first = None
         live = self._live if self._live is not None else _can_draw(self._out())
         if live and self._bar is None:
             from rich.console import Console
@@ -128,7 +131,12 @@ class Progress:
         return "  ".join(parts)
 
     def on_step_end(self, table: HealthTable) -> None:
-        self._done += 1
+        if self._first is None:
+            self._first, self._before = table.step, self._done
+        # Counted by step number, not by row: under fit(recover=...) a failed step (its
+        # state unchanged) is run again, and a rollback trains steps again.
+        trained = table.step + (0 if table.failed and table.halted else 1)
+        self._done = self._before + trained - self._first
         if table.failed and table.skipped:
             # Under the skip policy nothing is raised: say who failed, once.
             assert self._step is not None, "on_fit_start gives the step"
@@ -141,7 +149,7 @@ class Progress:
             assert self._step is not None, "on_fit_start gives the step"
             self._print(f"step {table.step} {self._drops(table)}")
         if self._bar is not None and self._task is not None:  # made together
-            self._bar.update(self._task, advance=1, text=self.describe())
+            self._bar.update(self._task, completed=self._done, text=self.describe())
         elif self._done % self.every == 0 or self._done == self.total:
             of = f"/{self.total}" if self.total else ""
             self._print(f"step {table.step:5d} ({self._done}{of})  {self.describe()}")

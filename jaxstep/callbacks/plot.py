@@ -61,17 +61,31 @@ def marks(history: History) -> dict[str, np.ndarray]:
     ``dropped``, and the replicas repaired, ``repaired``) and steps (``skipped``, and
     under ``fit(..., recover=...)`` each recovery action's, ``recoveries``)."""
     a = _arrays(history)
+    steps = a["step"].astype(np.int64)
+    at = _rows(history, a)
+    found = {k: np.stack([steps[v[:, 0]], v[:, 1]], axis=1) for k, v in at.items() if v.ndim == 2}
+    return found | {
+        "skipped": steps[at["skipped"]],
+        "recoveries": np.asarray([r.step for r in history.recoveries], np.int64),
+    }
+
+
+def _rows(history: History, a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """:func:`marks` by history row instead of step: ``(row, device_id)`` pairs, and
+    rows for ``skipped`` (a step run again under ``recover`` has a row per try)."""
     ids = a["device_ids"]
     failed = (a["status"] & ~_NOT_FAILURES) != 0
     overflow = (a["status"] & _NOT_FAILURES) != 0
 
     def pairs(mask: np.ndarray) -> np.ndarray:
         t, d = np.nonzero(mask)
-        return np.stack([a["step"][t], ids[d]], axis=1).astype(np.int64)
+        return np.stack([t, ids[d]], axis=1).astype(np.int64)
 
-    def listed(per_step: list[tuple[int, ...]]) -> np.ndarray:
+    def listed(per_row: list[tuple[int, ...]]) -> np.ndarray:
         # a History built by hand may leave these out: no device was
-        found = [(s, d) for s, ids in zip(a["step"], per_step, strict=False) for d in ids]
+        found = [
+            (t, d) for t, ids in zip(range(len(a["step"])), per_row, strict=False) for d in ids
+        ]
         return np.asarray(found, np.int64).reshape(-1, 2)
 
     return {
@@ -79,9 +93,56 @@ def marks(history: History) -> dict[str, np.ndarray]:
         "overflows": pairs(overflow),
         "dropped": listed(history.dropped),
         "repaired": listed(history.repaired),
-        "skipped": a["step"][a["skipped"]].astype(np.int64),
-        "recoveries": np.asarray([r.step for r in history.recoveries], np.int64),
+        "skipped": np.flatnonzero(a["skipped"]),
     }
+
+
+def _columns(steps: np.ndarray) -> np.ndarray:
+    """Where each history row is drawn: at its step; or, once steps repeat or jump (a
+    failed try run again or a rollback under ``fit(..., recover=...)``, two runs in one
+    history), each row in the order run, counted from the first step (the step axis's
+    labels still name the steps: :func:`_label_steps`)."""
+    steps = steps.astype(np.int64)
+    if len(steps) < 2 or bool(np.all(np.diff(steps) == 1)):
+        return steps
+    return steps[0] + np.arange(len(steps))
+
+
+def _label_steps(ax: Axes, steps: np.ndarray) -> None:
+    """The step axis's tick labels: the step of the row at each tick, when
+    :func:`_columns` draws rows in the order run."""
+    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import MaxNLocator
+
+    columns = _columns(steps)
+    if np.array_equal(columns, steps):
+        return
+
+    def label(x: float, _: int) -> str:
+        k = round(x) - int(columns[0])
+        return str(int(steps[k])) if abs(x - round(x)) < 1e-6 and 0 <= k < len(steps) else ""
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(label))
+    ax.set_xlabel("step (in the order run: a step tried again has a column per try)")
+
+
+def _recovery_columns(history: History, steps: np.ndarray) -> list[int]:
+    """Where each recovery's line is drawn: at its step, or (rows drawn in the order
+    run) at the first row of its step after the previous recovery's: the failed try."""
+    columns = _columns(steps)
+    if np.array_equal(columns, steps):
+        return [r.step for r in history.recoveries]
+    found, start = [], 0
+    for record in history.recoveries:
+        hits = np.flatnonzero(steps[start:] == record.step)
+        if not len(hits):  # not in the history (built by hand): at its step
+            found.append(record.step)
+            continue
+        row = start + int(hits[0])
+        found.append(int(columns[row]))
+        start = row + 1
+    return found
 
 
 def _colorbar(fig: FigureBase, image: AxesImage, axes: Axes | list[Axes], **kwargs: Any) -> None:
@@ -103,6 +164,7 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
     a = _arrays(history)
     ax = ax if ax is not None else plt.figure(figsize=(10, 4)).gca()
     steps, ids = a["step"], a["device_ids"]
+    columns = _columns(steps)
     norms = a["device_grad_norm"].T.astype(np.float64)
     good = np.isfinite(norms) & (norms > 0)
     cmap = plt.get_cmap("viridis").with_extremes(bad="black")
@@ -114,13 +176,13 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
         origin="lower",
         cmap=cmap,
         norm=LogNorm(vmin=lo, vmax=max(hi, lo * 1.0001)),
-        extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, len(ids) - 0.5),
+        extent=(columns[0] - 0.5, columns[-1] + 0.5, -0.5, len(ids) - 0.5),
     )
     if colorbar:
         _colorbar(ax.figure, image, ax)
     row = {int(d): i for i, d in enumerate(ids)}
-    m = marks(history)
-    for s in m["skipped"]:
+    m = _rows(history, a)
+    for s in columns[m["skipped"]]:
         ax.axvspan(s - 0.5, s + 0.5, color="0.6", alpha=0.5, lw=0, gid="skipped")
     size = float(np.clip(4000 / max(len(steps), len(ids) * 4), 70, 160))
     for kind, color, marker in (
@@ -129,7 +191,7 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
     ):
         if len(m[kind]):
             ax.scatter(
-                m[kind][:, 0],
+                columns[m[kind][:, 0]],
                 [row[int(d)] for d in m[kind][:, 1]],
                 s=size,
                 c=color,
@@ -145,7 +207,7 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
     for kind, color, marker in (("dropped", DROPPED_COLOR, "s"), ("repaired", REPAIRED_COLOR, "D")):
         if len(m[kind]):
             ax.scatter(
-                m[kind][:, 0],
+                columns[m[kind][:, 0]],
                 [row[int(d)] for d in m[kind][:, 1]],
                 s=size * 2.2,
                 facecolors="none",
@@ -158,6 +220,7 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
             )
     ax.set_yticks(range(len(ids)), [f"device {d}" for d in ids])
     ax.set_xlabel("step")
+    _label_steps(ax, steps)
     title = "gradient norm per device (red X: failed, grey: skipped step"
     if len(m["dropped"]) or len(m["repaired"]):
         title += ", square: left out, diamond: repaired"
@@ -173,16 +236,18 @@ def loss_curves(history: History, ax: Axes | None = None) -> Axes:
     a = _arrays(history)
     ax = ax if ax is not None else plt.figure(figsize=(10, 3)).gca()
     steps = a["step"]
+    columns = _columns(steps)
     losses = a["device_loss"].astype(np.float64)
     cmap = plt.get_cmap("tab10" if len(a["device_ids"]) <= 10 else "viridis")
     for i, d in enumerate(a["device_ids"]):
         color = cmap(i % 10) if len(a["device_ids"]) <= 10 else cmap(i / len(a["device_ids"]))
-        ax.plot(steps, losses[:, i], lw=0.8, alpha=0.8, color=color, label=f"device {d}")
-    ax.plot(steps, a["loss"], lw=2.0, color="black", label="mean")
-    for s in np.unique(marks(history)["failures"][:, 0]):
+        ax.plot(columns, losses[:, i], lw=0.8, alpha=0.8, color=color, label=f"device {d}")
+    ax.plot(columns, a["loss"], lw=2.0, color="black", label="mean")
+    for s in np.unique(columns[_rows(history, a)["failures"][:, 0]]):
         ax.axvline(s, color=FAILURE_COLOR, ls="--", lw=1.2, gid="failure-steps")
-    _recoveries(history, ax)
+    _recoveries(history, ax, _recovery_columns(history, steps))
     ax.set_xlabel("step")
+    _label_steps(ax, steps)
     ax.set_ylabel("loss per device\n(non-finite: gaps)")
     # Above the curves, where it hides none of them.
     ax.legend(
@@ -192,16 +257,16 @@ def loss_curves(history: History, ax: Axes | None = None) -> Axes:
         bbox_to_anchor=(0.5, 1.0),
         frameon=False,
     )
-    ax.set_xlim(steps[0] - 0.5, steps[-1] + 0.5)
+    ax.set_xlim(columns[0] - 0.5, columns[-1] + 0.5)
     return ax
 
 
-def _recoveries(history: History, ax: Axes) -> None:
-    """A dashed line at each recovery's step, its action written along the line's top
+def _recoveries(history: History, ax: Axes, columns: list[int]) -> None:
+    """A dashed line at each recovery's column, its action written along the line's top
     (one legend entry for them all)."""
-    for i, record in enumerate(history.recoveries):
+    for i, (record, x) in enumerate(zip(history.recoveries, columns, strict=True)):
         ax.axvline(
-            record.step,
+            x,
             color=RECOVERY_COLOR,
             ls="--",
             lw=1.2,
@@ -210,7 +275,7 @@ def _recoveries(history: History, ax: Axes) -> None:
             zorder=3,
         )
         ax.text(
-            record.step,
+            x,
             0.97,
             f" {record.action}",
             transform=ax.get_xaxis_transform(),  # x: step, y: fraction of the panel

@@ -1,7 +1,8 @@
 """``jaxstep demo``: a small Flax CNN learns scikit-learn's bundled digits on every
 device with jaxstep; ``--inject`` plants one fault on one device at one step and the
-run says which device, where and why. Built on the layers' faces (jaxstep.step, .loop,
-.callbacks, ...) and the testing kit, never on their private modules."""
+run says which device, where and why; ``--recover`` acts on it and trains on. Built on
+the layers' faces (jaxstep.step, .loop, .callbacks, ...) and the testing kit, never on
+their private modules."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import math
 import re
 import tempfile
+import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -41,6 +43,16 @@ KINDS = {
     "grad": "a NaN in one gradient leaf on the device, once (a transient fault)",
     "stall": "the device stalls before the all-reduce (a hang, named by the step timeout)",
     "corrupt": "one ulp of one weight on the device's replica (silent data corruption)",
+}
+#: --inject KIND -> what ``--recover`` does about it
+RECOVERED = {
+    "nan": "the example is quarantined, the step trained on the other chunks",
+    "inf": "the device is excluded, the run goes on on the others",
+    "grad": "the step is retried with the same batch",
+    "stall": "a hang is not recovered inside the process (the stuck collective holds "
+    "every device) but by a restart from the last checkpoint, under `python -m "
+    "jaxstep.launch --restarts N`; here it is reported as without --recover",
+    "corrupt": "the replica is repaired from the majority, the step run again",
 }
 GRAD_LEAF = "['Dense_0']['kernel']"
 DIVERGENCE_EVERY = 10
@@ -158,12 +170,18 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     )
     if inj is not None:
         print(f"injected at step {inj.step} on device {inj.device_id}: {KINDS[inj.kind]}")
+        if _recovers(args):
+            print(f"--recover: {_recovery_plan(inj.kind, args.policy)}")
 
     history = History()
     options = _fit_options(args, history)
-    batches = data.batches(train, batch_size, seed=args.seed)
+
+    def batches(start: int) -> Iterator[dict[str, np.ndarray]]:
+        # fit asks from state.step: a second fit's batch numbers count from batch 0 too
+        return data.batches(train, batch_size, seed=args.seed, start=start)
+
     state, error = _train(args, step, state, batches, options)
-    _report(args, devices, model, step, state, test, history, error)
+    _report(args, devices, model, step, state, test, history, error, options)
     return EXIT_OK if error is None else EXIT_WORKER_FAILED
 
 
@@ -200,13 +218,29 @@ def _faults(inj: Injection | None) -> list[Fault]:
     return [Fault(kind, device_id=inj.device_id, step=inj.step, mode=mode, **extra)]
 
 
+def _recovers(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "recover", False))
+
+
+def _recovery_plan(kind: str, policy: str) -> str:
+    """What ``--recover`` will do about an injected ``kind`` under ``--policy``: a
+    policy other than raise handles most faults inside the step, before recover."""
+    if policy == "raise" or kind in ("stall", "corrupt"):
+        if kind == "corrupt" and policy == "drop":
+            return "the replica is repaired inside the step (--policy drop), a recovery"
+        return RECOVERED[kind]
+    inside = "skips the step" if policy == "skip" else "leaves the device's chunk out"
+    return f"--policy {policy} {inside} inside the step: nothing halts, nothing to recover"
+
+
 def _fit_options(args: argparse.Namespace, history: History) -> dict[str, Any]:
     """``fit``'s keywords: the history, the callbacks asked for, the diagnosis, and for
     an injection the step timeout (a stall) or a checkpoint directory for the emergency
-    save (the others)."""
+    save and the quarantine file (the others); with ``--recover`` a :class:`Recover`."""
     from jaxstep.callbacks import JsonlWriter
     from jaxstep.callbacks import Progress
     from jaxstep.callbacks import TensorBoardWriter
+    from jaxstep.loop import Recover
 
     inj = args.inject
     callbacks: list[Progress | JsonlWriter | TensorBoardWriter] = [Progress(args.steps)]
@@ -222,6 +256,10 @@ def _fit_options(args: argparse.Namespace, history: History) -> dict[str, Any]:
         checkpoint_dir = tempfile.mkdtemp(prefix="jaxstep-demo-")
     if checkpoint_dir is not None:  # the emergency save on a failure goes there
         options["checkpoint_dir"] = checkpoint_dir
+    if _recovers(args):
+        # The demo's faults are a transient, a bad record, a bad chip and a diverged
+        # replica: each is recovered in place (no loss-spike check, so no rollback).
+        options["recover"] = Recover()
     return options
 
 
@@ -229,7 +267,7 @@ def _train(
     args: argparse.Namespace,
     step: TrainStep,
     state: TrainState,
-    batches: Iterator[dict[str, np.ndarray]],
+    batches: Callable[[int], Iterator[dict[str, np.ndarray]]],
     options: dict[str, Any],
 ) -> tuple[TrainState, TrainingWorkerError | None]:
     """``fit`` to ``args.steps`` steps (for ``corrupt``: to the injection's step, then
@@ -239,26 +277,29 @@ def _train(
     from jaxstep.loop import fit
     from jaxstep.testing import corrupt_replica
 
-    inj, history = args.inject, options["history"]
+    inj = args.inject
     # The hang watchdog logs every Python stack: right for a job's log, noise here.
     quiet = logging.NullHandler()
     logging.getLogger("jaxstep").addHandler(quiet)
     error = None
-    try:
-        if inj is not None and inj.kind == "corrupt":
-            state = fit(step, state, batches, num_steps=inj.step, **options)
-            leaf = f"params{GRAD_LEAF}"
-            state = corrupt_replica(step, state, inj.device_id, leaf, ulps=1)
-            print(f"step {inj.step}: device {inj.device_id}'s copy of {leaf} moved by one ulp")
-        done = len(history)
-        state = fit(step, state, batches, num_steps=args.steps - done, **options)
-    except TrainingWorkerError as err:
-        error = err
-        _print_failure(err)
-        if err.state is not None:
-            state = err.state
-    finally:
-        logging.getLogger("jaxstep").removeHandler(quiet)
+    with warnings.catch_warnings():
+        # The rows a device's exclusion left untrained at the end: said in _recovered.
+        warnings.filterwarnings("ignore", ".*carried after a device left the run")
+        try:
+            if inj is not None and inj.kind == "corrupt":
+                state = fit(step, state, batches, num_steps=inj.step, **options)
+                leaf = f"params{GRAD_LEAF}"
+                state = corrupt_replica(step, state, inj.device_id, leaf, ulps=1)
+                print(f"step {inj.step}: device {inj.device_id}'s copy of {leaf} moved by one ulp")
+            done = int(step.host_state(state).step)
+            state = fit(step, state, batches, num_steps=args.steps - done, **options)
+        except TrainingWorkerError as err:
+            error = err
+            _print_failure(err)
+            if err.state is not None:
+                state = err.state
+        finally:
+            logging.getLogger("jaxstep").removeHandler(quiet)
     return state, error
 
 
@@ -285,26 +326,58 @@ def _report(
     test: Split,
     history: History,
     error: TrainingWorkerError | None,
+    options: dict[str, Any],
 ) -> None:
-    """After training: the per-device summary, the test accuracy (when there is a state
-    to test), the plot if asked."""
+    """After training: the per-device summary, what was recovered (the quarantine file,
+    the devices left), the test accuracy (when there is a state to test), the plot if
+    asked."""
     import jax
     import numpy as np
 
     from jaxstep.callbacks import overview
 
+    usable = error is None or error.state is not None
+    host = step.host_state(state) if usable else None
+    # Steps trained: the history also holds the failed tries that a recovery ran again.
+    trained = len(history) if host is None else int(host.step)
     print()
-    summary(history, args.steps, devices, error)
-    if error is None or error.state is not None:
-        params = step.host_state(state).params
-        logits = jax.jit(model.apply)({"params": jax.tree.map(np.asarray, params)}, test.image)
+    summary(history, args.steps, devices, error, trained=trained)
+    _recovered(history, step, options)
+    if host is not None:
+        params = jax.tree.map(np.asarray, host.params)
+        logits = jax.jit(model.apply)({"params": params}, test.image)
         accuracy = float(np.mean(np.asarray(logits).argmax(-1) == test.label))
-        print(f"test accuracy {accuracy:.3f} after {len(history)} steps")
+        print(f"test accuracy {accuracy:.3f} after {trained} steps")
     if args.plot and len(history):
         overview(history, args.plot)
         print(f"plot saved to {args.plot}")
     if error is None:
-        print(f"finished {len(history)} steps")
+        print(f"finished {trained} steps")
+
+
+def _recovered(history: History, step: TrainStep, options: dict[str, Any]) -> None:
+    """What the recoveries left behind (each was printed when taken, and summed up at
+    the end of fit): the quarantined examples on disk, the devices the run ended on."""
+    from pathlib import Path
+
+    from jaxstep.checkpoint import read_quarantine
+
+    actions = {r.action for r in history.recoveries}
+    directory = options.get("checkpoint_dir")
+    if "quarantined" in actions and directory is not None:
+        found = read_quarantine(directory)
+        print(
+            f"quarantined examples, by batch (indices into the batch): {dict(found)} in "
+            f"{Path(directory) / 'quarantine.jsonl'} (jaxstep.read_quarantine)"
+        )
+    if "excluded" in actions:
+        ids = [d.id for d in step.devices]
+        print(f"the run ended on {len(ids)} devices: {ids}")
+        for batch, start, stop in history.left_over:
+            print(
+                f"rows {start}..{stop - 1} of batch {batch} were not trained: the run ended "
+                f"with fewer rows carried than the {len(ids)} a step needs (history.left_over)"
+            )
 
 
 def _left_out(history: History) -> dict[int, str]:
@@ -323,9 +396,12 @@ def summary(
     steps: int,
     devices: list[jax.Device],
     error: TrainingWorkerError | None = None,
+    *,
+    trained: int | None = None,
 ) -> None:
     """The per-device table: id, process, mean loss and gradient norm, failures (a
-    hung step never reaches the history: it is taken from ``error``)."""
+    hung step never reaches the history: it is taken from ``error``). ``trained``: the
+    steps trained, when the history also holds failed tries run again (``recover``)."""
     import numpy as np
 
     from jaxstep.core import Status
@@ -339,7 +415,8 @@ def summary(
     for i, device_id in enumerate(a["device_ids"]):
         loss, norm = a["device_loss"][:, i], a["device_grad_norm"][:, i]
         bad = (a["status"][:, i] & ~int(Status.OVERFLOW)) != 0  # overflows: no failure
-        failed = [int(a["step"][t]) for t in np.flatnonzero(bad)]
+        # a step once, however often it was tried
+        failed = list(dict.fromkeys(int(a["step"][t]) for t in np.flatnonzero(bad)))
         if error is not None and error.step not in failed:
             failed += [f.step for f in error.failures if f.device_id == device_id]
         rows.append(
@@ -359,10 +436,13 @@ def summary(
     last = f"last finite loss {finite[-1]:.4f}" if finite.size else "no finite loss"
     dropped = sum(len(ids) for ids in history.dropped)
     repaired = sum(len(ids) for ids in history.repaired)
-    title = f"{len(history)} of {steps} steps, {int(a['skipped'].sum())} skipped, "
+    trained = len(history) if trained is None else trained
+    title = f"{trained} of {steps} steps, {int(a['skipped'].sum())} skipped, "
+    if history.recoveries:
+        title += f"{len(history.recoveries)} recovered, "
     if dropped:
         title += f"{dropped} left out, "
-    if repaired:
+    if repaired and not history.recoveries:  # under recover each repair is one of them
         title += f"{repaired} repaired, "
     title += last
     try:

@@ -1,9 +1,10 @@
 """The ``jaxstep`` command: ``jaxstep demo`` trains a small CNN on real data and meets a
-fault if asked; ``jaxstep doctor`` checks the devices.
+fault if asked (and recovers from it with ``--recover``); ``jaxstep doctor`` checks the
+devices.
 
 exit codes:
-  0  done: the demo trained to the end (a skipped step included), the doctor found
-     nothing wrong
+  0  done: the demo trained to the end (a skipped step or a recovered failure
+     included), the doctor found nothing wrong
   1  a device failed: a training worker failed (demo), or a device computed other
      bits than the rest or the all-reduce was wrong (doctor)
   2  usage error: bad arguments, or a missing optional dependency
@@ -46,31 +47,62 @@ def _injection(text: str) -> Injection:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+DEVICES_HELP = (
+    "N fake CPU devices, or 'real' for the devices JAX finds (a bare --devices means real)"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxstep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    devices_help = (
-        "N fake CPU devices, or 'real' for the devices JAX finds (a bare --devices means real)"
-    )
     demo = sub.add_parser(
         "demo",
         help="train a CNN on scikit-learn's digits on every device; --inject meets a fault",
         description="Train a small Flax CNN on scikit-learn's bundled digits with jaxstep.",
         epilog="fault kinds for --inject:\n"
         + "\n".join(f"  {k:8} {v}" for k, v in KINDS.items())
-        + "\n\n"
+        + "\n\nwith --recover (policy raise): nan -> quarantined, inf -> excluded, grad -> "
+        "retried,\ncorrupt -> repaired; a stall (a hang) needs a restart, not --recover\n\n"
         + __doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _demo_arguments(demo)
+    doctor = sub.add_parser(
+        "doctor",
+        help="list the devices, compare their results bitwise, time an all-reduce",
+        description="Check the devices: the same program on each must give the same bits.",
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument(
+        "--devices",
+        type=_device_spec,
+        nargs="?",
+        const="real",
+        default="real",
+        help=DEVICES_HELP + " (default real)",
+    )
+    doctor.add_argument("--size", type=int, default=256, help="the probe's matrix side")
+    doctor.add_argument(
+        "--corrupt",
+        type=int,
+        metavar="DEVICE_ID",
+        help="flip one bit of this device's result, to see a failing scan",
+    )
+    return parser
+
+
+def _demo_arguments(demo: argparse.ArgumentParser) -> None:
+    """``jaxstep demo``'s arguments."""
     demo.add_argument(
         "--devices",
         type=_device_spec,
         nargs="?",
         const="real",
         default=8,
-        help=devices_help + " (default 8)",
+        help=DEVICES_HELP + " (default 8)",
     )
     demo.add_argument("--backend", choices=("shard_map", "pmap"), default="shard_map")
     demo.add_argument(
@@ -90,38 +122,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KIND@device=D,step=S",
         help=f"plant one fault; KIND: {', '.join(KINDS)}; D a device id",
     )
+    demo.add_argument(
+        "--recover",
+        action="store_true",
+        help="act on a failure's verdict and train on (jaxstep.Recover): a transient "
+        "fault is retried, a bad example quarantined, a bad device excluded, a diverged "
+        "replica repaired; each recovery is printed",
+    )
     demo.add_argument("--plot", metavar="PNG", help="save the gradient-norm heatmap and losses")
     demo.add_argument("--jsonl", metavar="PATH", help="write per-step metrics as JSON lines")
     demo.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files")
     demo.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        help="where a failure saves the last good state, the failing batch and a report "
-        "(default with --inject: a new temporary directory)",
+        help="where a failure saves the last good state, the failing batch and a report, "
+        "and --recover the quarantined examples (default with --inject: a new temporary "
+        "directory)",
     )
-    doctor = sub.add_parser(
-        "doctor",
-        help="list the devices, compare their results bitwise, time an all-reduce",
-        description="Check the devices: the same program on each must give the same bits.",
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    doctor.add_argument(
-        "--devices",
-        type=_device_spec,
-        nargs="?",
-        const="real",
-        default="real",
-        help=devices_help + " (default real)",
-    )
-    doctor.add_argument("--size", type=int, default=256, help="the probe's matrix side")
-    doctor.add_argument(
-        "--corrupt",
-        type=int,
-        metavar="DEVICE_ID",
-        help="flip one bit of this device's result, to see a failing scan",
-    )
-    return parser
 
 
 def _devices(spec: int | str) -> list[jax.Device]:

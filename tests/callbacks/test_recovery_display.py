@@ -127,6 +127,22 @@ def test_progress_says_nothing_of_recoveries_when_there_were_none():
     assert "recover" not in out.getvalue()
 
 
+def test_progress_counts_steps_not_tries_when_a_failed_step_runs_again_or_rolls_back():
+    """Under recover a failed step's row (its state unchanged) is followed by the step
+    again, and a rollback trains steps again: the count follows the step number."""
+    out = io.StringIO()
+    progress = jaxstep.Progress(4, every=1, live=False, file=out)
+    history = jaxstep.History(device_ids=IDS)
+    progress.on_fit_start(None, history)
+    failed = _table(1)._replace(failed=True, halted=True)
+    for table in [_table(0), failed, _table(1), _table(2), _table(1), _table(2), _table(3)]:
+        history.append(table, examples_per_sec=100.0)
+        progress.on_step_end(table)
+    progress.on_fit_end(history)
+    counts = [line.split()[2] for line in out.getvalue().splitlines()]
+    assert counts == ["(1/4)", "(1/4)", "(2/4)", "(3/4)", "(2/4)", "(3/4)", "(4/4)"]
+
+
 def test_progress_prints_recoveries_above_a_live_bar_and_counts_them_on_it():
     pytest.importorskip("rich")
     out = io.StringIO()
@@ -235,4 +251,33 @@ def test_overview_has_no_recovery_marks_without_recoveries():
     losses = fig.axes[1]
     assert not [line for line in losses.lines if line.get_gid() == "recoveries"]
     assert "recovery" not in [text.get_text() for text in losses.get_legend().get_texts()]
+    plt.close(fig)
+
+
+def test_overview_draws_a_step_run_again_as_a_column_per_try_labelled_with_its_step():
+    """Under recover a failed step's row is followed by the step again: each row is a
+    column in the order run, the failure and the recovery at the failed try."""
+    import matplotlib.pyplot as plt
+
+    history = jaxstep.History(device_ids=IDS)
+    status = np.zeros(len(IDS), np.int32)
+    status[2] = int(jaxstep.Status.GRAD_NONFINITE)
+    failed = _table(2)._replace(status=status, failed=True, halted=True)
+    for t, table in enumerate([_table(0), _table(1), failed, _table(2), _table(3)]):
+        history.append(table, examples_per_sec=100.0)
+        if t == 2:
+            history.recoveries.append(jaxstep.Recovery(2, "transient", "retried", (IDS[2],)))
+    assert jaxstep.plot.marks(history)["failures"].tolist() == [[2, IDS[2]]]
+    fig = jaxstep.plot.overview(history)
+    heatmap, losses = fig.axes[0], fig.axes[1]
+    assert heatmap.images[0].get_array().shape == (len(IDS), 5)
+    assert list(heatmap.images[0].get_extent()[:2]) == [-0.5, 4.5]  # a cell per column
+    (cross,) = [c for c in heatmap.collections if c.get_gid() == "failures"]
+    assert cross.get_offsets().tolist() == [[2.0, 2.0]]  # the failed try, device 12's row
+    (line,) = [line for line in losses.lines if line.get_gid() == "recoveries"]
+    assert line.get_xdata()[0] == 2
+    fig.canvas.draw()
+    labels = zip(losses.get_xticks(), losses.get_xticklabels(), strict=True)
+    ticks = {round(x): text.get_text() for x, text in labels}
+    assert ticks[3] == "2" and ticks[4] == "3"  # the retry is labelled with its step
     plt.close(fig)

@@ -74,6 +74,35 @@ def test_demo_leaves_the_injected_nan_out_under_the_drop_policy(capsys):
     assert "finished 8 steps" in out
 
 
+def test_demo_recovers_the_injected_nan_by_quarantining_its_example(capsys):
+    device = jax.devices()[3].id
+    argv = ["demo", "--steps", "8", "--inject", f"nan@device={device},step=5", "--recover"]
+    code = cli.main(argv)
+    out = capsys.readouterr().out
+    assert code == cli.EXIT_OK
+    example = 3 * PER_DEVICE + 1
+    record = f"step 5: data -> quarantined (device {device}); examples [{example}] of batch 5"
+    assert f"recovered at {record}" in out  # when taken (Progress)
+    assert f"jaxstep: 1 recovery action: 1 quarantined\n  {record}" in out  # at the end, once
+    assert out.count(record) == 2
+    assert f"{{5: ({example},)}} in " in out and "quarantine.jsonl" in out
+    assert "8 of 8 steps, 0 skipped, 1 recovered" in out
+    assert "(9/8)" not in out and "finished 8 steps" in out
+    assert "TrainingWorkerError" not in out
+
+
+def test_demo_recovers_a_bad_device_by_training_on_without_it(capsys):
+    device = jax.devices()[6].id
+    argv = ["demo", "--steps", "7", "--inject", f"inf@device={device},step=4", "--recover"]
+    code = cli.main(argv)
+    out = capsys.readouterr().out
+    assert code == cli.EXIT_OK
+    assert f"recovered at step 4: device -> excluded (device {device}) of batch 4" in out
+    rest = [d.id for d in jax.devices() if d.id != device]
+    assert f"the run ended on 7 devices: {rest}" in out
+    assert "finished 7 steps" in out
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
