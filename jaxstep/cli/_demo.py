@@ -50,8 +50,8 @@ RECOVERED = {
     "inf": "the device is excluded, the run goes on on the others",
     "grad": "the step is retried with the same batch",
     "stall": "a hang is not recovered inside the process (the stuck collective holds "
-    "every device) but by a restart from the last checkpoint, under `python -m "
-    "jaxstep.launch --restarts N`; here it is reported as without --recover",
+    "every device): it exits with code 75 for `python -m jaxstep.launch --restarts N` "
+    "to restart the job from the last verified checkpoint",
     "corrupt": "the replica is repaired from the majority, the step run again",
 }
 GRAD_LEAF = "['Dense_0']['kernel']"

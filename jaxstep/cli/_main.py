@@ -8,6 +8,8 @@ exit codes:
   1  a device failed: a training worker failed (demo), or a device computed other
      bits than the rest or the all-reduce was wrong (doctor)
   2  usage error: bad arguments, or a missing optional dependency
+  75 a hang under --recover: restart the job (jaxstep.RESTART_EXIT_CODE; what
+     python -m jaxstep.launch --restarts N restarts)
 """
 
 from __future__ import annotations
