@@ -44,6 +44,7 @@ from jaxstep.loop._carry import Cut
 from jaxstep.loop._diagnose import Diagnosis
 from jaxstep.loop._diagnose import diagnose
 from jaxstep.loop._failure import majority_position
+from jaxstep.loop._history import History
 from jaxstep.loop._history import Recovery as RecoveryRecord
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
@@ -117,6 +118,7 @@ class Recovery:
         self.kept: list[tuple[int, Item]] = []
         # only when asked for, and with periodic checkpoints (without them no step is
         # ever let go): the batches since the newest checkpoint are held (references)
+        self.since = len(loop.history.recoveries)  # records of earlier fit calls
         self.rolls_back = (
             options.rollback_batches is not None
             and loop.checkpoints.store is not None
@@ -125,7 +127,8 @@ class Recovery:
 
     @property
     def records(self) -> list[RecoveryRecord]:
-        return self.loop.history.recoveries
+        """This fit call's records (a history passed to several fits holds theirs too)."""
+        return self.loop.history.recoveries[self.since :]
 
     def dispatched(self, pending: Pending) -> None:
         """A step was dispatched: kept for a rollback until a newer checkpoint."""
@@ -182,7 +185,7 @@ class Recovery:
     def summary(self) -> None:
         """At the end of fit: the recoveries made, logged (at WARNING level unless a
         callback showed them)."""
-        text = self.loop.history.recovery_summary()
+        text = History(recoveries=self.records).recovery_summary()
         if text:
             level = logging.INFO if self.loop.callbacks.show_recoveries else logging.WARNING
             log.log(level, "%s", text)
@@ -402,7 +405,7 @@ class Recovery:
         raise Recovered
 
     def _record(self, record: RecoveryRecord) -> None:
-        self.records.append(record)
+        self.loop.history.recoveries.append(record)
         level = logging.INFO if self.loop.callbacks.show_recoveries else logging.WARNING
         log.log(level, "jaxstep recovered a failure: %s", record)
         self.loop.callbacks.on_recovery(record)

@@ -367,3 +367,16 @@ def test_presplit_batches_recover(backend):
     )
     (record,) = history.recoveries
     assert (record.action, record.examples) == ("quarantined", (3 * PER_DEVICE + 1,))
+
+
+def test_the_budget_is_one_fit_calls_even_with_a_history_shared_between_fits(backend):
+    dev = jax.devices()[2].id
+    faults = [Fault("input", dev, step=t, mode="transient") for t in (1, 4)]
+    step = _step(backend, faults=faults)
+    history, batches = jaxstep.History(), make_batches(6)
+    recover = jaxstep.Recover(max_recoveries=1)
+    state = jaxstep.fit(
+        step, step.init(init_params()), batches[:3], history=history, recover=recover
+    )
+    jaxstep.fit(step, state, batches[3:], history=history, recover=recover)
+    assert [(r.step, r.action) for r in history.recoveries] == [(1, "retried"), (4, "retried")]
