@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxstep import distributed
 from jaxstep.core import HealthTable
@@ -138,13 +139,37 @@ class Loop:
                 "the state is halted by an earlier failure; resume from error.state (or "
                 "step.clear_halt(state)) once the cause is fixed"
             )
-        self.history.device_ids = [d.id for d in step.devices]
+        self._columns()
         self.number = self.next_step = int(number)
         step._internals.heartbeats.clear()
         self.callbacks.on_fit_start(step, self.history)
         self.last_time = time.perf_counter()
         many = distributed.spans_processes(step.devices)
         self.watch_peers = many and distributed.watch() is not None
+
+    def _columns(self) -> None:
+        """The history's device ids, and, for a step that lost devices in an earlier fit
+        call, the columns its devices fill and the rows of batches laid out for the
+        devices it was built with (carried, or cut on several processes)."""
+        step, history = self.step, self.history
+        ids = [d.id for d in step.devices]
+        origin = step._internals.origin
+        if history.device_ids and set(ids) < set(history.device_ids):
+            pass  # a history shared with the fit calls before: its columns stay
+        else:
+            history.device_ids = ids if origin is None else [d.id for d in origin]
+        if history.device_ids != ids:
+            where = {d: i for i, d in enumerate(history.device_ids)}
+            self.columns = np.asarray([where[d] for d in ids])
+        if origin is None or self.carry is not None:
+            return
+        if distributed.spans_processes(origin):
+            here = [d.id for d in origin if d.process_index == jax.process_index()]
+            start = self.checkpoints.source.start
+            self.carry = Cut(here, start, history.left_over, self.presplit)
+            self.carry.exclude([d.id for d in origin if d.id not in set(ids)])
+        else:
+            self.carry = Carry(self.unit, presplit=self.presplit)
 
     def advance(self, batch: Any) -> None:
         """Dispatches ``batch``, then settles the step before it (finished by now: the

@@ -427,6 +427,8 @@ class TrainStep:
         if self._injector:
             fired = np.asarray(self._backend.read_first(self._extras["fired"]))[kept_faults]
         inputs = self._inputs
+        if self._internals.origin is None:
+            self._internals.origin = list(self.devices)
         self._build(options)
         self._extras = self._make_extras(np.arange(len(self.devices)), fired)
         self._internals.rebuild()
@@ -521,6 +523,9 @@ class Internals:
         self._step = step
         #: device position -> last step whose local part it finished (heartbeat mode).
         self.heartbeats: dict[int, int] = {}
+        #: the devices the step was built with, once ``exclude_devices`` took some out
+        #: (None before): a later fit call trains batches laid out for them
+        self.origin: list[jax.Device] | None = None
         self.rebuild()
 
     def rebuild(self) -> None:

@@ -380,3 +380,26 @@ def test_the_budget_is_one_fit_calls_even_with_a_history_shared_between_fits(bac
     )
     jaxstep.fit(step, state, batches[3:], history=history, recover=recover)
     assert [(r.step, r.action) for r in history.recoveries] == [(1, "retried"), (4, "retried")]
+
+
+def test_a_later_fit_with_the_same_step_and_history_goes_on_without_the_device(backend):
+    """An epoch loop: the step that lost a device in one fit call trains the next
+    call's batches (laid out for 8 devices) on 7, and the shared history keeps a column
+    for each of the 8."""
+    faults = [Fault("loss", 5, step=t, mode="device") for t in range(2, 12)]
+    step = _step(backend, faults=faults)
+    history, batches = jaxstep.History(), make_batches(8)
+    with pytest.warns(UserWarning, match="not trained"):
+        state = jaxstep.fit(
+            step, step.init(init_params()), batches[:4], history=history, recover=jaxstep.Recover()
+        )
+    assert len(history.as_arrays()["status"][0]) == 8  # read between the fits
+    with pytest.warns(UserWarning, match="not trained"):
+        state = jaxstep.fit(step, state, batches[4:], history=history, recover=jaxstep.Recover())
+    assert [r.action for r in history.recoveries] == ["excluded"]
+    assert history.device_ids == [d.id for d in jax.devices()]
+    arrays = history.as_arrays()
+    assert arrays["status"].shape == (len(history.step), 8)
+    assert np.isnan(arrays["device_loss"][3:, 5]).all() and not arrays["status"][3:].any()
+    # each fit's last batch (counted from the first batch that fit was given) left rows
+    assert [b for b, _, _ in history.left_over] == [3, 3]
