@@ -313,17 +313,26 @@ class Recovery:
         if isinstance(back, TrainingWorkerError):
             return back
         c, since = back
-        skip = [(n, item) for n, item in since if n > pending.number - k]
+        skip = [item for n, item in since if n > pending.number - k]
         again = [item for n, item in since if n <= pending.number - k]
+        detail = (
+            f"restored the checkpoint of step {c}; {len(again)} batch(es) since it trained again"
+        )
+        if any(item.first is not None for item in skip):  # steps of rows carried
+            spans = [span for item in skip for span in self._spans(item)]
+            skipped = tuple(sorted({b for b, _, _ in spans}))
+            rows = ", ".join(f"batch {b} rows {lo}..{hi - 1}" for b, lo, hi in spans)
+            detail += f"; a device gone, the steps skipped held rows of several batches: {rows}"
+        else:
+            skipped = tuple(b for item in skip if (b := self._batch(item)) is not None)
         record = RecoveryRecord(
             error.step,
             "spike",
             "rolled back",
             _ids(error),
-            skipped_batches=tuple(b for _, item in skip if (b := self._batch(item)) is not None),
+            skipped_batches=skipped,
             batch=self._batch(_item(pending)),
-            detail=f"restored the checkpoint of step {c}; {len(again)} batch(es) since it "
-            "trained again",
+            detail=detail,
         )
         self._resume(pending, self._restore(c), again, record)
 
@@ -416,6 +425,23 @@ class Recovery:
         if self.loop.presplit and item.first is None:
             size *= int(jax.tree.leaves(item.batch)[0].shape[1])
         return size
+
+    def _spans(self, item: Item) -> list[tuple[int, int, int]]:
+        """The rows of ``item``'s batch in the data: ``(batch, first row, stop)`` of
+        each stretch, the batches counted from the data's first."""
+        start = self.loop.checkpoints.source.start
+        n = self._rows_of(item)
+        if item.first is None:
+            return [(start + item.seq, 0, n)]
+        size = self.loop.batch_rows or n
+        spans, at = [], item.offset
+        batch = start + item.first + at // size
+        at %= size
+        while n > 0:
+            take = min(n, size - at)
+            spans.append((batch, at, at + take))
+            n, batch, at = n - take, batch + 1, 0
+        return spans
 
     def _sources(self, item: Item, examples: Sequence[int]) -> dict[int, list[int]]:
         """Where ``examples`` (indices into ``item``'s batch) are in the data: ``{batch:

@@ -403,3 +403,32 @@ def test_a_later_fit_with_the_same_step_and_history_goes_on_without_the_device(b
     assert np.isnan(arrays["device_loss"][3:, 5]).all() and not arrays["status"][3:].any()
     # each fit's last batch (counted from the first batch that fit was given) left rows
     assert [b for b, _, _ in history.left_over] == [3, 3]
+
+
+def test_a_spike_after_a_device_left_lists_the_rows_its_rollback_skipped(backend, tmp_path):
+    """Steps of carried rows span the data's batches: the record names each one touched
+    and the rows skipped of it."""
+    spike = jaxstep.LossSpike(window=8, warmup=3, sigmas=50.0)
+    faults = [Fault("loss", 5, step=t, mode="device") for t in range(5, 30)]
+    step = _step(backend, loss_spike=spike, faults=faults)
+    history = jaxstep.History()
+    with pytest.warns(UserWarning, match="not trained"):
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            _spiky_batches(12, spike_at=6),
+            recover=jaxstep.Recover(rollback_batches=1),
+            history=history,
+            checkpoint_dir=tmp_path,
+            checkpoint_every=4,
+        )
+    excluded, rolled = history.recoveries
+    assert (excluded.step, excluded.action, rolled.step, rolled.action) == (
+        5,
+        "excluded",
+        6,
+        "rolled back",
+    )
+    # step 5 (again, on 7 devices): rows 0..27 of batch 5; step 6: 28..31 of 5, 0..30 of 6
+    assert rolled.skipped_batches == (5, 6)
+    assert "batch 5 rows 28..31, batch 6 rows 0..30" in rolled.detail
