@@ -257,11 +257,6 @@ class FitCheckpoints:
         if self._snap is not None and self._snap.number >= number:
             self._snap = None
 
-    @property
-    def saved_up_to(self) -> int | None:
-        """The newest step whose checkpoint is written or queued (None: none)."""
-        return max(self._done, default=None)
-
     def latest_verified(self) -> int | None:
         """The step of the newest verified checkpoint written (queued writes waited
         for), or None: none, or no checkpoint directory."""

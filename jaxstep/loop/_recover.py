@@ -150,9 +150,14 @@ class Recovery:
                     detail="copied from a majority replica inside the step (on_failure='drop')",
                 )
             )
-        saved = self.loop.checkpoints.saved_up_to
-        if self.kept and saved is not None and self.kept[0][0] < saved:
-            self.kept = [(n, item) for n, item in self.kept if n >= saved]
+        # Let go of the steps before the checkpoint step before the newest one settled:
+        # by step number, the same on every process (only one process writes, so only it
+        # knows which writes finished); a rollback past a write that failed is refused.
+        every = self.loop.checkpoints.every
+        if self.kept and every:
+            oldest = (table.step // every - 1) * every
+            if self.kept[0][0] < oldest:
+                self.kept = [(n, item) for n, item in self.kept if n >= oldest]
 
     def attempt(
         self, pending: Pending, table: HealthTable, error: TrainingWorkerError
