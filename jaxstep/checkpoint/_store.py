@@ -343,7 +343,19 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
     spike = step.options.loss_spike
     if spike is not None and "spike" in host.monitor:
         n = len(step.devices)
-        if host.monitor["spike"]["losses"].shape[1] != n:
+        saved_ids = list(loaded.meta.get("device_ids") or [])
+        ids = [d.id for d in step.devices]
+        losses = host.monitor["spike"]["losses"]
+        if (
+            losses.shape[1] != n
+            and len(saved_ids) == losses.shape[1]
+            and set(ids) <= set(saved_ids)
+        ):
+            # saved before some devices left the run (fit(recover=...)): theirs stay
+            keep = [saved_ids.index(i) for i in ids]
+            spike_memory = {**host.monitor["spike"], "losses": np.asarray(losses)[:, keep]}
+            host = dataclasses.replace(host, monitor={**host.monitor, "spike": spike_memory})
+        elif losses.shape[1] != n:
             warnings.warn(
                 "the checkpoint's monitor windows are for another device count; they "
                 f"restart here ({n} devices)",

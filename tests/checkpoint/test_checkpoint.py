@@ -211,15 +211,22 @@ def test_restore_onto_four_devices_and_the_other_backend(backend, tmp_path):
     jaxstep.fit(step, init, batches[:3], checkpoint_dir=tmp_path, checkpoint_every=EVERY)
     at_2 = jaxstep.fit(step, step.init(init_params(), rng=jax.random.key(3)), batches[:2])
     four = _spike_step(there, devices=jax.devices()[:4])
-    with pytest.warns(UserWarning, match="monitor windows are for another device count"):
-        restored = jaxstep.restore(four, tmp_path)
+    restored = jaxstep.restore(four, tmp_path)
     host, want = four.host_state(restored), step.host_state(at_2)
     for name in ("step", "params", "opt_state", "halted", "total_skips"):
         jax.tree.map(np.testing.assert_array_equal, getattr(host, name), getattr(want, name))
     np.testing.assert_array_equal(jax.random.key_data(host.rng), jax.random.key_data(want.rng))
-    assert host.monitor["spike"]["losses"].shape == (4, 4)  # restarted for 4 devices
-    assert int(host.monitor["spike"]["count"]) == 0
-    jaxstep.fit(four, restored, batches[2:4])  # and trains on
+    # four of the devices that saved it: their loss windows are kept (a run that lost a
+    # device rolls back to a checkpoint from before, fit(recover=...))
+    want_spike = want.monitor["spike"]
+    np.testing.assert_array_equal(host.monitor["spike"]["losses"], want_spike["losses"][:, :4])
+    assert int(host.monitor["spike"]["count"]) == int(want_spike["count"])
+    jaxstep.fit(four, restored, batches[2:4], checkpoint_dir=tmp_path / "four", checkpoint_every=1)
+    # devices the checkpoint holds no window for: the windows restart, and it says so
+    with pytest.warns(UserWarning, match="monitor windows are for another device count"):
+        wide = step.host_state(jaxstep.restore(step, tmp_path / "four"))
+    assert wide.monitor["spike"]["losses"].shape == (4, 8)
+    assert int(wide.monitor["spike"]["count"]) == 0
     # Back on 8 devices under the first backend: everything returns, the windows too.
     back = step.host_state(jaxstep.restore(step, tmp_path))
     jax.tree.map(np.testing.assert_array_equal, back.monitor, want.monitor)
