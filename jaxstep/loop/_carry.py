@@ -27,85 +27,99 @@ import numpy as np
 from jaxstep.core import validate
 from jaxstep.loop._pending import Item
 
+Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the data
+
 
 class Carry:
-    """The rows carried into the next step, and where they came from.
+    """The rows carried into the next step, and exactly where each came from.
 
     Args:
       unit: the rows a step's size must divide by (devices x micro-batches).
       skip: rows of the first batch already trained (a resume at a data position
         inside a batch): they are passed over.
+      presplit: batches come ``(n_devices, per_device, ...)``: joined here.
     """
 
     def __init__(self, unit: int, skip: int = 0, presplit: bool = False):
         self.unit = unit
         self.skip = skip
-        self.presplit = presplit  # batches come (n_devices, per_device, ...): joined here
+        self.presplit = presplit
         self.rows: Any = None  # the carried rows (host arrays), or None
-        self.first = 0  # the seq of the batch the first carried row came from
-        self.offset = 0  # rows of that batch trained before it
+        self.spans: list[Span] = []  # where they are in the data, in order
 
     def take(self, item: Item) -> Item | None:
-        """The batch to train now from ``item`` and the rows carried (None: fewer than
-        ``unit`` rows at hand, all carried on). The item's ``first``/``offset`` say
-        where its first row came from (the data position of a checkpoint before it).
-
-        An item that went through here before (a recovery queued it again: ``first``
-        set) is joined rows already. Where the origin of carried rows is not known
-        exactly (rows queued again), the earlier position is kept: a resume may train
-        a few rows twice, never lose one."""
+        """The batch to train now from the rows carried and ``item``'s (None: fewer
+        than ``unit`` rows at hand, all carried on). Its ``spans`` say where each of its
+        rows is in the data, ``first``/``offset`` where the first is (the data position
+        of a checkpoint before it). An item that went through here before (a recovery
+        queued it again: ``spans`` set) is joined rows with its spans already."""
         batch = jax.tree.map(np.asarray, item.batch)
-        joined = item.first is not None
-        if self.presplit and not joined:
-            batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
-        first, offset = item.seq, 0
-        if item.first is not None:
-            first, offset = item.first, item.offset
-        if self.skip and not joined:  # a resume inside this batch
-            offset, self.skip = self.skip, 0
-            batch = jax.tree.map(lambda x: x[offset:], batch)
-        own = validate.batch(batch, 1)  # the rows this item brings
-        if self.rows is None:
-            carried, self.first, self.offset = 0, first, offset
+        if item.spans is None:
+            if self.presplit:
+                batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
+            size, skip = validate.batch(batch, 1), self.skip
+            if skip:  # a resume inside this batch
+                self.skip = 0
+                batch = jax.tree.map(lambda x: x[skip:], batch)
+            spans: list[Span] = [(item.seq, skip, size)]
         else:
-            carried = validate.batch(self.rows, 1)
+            spans = list(item.spans)
+        if self.rows is not None:
             batch = jax.tree.map(lambda a, b: np.concatenate([a, b]), self.rows, batch)
-        start = (self.first, self.offset)  # the data position of the first row at hand
-        total = carried + own
+            spans = merge_spans(self.spans + spans)
+        total = validate.batch(batch, 1)
         keep = total // self.unit * self.unit
-        if keep < total:
-            came = total - keep  # rows carried on
-            self.rows = jax.tree.map(lambda x: x[keep:], batch)
-            if keep < carried:  # some carried rows stay carried: their position stands
-                pass
-            elif not joined:  # the last `came` rows of this batch
-                self.first, self.offset = item.seq, offset + own - came
-            else:
-                self.first, self.offset = first, offset
-        else:
-            self.rows = None
+        head, tail = _split(spans, keep)
+        self.rows = jax.tree.map(lambda x: x[keep:], batch) if keep < total else None
+        self.spans = tail
         if keep == 0:
             return None
         return item._replace(
-            batch=jax.tree.map(lambda x: x[:keep], batch), first=start[0], offset=start[1]
+            batch=jax.tree.map(lambda x: x[:keep], batch),
+            first=head[0][0],
+            offset=head[0][1],
+            spans=tuple(head),
         )
 
     def requeue(self) -> Item | None:
         """The carried rows as an item to queue again (a recovery resets the loop: they
         go after the steps it queues again, before the batches not pulled yet)."""
-        left = self.left()
-        self.rows = None
-        if left is None:
+        rows, spans = self.rows, tuple(self.spans)
+        self.rows, self.spans = None, []
+        if rows is None:
             return None
-        seq, offset, rows = left
-        return Item(rows, seq, first=seq, offset=offset)
+        return Item(rows, spans[-1][0], first=spans[0][0], offset=spans[0][1], spans=spans)
 
-    def left(self) -> tuple[int, int, Any] | None:
-        """The rows carried and not trained: ``(seq of their first batch, offset in it,
-        rows)``, or None."""
+    def left(self) -> tuple[list[Span], Any] | None:
+        """The rows carried and not trained, with their spans, or None."""
         if self.rows is None:
             return None
-        return self.first, self.offset, self.rows
+        return list(self.spans), self.rows
+
+
+def merge_spans(spans: list[Span]) -> list[Span]:
+    """``spans`` with neighbours of one batch joined."""
+    out: list[Span] = []
+    for seq, lo, hi in spans:
+        if out and out[-1][0] == seq and out[-1][2] == lo:
+            out[-1] = (seq, out[-1][1], hi)
+        elif hi > lo:
+            out.append((seq, lo, hi))
+    return out
+
+
+def _split(spans: list[Span], rows: int) -> tuple[list[Span], list[Span]]:
+    """The spans of the first ``rows`` rows, and of the rest."""
+    head: list[Span] = []
+    tail: list[Span] = []
+    for seq, lo, hi in spans:
+        take = max(0, min(hi - lo, rows))
+        if take:
+            head.append((seq, lo, lo + take))
+        if lo + take < hi:
+            tail.append((seq, lo + take, hi))
+        rows -= take
+    return head, tail
 
 
 class Cut:

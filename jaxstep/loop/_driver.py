@@ -372,11 +372,9 @@ class Loop:
         ``(seq, rows into it)`` (None: unknown); empties the queue and the carry."""
         self.queue.clear()
         known = [u for u in left if u is not None]
-        carried = None if self.carry is None else self.carry.left()
-        if carried is not None and self.carry is not None:
-            seq, offset, rows = carried
-            known.append(Item(rows, seq, first=seq, offset=offset))
-            self.carry.rows = None
+        carried = None if self.carry is None else self.carry.requeue()
+        if carried is not None:
+            known.append(carried)
         order = [u.item if isinstance(u, Pending) else u for u in known]
         if any(item is None for item in order):
             return [u.batch for u in known], None
@@ -440,9 +438,9 @@ class Loop:
         self.checkpoints.close()
         left = None if self.carry is None else self.carry.left()
         if left is not None:  # fewer rows than devices when the data ended
-            seq, offset, rows = left
+            spans, rows = left
             start = self.checkpoints.source.start
-            self.history.left_over.extend(_stretches(start, seq, offset, rows))
+            self.history.left_over.extend((start + seq, lo, hi) for seq, lo, hi in spans)
             warnings.warn(
                 f"{validate.batch(rows, 1)} row(s) carried after a device left the run were "
                 f"not trained: the data ended with fewer rows than the {self.unit} a step "
@@ -485,12 +483,6 @@ class Loop:
         if self.recovery is not None:
             exit_for_restart(error)
         return error
-
-
-def _stretches(start: int, seq: int, offset: int, rows: Any) -> list[tuple[int, int, int]]:
-    """``(batch, first row, stop)`` of carried ``rows``, which start ``offset`` rows into
-    the ``seq``-th batch pulled (the data's batches counted from ``start``)."""
-    return [(start + seq, offset, offset + validate.batch(rows, 1))]
 
 
 def _rows(batch: Any, presplit: bool) -> int | None:

@@ -20,6 +20,9 @@ class Item(NamedTuple):
     # rows of that batch trained before it (the data position of a checkpoint before it)
     first: int | None = None
     offset: int = 0
+    # rows carried: where each stretch of its rows is in the data, ``(seq, start, stop)``
+    # in order (None: the whole batch ``seq``, as pulled)
+    spans: tuple[tuple[int, int, int], ...] | None = None
     # several processes, a device gone (loop._carry.Cut): the chunks this batch still
     # holds, as indices into this process's chunks of the batches it passes (None: all)
     chunks: tuple[int, ...] | None = None

@@ -41,6 +41,7 @@ from jaxstep.core import TrainState
 from jaxstep.core import validate
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
+from jaxstep.loop._carry import merge_spans
 from jaxstep.loop._diagnose import Diagnosis
 from jaxstep.loop._diagnose import diagnose
 from jaxstep.loop._failure import majority_position
@@ -255,7 +256,7 @@ class Recovery:
             examples=found.examples,
             batch=self._batch(item),
             detail="the step again with the chunks holding them left out of the mean"
-            + (f" (in the data: {where})" if item.first is not None else ""),
+            + (f" (in the data: {where})" if item.spans is not None else ""),
         )
         store = self.loop.checkpoints.store
         if store is not None:
@@ -323,8 +324,8 @@ class Recovery:
         detail = (
             f"restored the checkpoint of step {c}; {len(again)} batch(es) since it trained again"
         )
-        if any(item.first is not None for item in skip):  # steps of rows carried
-            spans = [span for item in skip for span in self._spans(item)]
+        if any(item.spans is not None for item in skip):  # steps of rows carried
+            spans = merge_spans([span for item in skip for span in self._spans(item)])
             skipped = tuple(sorted({b for b, _, _ in spans}))
             rows = ", ".join(f"batch {b} rows {lo}..{hi - 1}" for b, lo, hi in spans)
             detail += f"; a device gone, the steps skipped held rows of several batches: {rows}"
@@ -435,32 +436,23 @@ class Recovery:
         """The rows of ``item``'s batch in the data: ``(batch, first row, stop)`` of
         each stretch, the batches counted from the data's first."""
         start = self.loop.checkpoints.source.start
-        n = self._rows_of(item)
-        if item.first is None:
-            return [(start + item.seq, 0, n)]
-        size = self.loop.batch_rows or n
-        spans, at = [], item.offset
-        batch = start + item.first + at // size
-        at %= size
-        while n > 0:
-            take = min(n, size - at)
-            spans.append((batch, at, at + take))
-            n, batch, at = n - take, batch + 1, 0
-        return spans
+        if item.spans is None:  # a whole batch, every process's rows
+            return [(start + item.seq, 0, self.loop.batch_rows or self._rows_of(item))]
+        return [(start + seq, lo, hi) for seq, lo, hi in item.spans]
 
     def _sources(self, item: Item, examples: Sequence[int]) -> dict[int, list[int]]:
         """Where ``examples`` (indices into ``item``'s batch) are in the data: ``{batch:
-        rows}``, the batches counted from the data's first. Rows carried after a device
-        left the run (``item.first`` set) come from several batches, each of
-        ``loop.batch_rows`` rows."""
-        start = self.loop.checkpoints.source.start
-        if item.first is None:
-            return {start + item.seq: [int(e) for e in examples]} if examples else {}
-        size = self.loop.batch_rows or 1
+        rows}``, the batches counted from the data's first (rows carried after a device
+        left the run come from several batches: ``item.spans``)."""
         found: dict[int, list[int]] = {}
+        spans = self._spans(item)
         for e in examples:
-            at = item.offset + int(e)
-            found.setdefault(start + item.first + at // size, []).append(at % size)
+            at = int(e)
+            for batch, lo, hi in spans:
+                if at < hi - lo:
+                    found.setdefault(batch, []).append(lo + at)
+                    break
+                at -= hi - lo
         return found
 
     def _batch(self, item: Item | None) -> int | None:
