@@ -36,6 +36,7 @@ from jaxstep.loop._history import scalar_aux
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Recovered
+from jaxstep.loop._pending import rows_as_given
 from jaxstep.loop._recover import Recover
 from jaxstep.loop._recover import Recovery
 from jaxstep.loop._restart import exit_for_restart
@@ -184,7 +185,7 @@ class Loop:
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
         if self.batch_rows is None and self.recovery is not None:
-            rows = _rows(batch, self.presplit)  # this process's rows: its devices' chunks
+            rows = rows_as_given(batch, self.presplit)  # this process's rows: its devices' chunks
             if rows is not None:
                 mine = len(distributed.local_positions(self.step.devices))
                 self.batch_rows = rows * len(self.step.devices) // max(mine, 1)
@@ -483,14 +484,6 @@ class Loop:
         if self.recovery is not None:
             exit_for_restart(error)
         return error
-
-
-def _rows(batch: Any, presplit: bool) -> int | None:
-    """The rows of a batch as the data gives it (None: not an array batch)."""
-    shape: tuple[int, ...] = tuple(getattr((jax.tree.leaves(batch) or [None])[0], "shape", ()))
-    if len(shape) < 1 + presplit:
-        return None
-    return shape[0] * shape[1] if presplit else shape[0]
 
 
 def _where(item: Item) -> tuple[int, int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 from typing import NamedTuple
 
+import jax
+
 from jaxstep.core import StepOutput
 
 
@@ -41,3 +43,11 @@ class Pending(NamedTuple):
 class Recovered(Exception):
     """Raised by a recovery once it has reset the loop (a new state, the batches to
     train queued again): the loop goes on with the next queued batch."""
+
+
+def rows_as_given(batch: Any, presplit: bool) -> int | None:
+    """The rows of a batch as the data gives it (None: not an array batch)."""
+    shape: tuple[int, ...] = tuple(getattr((jax.tree.leaves(batch) or [None])[0], "shape", ()))
+    if len(shape) < 1 + presplit:
+        return None
+    return shape[0] * shape[1] if presplit else shape[0]

@@ -38,7 +38,6 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
-from jaxstep.core import validate
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
 from jaxstep.loop._carry import merge_spans
@@ -50,6 +49,7 @@ from jaxstep.loop._history import Recovery as RecoveryRecord
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Recovered
+from jaxstep.loop._pending import rows_as_given
 
 if TYPE_CHECKING:
     from jaxstep.loop._driver import Loop
@@ -427,10 +427,7 @@ class Recovery:
 
     def _rows_of(self, item: Item) -> int:
         """The rows of a batch as the data gives them (presplit ones joined)."""
-        size = validate.batch(item.batch, 1)
-        if self.loop.presplit and item.first is None:
-            size *= int(jax.tree.leaves(item.batch)[0].shape[1])
-        return size
+        return rows_as_given(item.batch, self.loop.presplit and item.first is None) or 0
 
     def _spans(self, item: Item) -> list[tuple[int, int, int]]:
         """The rows of ``item``'s batch in the data: ``(batch, first row, stop)`` of

@@ -4,8 +4,6 @@ device's fields and the aux scalars, written to JSONL and TensorBoard in one lin
 import io
 import json
 import math
-import pathlib
-import struct
 
 import jax
 import numpy as np
@@ -17,6 +15,7 @@ from jaxstep.testing import Fault
 from tests.models import init_params
 from tests.models import loss_with_checks
 from tests.models import make_batches
+from tests.tensorboard_events import read_events
 
 STEPS = 6
 BAD_STEP = 3
@@ -162,26 +161,9 @@ def test_jsonl_ends_with_the_failure_under_raise(tmp_path):
     assert [f["device_id"] for f in last["failures"]] == [bad]
 
 
-def _scalars(logdir: pathlib.Path) -> dict[str, dict[int, float]]:
-    """Reads TensorBoard event files (TFRecord framing: length, crc, data, crc)."""
-    from tensorboardX.proto import event_pb2
-
-    found: dict[str, dict[int, float]] = {}
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
-            at += 12 + length + 4
-            for value in event.summary.value:
-                found.setdefault(value.tag, {})[event.step] = value.simple_value
-    return found
-
-
 def test_tensorboard_event_file_holds_the_scalars(run):
     history, batches, bad = run["history"], run["batches"], run["bad"]
-    scalars = _scalars(run["tb"])
+    scalars, _ = read_events(run["tb"])
     assert sorted(scalars["loss"]) == list(range(STEPS))
     for t in range(STEPS):
         assert scalars["loss"][t] == pytest.approx(history.loss[t])

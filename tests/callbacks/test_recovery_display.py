@@ -5,13 +5,13 @@ end. Driven here by hand, in fit's order, on tables built on the host: no step r
 
 import io
 import json
-import struct
 
 import matplotlib
 import numpy as np
 import pytest
 
 import jaxstep
+from tests.tensorboard_events import read_events
 
 matplotlib.use("Agg")
 
@@ -187,34 +187,12 @@ def test_jsonl_has_a_recovery_line_before_the_step_it_recovered(tmp_path):
     assert lines[5]["message"] == EXCLUDED_TEXT
 
 
-def _events(logdir):
-    """(scalars, texts) of TensorBoard event files: ``{tag: {step: value}}`` each
-    (TFRecord framing: length, crc, data, crc)."""
-    from tensorboardX.proto import event_pb2
-
-    scalars, texts = {}, {}
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        at = 0
-        while at < len(data):
-            (length,) = struct.unpack("<Q", data[at : at + 8])
-            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
-            at += 12 + length + 4
-            for value in event.summary.value:
-                if value.HasField("tensor"):
-                    text = b"".join(value.tensor.string_val).decode()
-                    texts.setdefault(value.tag, {})[event.step] = text
-                else:
-                    scalars.setdefault(value.tag, {})[event.step] = value.simple_value
-    return scalars, texts
-
-
 def test_tensorboard_counts_recoveries_at_their_steps_and_writes_each_as_text(tmp_path):
     pytest.importorskip("tensorboardX")
     writer = jaxstep.TensorBoardWriter(tmp_path)
     _fit(writer)
     writer.close()
-    scalars, texts = _events(tmp_path)
+    scalars, texts = read_events(tmp_path)
     assert scalars["recoveries"] == {2: 1.0, 4: 2.0}
     assert sorted(scalars["loss"]) == list(range(STEPS))  # the steps as before
     (tag,) = [tag for tag in texts if tag.startswith("recovery")]
