@@ -238,8 +238,8 @@ def all_reduce(
     rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
     if options.on_failure == "drop":  # the mean over the devices not left out
-        healthy = jnp.maximum(n - counts[0], 1)
-        floats = [x / healthy.astype(x.dtype) for x in floats]
+        share = 1 / jnp.maximum(n - counts[0], 1)  # see update's ``mean``
+        floats = [x * share.astype(x.dtype) for x in floats]
     else:
         floats = [x / n for x in floats]
     model_state = _with_floats(part.work.model_state, floats)
@@ -371,8 +371,10 @@ def update(
     columns to write."""
     mean: Callable[[jax.Array], jax.Array] = lambda g: g / options.n  # noqa: E731
     if options.on_failure == "drop":  # the mean over the devices not left out
-        healthy = jnp.maximum(options.n - seen.failing, 1)
-        mean = lambda g: g / healthy.astype(g.dtype)  # noqa: E731
+        # times the reciprocal, not divided: a multiply by a scalar fuses into both of
+        # the optimizer's passes that read it, where a divide got a pass of its own
+        share = 1 / jnp.maximum(options.n - seen.failing, 1)
+        mean = lambda g: g * share.astype(g.dtype)  # noqa: E731
 
     def apply(operands: tuple[Params, PyTree, PyTree]) -> tuple[Params, PyTree, PyTree]:
         params, opt_state, _ = operands

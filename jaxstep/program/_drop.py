@@ -27,10 +27,13 @@ def memory(n: int) -> dict[str, jax.Array]:
 
 
 def leave_out(bad: jax.Array, tree: PyTree) -> PyTree:
-    """``tree`` with every leaf zeroed when this device failed its own checks: a
-    ``where``, not a multiply (NaN * 0 is NaN), one per leaf, which XLA fuses into
-    the producer of the leaf."""
-    return jax.tree.map(lambda x: jnp.where(bad, jnp.zeros((), x.dtype), x), tree)
+    """``tree`` with every leaf zeroed when this device failed its own checks. A
+    ``lax.cond``, not a ``where`` (nor a multiply: NaN * 0 is NaN): ``bad`` depends on
+    reductions over these very gradients, so a ``where`` cannot fuse into the kernels
+    that make them and cost a read and a write of every gradient on every step; the
+    cond's healthy branch hands the buffers through untouched (no copy, no pass, no
+    extra memory) and only a failing device writes zeros."""
+    return jax.lax.cond(bad, lambda t: jax.tree.map(jnp.zeros_like, t), lambda t: t, tree)
 
 
 class Repair(NamedTuple):

@@ -307,3 +307,25 @@ def test_drop_adds_no_collective_and_the_other_policies_none_of_its_code():
     # no drop state in the other policies' programs: the same parameters as before
     params = {p: text.count(" parameter(") for p, text in programs.items()}
     assert params["drop"] == params["skip"] + 3  # total_drops, monitor drops, repairs
+
+
+@pytest.mark.parametrize("count", [8, 6], ids=["8-devices", "6-devices"])
+def test_steps_where_nothing_fails_match_the_default_policy(backend, count):
+    # the mean over the healthy count is a multiply by its reciprocal, computed in the
+    # step (it fuses into the optimizer's pass), where the default policy's 1 / n is a
+    # constant XLA may fold elsewhere: equal within a few ulps, also where 1 / n is
+    # not exact
+    devices = jax.devices()[:count]
+    batches = [
+        {k: v[: count * (len(v) // N)] for k, v in batch.items()} for batch in make_batches(3)
+    ]
+    finals = {}
+    for policy in ("raise", "drop"):
+        step = jaxstep.make_train_step(
+            loss_fn, optax.adam(1e-2), backend=backend, on_failure=policy, devices=devices
+        )
+        state = jaxstep.fit(step, step.init(init_params()), batches)
+        finals[policy] = step.host_state(state)
+    for part in ("params", "opt_state"):
+        got, want = getattr(finals["drop"], part), getattr(finals["raise"], part)
+        chex.assert_trees_all_close(got, want, rtol=2e-6, atol=0)
