@@ -21,3 +21,11 @@ def keystrs(tree: Any, prefix: str = "") -> list[str]:
 
 def _is_box(key: Any) -> bool:
     return isinstance(key, jax.tree_util.GetAttrKey) and key.name == "value"
+
+
+def without_root(leaf: str | None, root: str) -> str | None:
+    """``leaf`` without ``root`` in front (``"params['w']"`` -> ``"['w']"``): the name of a
+    leaf of that tree written either way. Others pass unchanged."""
+    if leaf is not None and leaf.startswith(root) and leaf[len(root) :][:1] in "[.":
+        return leaf[len(root) :]
+    return leaf

@@ -29,6 +29,7 @@ from jax.experimental import io_callback
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
 from jaxstep.core.names import leaf_name
+from jaxstep.core.names import without_root
 
 KINDS = ("input", "loss", "grad", "param", "stall")
 MODES = ("device", "transient", "data")
@@ -46,7 +47,8 @@ class Fault:
       mode: ``"device"``, ``"transient"`` or ``"data"`` (see the module docstring).
       value: what is written: ``float("nan")`` (default) or ``float("inf")``.
       leaf: for ``grad``/``param``: the ``jax.tree_util.keystr`` of the leaf (default
-        the first); for ``input``: the batch leaf (default the first float one).
+        the first), ``"['w']"`` or ``"params['w']"``; for ``input``: the batch leaf
+        (default the first float one).
       example: the row of the device's chunk that carries an ``input`` fault, and the
         example a ``data`` fault belongs to.
       seconds: how long a ``stall`` blocks the device.
@@ -70,6 +72,8 @@ class Fault:
             raise ValueError(f"a fault writes NaN or Inf, got value={self.value!r}")
         if self.step < 0 or self.example < 0:
             raise ValueError(f"step and example must be >= 0, got {self.step}, {self.example}")
+        if self.kind in ("grad", "param"):  # "params['w']", as step.names writes it
+            object.__setattr__(self, "leaf", without_root(self.leaf, "params"))
 
 
 class Context(NamedTuple):

@@ -19,6 +19,7 @@ from jaxstep.core import HostKey
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core.names import without_root
 from jaxstep.step import TrainStep
 
 _UNCHECKED: Any = object()
@@ -105,20 +106,13 @@ def assert_fails(
         problems.append(f"status is {_flags(err.status)}, not {_flags(status)}")
     if has_status is not _UNCHECKED and (err.status & has_status) != has_status:
         problems.append(f"status is {_flags(err.status)}, without {_flags(has_status)}")
-    if leaf is not _UNCHECKED and _param_leaf(err.leaf) != _param_leaf(leaf):
+    if leaf is not _UNCHECKED and without_root(err.leaf, "params") != without_root(leaf, "params"):
         problems.append(f"leaf is {err.leaf!r}, not {leaf!r}")
     if problems:
         raise AssertionError(
             f"expected {want}, but: " + "; ".join(problems) + f"\nthe error was:\n{err}"
         )
     return err
-
-
-def _param_leaf(leaf: str | None) -> str | None:
-    """A parameter's name without ``params`` in front: the two spellings compare equal."""
-    if leaf is not None and leaf.startswith("params") and leaf[len("params") :][:1] in "[.":
-        return leaf[len("params") :]
-    return leaf
 
 
 def assert_replicas_equal(step: TrainStep, tree: Any) -> None:

@@ -221,3 +221,24 @@ def test_the_plugin_sets_devices_before_conftest_starts_jax(tmp_path):
     assert "test_it.py::test_devices[shard_map] backend shard_map\nPASSED" in log
     assert "test_it.py::test_devices[pmap] backend pmap\nPASSED" in log
     assert ": 4 fake CPU devices (--jaxstep-devices); compile cache " in log
+
+
+@pytest.mark.parametrize("kind", ["grad", "param"])
+def test_a_fault_names_its_leaf_as_step_names_writes_it_too(backend, kind):
+    # "params['dense2']['kernel']" (step.names["state"], corrupt_replica) and
+    # "['dense2']['kernel']" (err.leaf) name the same leaf
+    bad = jax.devices()[6].id
+    fault = Fault(kind, device_id=bad, step=2, leaf="params['dense2']['kernel']")
+    assert fault.leaf == "['dense2']['kernel']"
+    step = jaxstep.make_train_step(
+        loss_fn, optax.sgd(0.1), backend=backend, faults=[fault], verify_update=kind == "param"
+    )
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), make_batches(4))
+    assert_fails(
+        info.value,
+        device_id=bad,
+        step=2,
+        status=Status.GRAD_NONFINITE if kind == "grad" else Status.PARAM_NONFINITE,
+        leaf="params['dense2']['kernel']",
+    )
