@@ -10,10 +10,7 @@ fails every step; checkpoints every 2 steps in ``DIR/device``), each with the re
 it must match. Each run prints one line ``RESULT {json}`` with what this process saw.
 """
 
-import json
-import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -26,6 +23,8 @@ import optax
 import jaxstep
 from jaxstep import distributed
 from jaxstep.testing import Fault
+from tests import child
+from tests.child import result
 from tests.models import PER_DEVICE
 from tests.models import init_params
 from tests.models import loss_fn
@@ -33,11 +32,6 @@ from tests.models import make_batches
 
 STEPS = 6
 AT = 2
-
-
-def result(**fields):
-    fields.update(process=jax.process_index(), pid=os.getpid(), at=time.time())
-    print("RESULT " + json.dumps(fields), flush=True)
 
 
 def params_of(step, state):
@@ -82,9 +76,9 @@ def seen(name, step, state, history, caught, **more):
 @distributed.record
 def main(base: str) -> None:
     devices = jax.devices()
-    target = [d for d in devices if d.process_index == 1][1]
+    target = child.target(devices)
     full = make_batches(STEPS)
-    mine = [distributed.local_batch(b, devices) for b in full]
+    mine = child.local_batches(full, devices)
     recover = jaxstep.Recover()
 
     seen("clean", *run([], mine))
@@ -114,7 +108,7 @@ def main(base: str) -> None:
     rest = [d for d in devices if d != target]
     gone = devices.index(target)
     cut = np.r_[0 : gone * PER_DEVICE, (gone + 1) * PER_DEVICE : len(full[0]["x"])]
-    tail = [distributed.local_batch({k: v[cut] for k, v in b.items()}, rest) for b in full[AT:]]
+    tail = child.local_batches([{k: v[cut] for k, v in b.items()} for b in full[AT:]], rest)
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=rest)
     copy = head.local_copy(start, distributed.local_positions(devices)[0])
     reference = jaxstep.fit(step, step.place_state(copy), tail)
@@ -122,6 +116,4 @@ def main(base: str) -> None:
 
 
 if __name__ == "__main__":
-    # Before any computation; not at import (pytest imports this file for doctests).
-    distributed.initialize(lost_timeout=float(os.environ.get("CHILD_LOST_TIMEOUT", "6")))
-    main(*sys.argv[1:])
+    child.start(main)
