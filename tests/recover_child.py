@@ -7,7 +7,10 @@ after the other, a clean ``fit`` and three with ``recover=jaxstep.Recover()`` an
 fault on process 1's second device (id 2049 on this JAX) at step 2: ``transient``,
 ``data`` (example 1 of its chunk; checkpoints in ``DIR/data``) and ``device`` (it
 fails every step; checkpoints every 2 steps in ``DIR/device``), each with the reference
-it must match. Each run prints one line ``RESULT {json}`` with what this process saw.
+it must match. Then two that go back: ``spike`` (that device's chunk spikes at step 6,
+``Recover(rollback_batches=2)``, checkpoints every 4 steps in ``DIR/spike``) and
+``diverged`` (its replica corrupted by one ulp before step 3, ``divergence_every=1``).
+Each run prints one line ``RESULT {json}`` with what this process saw.
 """
 
 import sys
@@ -23,15 +26,19 @@ import optax
 import jaxstep
 from jaxstep import distributed
 from jaxstep.testing import Fault
+from jaxstep.testing import corrupt_replica
 from tests import child
 from tests.child import result
 from tests.models import PER_DEVICE
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
+from tests.models import rows_of
 
 STEPS = 6
 AT = 2
+SPIKE_STEPS, SPIKE_AT, SPIKE_EVERY = 8, 6, 4  # back to 4, batches 5 and 6 skipped
+CORRUPT_AT = 3
 
 
 def params_of(step, state):
@@ -39,6 +46,13 @@ def params_of(step, state):
     here = distributed.local_positions(step.devices)[0]  # a copy this process holds
     params = step.local_copy(state.params, here)
     return {jax.tree_util.keystr(k): np.asarray(v).ravel().tolist() for k, v in _flat(params)}
+
+
+def replicas_agree(step, state):
+    """Whether the copies of the parameters this process holds are equal, bit for bit."""
+    here = distributed.local_positions(step.devices)
+    first, *others = [jax.tree.leaves(step.local_copy(state.params, i)) for i in here]
+    return all(all(map(np.array_equal, first, leaves)) for leaves in others)
 
 
 def _flat(tree):
@@ -51,10 +65,15 @@ def records(history):
 
 def run(faults, batches, **kwargs):
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults)
+    return train(step, step.init(init_params()), batches, **kwargs)
+
+
+def train(step, state, batches, **kwargs):
+    """``fit``, with its history and the warnings it gave."""
     history = jaxstep.History()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        state = jaxstep.fit(step, step.init(init_params()), batches, history=history, **kwargs)
+        state = jaxstep.fit(step, state, batches, history=history, **kwargs)
     return step, state, history, [str(w.message) for w in caught]
 
 
@@ -113,6 +132,35 @@ def main(base: str) -> None:
     copy = head.local_copy(start, distributed.local_positions(devices)[0])
     reference = jaxstep.fit(step, step.place_state(copy), tail)
     seen("device", *out, target=target.id, reference=params_of(step, reference))
+
+    # A loss spike in the target's chunk alone (only process 1 holds its rows)
+    spiky = make_batches(SPIKE_STEPS)
+    y = spiky[SPIKE_AT]["y"].copy()
+    y[rows_of(devices.index(target))] *= 1e3
+    spiky[SPIKE_AT] = dict(spiky[SPIKE_AT], y=y)
+    spike = jaxstep.LossSpike(window=8, warmup=3, sigmas=50.0)
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), loss_spike=spike)
+    out = train(
+        step,
+        step.init(init_params()),
+        child.local_batches(spiky, devices),
+        recover=jaxstep.Recover(rollback_batches=2),
+        checkpoint_dir=f"{base}/spike",
+        checkpoint_every=SPIKE_EVERY,
+    )
+    # the reference: the same step on the batches the rollback did not skip
+    kept = [b for i, b in enumerate(spiky) if i not in (SPIKE_AT - 1, SPIKE_AT)]
+    reference = jaxstep.fit(step, step.init(init_params()), child.local_batches(kept, devices))
+    loss = [float(x) for x in out[2].loss]
+    seen("spike", *out, target=target.id, loss=loss, reference=params_of(step, reference))
+
+    # A replica of process 1 silently corrupted: every process rebuilds the state from a
+    # copy it holds that agrees with the majority (process 1: its first device)
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), divergence_every=1)
+    state = jaxstep.fit(step, step.init(init_params()), mine[:CORRUPT_AT])
+    state = corrupt_replica(step, state, target.id, "params['dense2']['kernel']", ulps=1)
+    out = train(step, state, mine[CORRUPT_AT:], recover=recover)
+    seen("diverged", *out, target=target.id, replicas_agree=replicas_agree(step, out[1]))
 
 
 if __name__ == "__main__":
