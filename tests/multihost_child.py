@@ -12,7 +12,6 @@ directory (second argument) the run checkpoints every 2 steps. Each process prin
 line ``RESULT {json}`` with what it saw.
 """
 
-import json
 import os
 import signal
 import sys
@@ -27,17 +26,14 @@ import optax
 import jaxstep
 from jaxstep import distributed
 from jaxstep.testing import Fault
+from tests import child
+from tests.child import result
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
 
 STEPS = 8
 AT = 3
-
-
-def result(**fields):
-    fields.update(process=jax.process_index(), pid=os.getpid(), at=time.time())
-    print("RESULT " + json.dumps(fields), flush=True)
 
 
 def error_fields(err):
@@ -58,7 +54,7 @@ def error_fields(err):
 @distributed.record
 def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None = None) -> None:
     devices = jax.devices()
-    target = [d for d in devices if d.process_index == 1][1]  # id 2049 on this JAX
+    target = child.target(devices)
     faults, kwargs = [], {}
     if mode == "nan":
         faults = [Fault("input", device_id=target.id, step=AT)]
@@ -69,7 +65,7 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
         kwargs.update(checkpoint_dir=checkpoint_dir, checkpoint_every=2, resume=mode == "resume")
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults, divergence_every=2)
     state = step.init(init_params())
-    batches = [distributed.local_batch(b, devices) for b in make_batches(STEPS)]
+    batches = child.local_batches(make_batches(STEPS), devices)
     rejected = {}
     if mode == "nan":  # what a multi-process run refuses, before anything runs
         try:
@@ -121,6 +117,4 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
 
 
 if __name__ == "__main__":
-    # Before any computation; not at import (pytest imports this file for doctests).
-    distributed.initialize(lost_timeout=float(os.environ.get("CHILD_LOST_TIMEOUT", "6")))
-    main(*sys.argv[1:])
+    child.start(main)

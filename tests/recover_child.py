@@ -7,13 +7,13 @@ after the other, a clean ``fit`` and three with ``recover=jaxstep.Recover()`` an
 fault on process 1's second device (id 2049 on this JAX) at step 2: ``transient``,
 ``data`` (example 1 of its chunk; checkpoints in ``DIR/data``) and ``device`` (it
 fails every step; checkpoints every 2 steps in ``DIR/device``), each with the reference
-it must match. Each run prints one line ``RESULT {json}`` with what this process saw.
+it must match. Then two that go back: ``spike`` (that device's chunk spikes at step 6,
+``Recover(rollback_batches=2)``, checkpoints every 4 steps in ``DIR/spike``) and
+``diverged`` (its replica corrupted by one ulp before step 3, ``divergence_every=1``).
+Each run prints one line ``RESULT {json}`` with what this process saw.
 """
 
-import json
-import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -26,18 +26,19 @@ import optax
 import jaxstep
 from jaxstep import distributed
 from jaxstep.testing import Fault
+from jaxstep.testing import corrupt_replica
+from tests import child
+from tests.child import result
 from tests.models import PER_DEVICE
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
+from tests.models import rows_of
 
 STEPS = 6
 AT = 2
-
-
-def result(**fields):
-    fields.update(process=jax.process_index(), pid=os.getpid(), at=time.time())
-    print("RESULT " + json.dumps(fields), flush=True)
+SPIKE_STEPS, SPIKE_AT, SPIKE_EVERY = 8, 6, 4  # back to 4, batches 5 and 6 skipped
+CORRUPT_AT = 3
 
 
 def params_of(step, state):
@@ -45,6 +46,13 @@ def params_of(step, state):
     here = distributed.local_positions(step.devices)[0]  # a copy this process holds
     params = step.local_copy(state.params, here)
     return {jax.tree_util.keystr(k): np.asarray(v).ravel().tolist() for k, v in _flat(params)}
+
+
+def replicas_agree(step, state):
+    """Whether the copies of the parameters this process holds are equal, bit for bit."""
+    here = distributed.local_positions(step.devices)
+    first, *others = [jax.tree.leaves(step.local_copy(state.params, i)) for i in here]
+    return all(all(map(np.array_equal, first, leaves)) for leaves in others)
 
 
 def _flat(tree):
@@ -57,10 +65,15 @@ def records(history):
 
 def run(faults, batches, **kwargs):
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults)
+    return train(step, step.init(init_params()), batches, **kwargs)
+
+
+def train(step, state, batches, **kwargs):
+    """``fit``, with its history and the warnings it gave."""
     history = jaxstep.History()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        state = jaxstep.fit(step, step.init(init_params()), batches, history=history, **kwargs)
+        state = jaxstep.fit(step, state, batches, history=history, **kwargs)
     return step, state, history, [str(w.message) for w in caught]
 
 
@@ -82,9 +95,9 @@ def seen(name, step, state, history, caught, **more):
 @distributed.record
 def main(base: str) -> None:
     devices = jax.devices()
-    target = [d for d in devices if d.process_index == 1][1]
+    target = child.target(devices)
     full = make_batches(STEPS)
-    mine = [distributed.local_batch(b, devices) for b in full]
+    mine = child.local_batches(full, devices)
     recover = jaxstep.Recover()
 
     seen("clean", *run([], mine))
@@ -114,14 +127,41 @@ def main(base: str) -> None:
     rest = [d for d in devices if d != target]
     gone = devices.index(target)
     cut = np.r_[0 : gone * PER_DEVICE, (gone + 1) * PER_DEVICE : len(full[0]["x"])]
-    tail = [distributed.local_batch({k: v[cut] for k, v in b.items()}, rest) for b in full[AT:]]
+    tail = child.local_batches([{k: v[cut] for k, v in b.items()} for b in full[AT:]], rest)
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=rest)
     copy = head.local_copy(start, distributed.local_positions(devices)[0])
     reference = jaxstep.fit(step, step.place_state(copy), tail)
     seen("device", *out, target=target.id, reference=params_of(step, reference))
 
+    # A loss spike in the target's chunk alone (only process 1 holds its rows)
+    spiky = make_batches(SPIKE_STEPS)
+    y = spiky[SPIKE_AT]["y"].copy()
+    y[rows_of(devices.index(target))] *= 1e3
+    spiky[SPIKE_AT] = dict(spiky[SPIKE_AT], y=y)
+    spike = jaxstep.LossSpike(window=8, warmup=3, sigmas=50.0)
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), loss_spike=spike)
+    out = train(
+        step,
+        step.init(init_params()),
+        child.local_batches(spiky, devices),
+        recover=jaxstep.Recover(rollback_batches=2),
+        checkpoint_dir=f"{base}/spike",
+        checkpoint_every=SPIKE_EVERY,
+    )
+    # the reference: the same step on the batches the rollback did not skip
+    kept = [b for i, b in enumerate(spiky) if i not in (SPIKE_AT - 1, SPIKE_AT)]
+    reference = jaxstep.fit(step, step.init(init_params()), child.local_batches(kept, devices))
+    loss = [float(x) for x in out[2].loss]
+    seen("spike", *out, target=target.id, loss=loss, reference=params_of(step, reference))
+
+    # A replica of process 1 silently corrupted: every process rebuilds the state from a
+    # copy it holds that agrees with the majority (process 1: its first device)
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), divergence_every=1)
+    state = jaxstep.fit(step, step.init(init_params()), mine[:CORRUPT_AT])
+    state = corrupt_replica(step, state, target.id, "params['dense2']['kernel']", ulps=1)
+    out = train(step, state, mine[CORRUPT_AT:], recover=recover)
+    seen("diverged", *out, target=target.id, replicas_agree=replicas_agree(step, out[1]))
+
 
 if __name__ == "__main__":
-    # Before any computation; not at import (pytest imports this file for doctests).
-    distributed.initialize(lost_timeout=float(os.environ.get("CHILD_LOST_TIMEOUT", "6")))
-    main(*sys.argv[1:])
+    child.start(main)

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import json
 import os
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +70,22 @@ def gather(key: str, among: Iterable[int], timeout_s: float) -> dict[int, Any]:
                 f"process {p} did not publish {key!r} within {timeout_s:g} s ({err})"
             ) from None
     return out
+
+
+def from_writer(key: str, answer: Callable[[], Any], timeout_s: float) -> Any:
+    """``answer()`` as the writer finds it, on every process: the writer calls it and
+    publishes it under ``key``, the others wait for it. For what only the writer
+    knows: which of its writes finished (the others' orbax managers list the steps they
+    saw when they were opened).
+
+    Raises:
+      TimeoutError: the writer published nothing within ``timeout_s`` (lost).
+    """
+    if is_writer():
+        value = answer()
+        publish(key, value)
+        return value
+    return gather(key, [0], timeout_s)[0]
 
 
 def forget(key: str, among: Iterable[int]) -> None:

@@ -96,6 +96,7 @@ class FitCheckpoints:
         self._layout: Layout | None = None
         self._done = set(store.steps()) if store is not None else set()
         self._futures: list[concurrent.futures.Future[None]] = []
+        self._asked = 0  # latest_verified calls, the same count on every process
         self._closed = False
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-checkpoint")
@@ -259,11 +260,21 @@ class FitCheckpoints:
 
     def latest_verified(self) -> int | None:
         """The step of the newest verified checkpoint written (queued writes waited
-        for), or None: none, or no checkpoint directory."""
-        if self.store is None:
+        for), or None: none, or no checkpoint directory. Several processes: the
+        writer's answer on every process (the others cannot wait for its writes)."""
+        store = self.store
+        if store is None:
             return None
-        self.drain(_DRAIN_TIMEOUT)
-        return self.store.latest_verified()
+
+        def written() -> int | None:
+            self.drain(_DRAIN_TIMEOUT)
+            return store.latest_verified()
+
+        if self._key is None:
+            return written()
+        self._asked += 1
+        key = f"{self._key}latest/{self._asked}"
+        return coordination.from_writer(key, written, _DRAIN_TIMEOUT + _GATHER_TIMEOUT)
 
     def drain(self, timeout: float | None = None) -> None:
         """Waits for the queued writes."""

@@ -1,9 +1,11 @@
 """``fit(..., recover=jaxstep.Recover())`` on two processes x four fake CPU devices: every
 process takes the same action at the same step and ends with the same parameters.
 
-One ``python -m jaxstep.launch`` job (``tests/recover_child.py``) runs a clean fit and
-three recovered ones, each with a fault on process 1's second device at step 2; the
-tests read what each process printed. Device ids are read, never assumed.
+One ``python -m jaxstep.launch`` job (``tests/recover_child.py``) runs a clean fit,
+three recovered ones, each with a fault on process 1's second device at step 2, and
+two that go back: a loss spike in that device's chunk rolled back to a checkpoint, and
+its replica corrupted then repaired from the majority. The tests read what each process
+printed. Device ids are read, never assumed.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def job(tmp_path_factory):
         if rest.startswith("RESULT "):
             got = json.loads(rest[len("RESULT ") :])
             results[got["run"], int(head[2:])] = got
-    assert len(results) == 8, output[-6000:]
+    assert len(results) == 12, output[-6000:]
     return results, base
 
 
@@ -129,3 +131,45 @@ def test_a_device_of_process_1_that_keeps_failing_is_excluded_and_its_rows_liste
     assert meta["device_ids"] == rest
     positions = {p: (d["index"], d["rows"]) for p, d in meta["data_by_process"].items()}
     assert positions == {"0": (4, 0), "1": (4, 0)}
+
+
+def test_a_loss_spike_on_process_1_rolls_both_processes_back_to_the_same_checkpoint(job):
+    results, _ = job
+    p0, p1 = _both(results, "spike")
+    target = p1["target"]
+    for seen in (p0, p1):
+        (record,) = seen["recoveries"]
+        assert (record["step"], record["verdict"], record["action"]) == (6, "spike", "rolled back")
+        assert record["device_ids"] == [target]  # only its chunk spiked; process 0 knows it too
+        assert (record["skipped_batches"], record["batch"], record["examples"]) == ([5, 6], 6, [])
+        assert record["detail"] == (
+            "restored the checkpoint of step 4; 1 batch(es) since it trained again"
+        )
+        # steps 0..6 ran, the spike at 6 sent both back to 4: batch 4 again, then 7
+        assert seen["history_step"] == [0, 1, 2, 3, 4, 5, 6, 4, 5]
+        assert seen["loss"][7] == seen["loss"][4]  # the same batch from the restored state
+        assert seen["step"] == 6 and seen["left_over"] == [] and seen["warnings"] == []
+    assert p0["recoveries"] == p1["recoveries"]
+    # Bit for bit a run without batches 5 and 6: the checkpoint holds the state exactly
+    # (float32 as written), and the same program trains the same batches in order.
+    assert p0["params"] == p1["params"] == p0["reference"] == p1["reference"]
+
+
+def test_a_corrupted_replica_on_process_1_is_repaired_the_same_way_on_both_processes(job):
+    results, _ = job
+    clean, _ = _both(results, "clean")
+    p0, p1 = _both(results, "diverged")
+    target = p1["target"]
+    for seen in (p0, p1):
+        (record,) = seen["recoveries"]
+        assert (record["step"], record["verdict"], record["action"]) == (3, "diverged", "repaired")
+        assert record["device_ids"] == [target]  # the healthy seven are not blamed
+        assert (record["skipped_batches"], record["examples"]) == ([], [])
+        assert record["batch"] == 0  # counted from the first batch this fit was given
+        assert seen["history_step"] == [3, 3, 4, 5]  # step 3 failed, then ran again
+        assert seen["step"] == 6 and seen["left_over"] == []
+        assert seen["replicas_agree"]  # on process 1 the target's copy too
+    assert p0["recoveries"] == p1["recoveries"]
+    # every replica again equal, bit for bit those of the clean run (a one-ulp corruption
+    # caught before it trained, and the divergence check does not touch the update)
+    assert p0["params"] == p1["params"] == clean["params"]
