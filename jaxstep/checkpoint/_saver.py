@@ -305,7 +305,6 @@ class FitCheckpoints:
         self, error: TrainingWorkerError, first: tuple[int, int]
     ) -> TrainingWorkerError:
         assert self.store is not None
-        note = error.note
         try:
             path = emergency.save(
                 self.store.directory,
@@ -317,18 +316,17 @@ class FitCheckpoints:
             )
         except Exception as err:  # never hide the failure behind a failed save
             log.exception("the emergency save failed")
-            return error.replace(note=_join(note, f"the emergency save failed: {err!r}"))
+            return error.with_note(f"the emergency save failed: {err!r}")
         if any(f.status & _NAME_CHECKPOINT for f in error.failures):
             latest = self.store.latest_verified()
             where = self.store.directory
-            note = _join(
-                note,
+            error = error.with_note(
                 f"the latest verified checkpoint is step {latest} ({where / str(latest)}): "
                 f"state = jaxstep.restore(step, {str(where)!r})"
                 if latest is not None
                 else f"no verified checkpoint in {str(where)!r} yet",
             )
-        return error.replace(checkpoint=path, note=note)
+        return error.replace(checkpoint=path)
 
     def stopped(
         self, state: TrainState, untrained: int, first: tuple[int, int] | None = None
@@ -455,10 +453,6 @@ def _check_positions(loaded: Loaded, devices: Sequence[jax.Device]) -> None:
 def _has_checkpoint(directory: str | os.PathLike[str]) -> bool:
     path = as_path(directory)
     return path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
-
-
-def _join(note: str | None, line: str) -> str:
-    return line if not note else f"{note}\n{line}"
 
 
 def _report_failed_write(future: concurrent.futures.Future[None]) -> None:

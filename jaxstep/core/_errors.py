@@ -229,6 +229,11 @@ class TrainingWorkerError(RuntimeError):
             )
         return self.replace(diagnosis=diagnosis, failures=failures)
 
+    def with_note(self, line: str) -> TrainingWorkerError:
+        """A copy of this error with ``line`` added to its note (shown in the message,
+        after the first line)."""
+        return self.replace(note=line if not self.note else f"{self.note}\n{line}")
+
     def replace(self, **changes: Any) -> TrainingWorkerError:
         """A copy of this error with some of its constructor's arguments changed (``note``,
         ``diagnosis``, ``batches``, ``checkpoint``, ...); the message follows them."""

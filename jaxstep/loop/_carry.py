@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxstep.core import validate
 from jaxstep.loop._pending import Item
+from jaxstep.step import join_presplit
 
 Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the data
 
@@ -37,7 +38,8 @@ class Carry:
       unit: the rows a step's size must divide by (devices x micro-batches).
       skip: rows of the first batch already trained (a resume at a data position
         inside a batch): they are passed over.
-      presplit: batches come ``(n_devices, per_device, ...)``: joined here.
+      presplit: batches come ``(n_devices, per_device, ...)``: joined here, ``n_devices``
+        read from the batch (laid out for the devices before any left the run).
     """
 
     def __init__(self, unit: int, skip: int = 0, presplit: bool = False):
@@ -55,8 +57,8 @@ class Carry:
         queued it again: ``spans`` set) is joined rows with its spans already."""
         batch = jax.tree.map(np.asarray, item.batch)
         if item.spans is None:
-            if self.presplit:
-                batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
+            if self.presplit:  # laid out for the devices before any left: its leading axis
+                batch = join_presplit(batch, len(jax.tree.leaves(batch)[0]))
             size, skip = validate.batch(batch, 1), self.skip
             if skip:  # a resume inside this batch
                 self.skip = 0
@@ -170,7 +172,7 @@ class Cut:
             return item
         batch = item.batch
         if self.presplit and item.first is None:
-            batch = jax.tree.map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), batch)
+            batch = join_presplit(jax.tree.map(np.asarray, batch), len(self.origin))
         size = validate.batch(batch, len(chunks)) // len(chunks)
         at = {j: i for i, j in enumerate(chunks)}
         rows = np.concatenate([np.arange(at[j] * size, (at[j] + 1) * size) for j in keep])

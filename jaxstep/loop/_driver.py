@@ -2,18 +2,13 @@
 (dispatch a batch, then settle the step before it, already finished),
 :meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
 :meth:`Loop.abandon` (an exception leaves: the state and the untrained batches go on
-it) and :meth:`Loop.finish`."""
+it, :mod:`jaxstep.loop._stopping`) and :meth:`Loop.finish`."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import signal
-import sys
-import threading
 import time
 import warnings
-from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -40,6 +35,8 @@ from jaxstep.loop._pending import rows_as_given
 from jaxstep.loop._recover import Recover
 from jaxstep.loop._recover import Recovery
 from jaxstep.loop._restart import exit_for_restart
+from jaxstep.loop._stopping import attach
+from jaxstep.loop._stopping import untrained_batches
 from jaxstep.loop._watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -336,7 +333,7 @@ class Loop:
             left, failed = self._settle_unconfirmed()
         except Exception as why:  # the steps in flight cannot be read: say so, lose nothing
             left, failed = list(self.unconfirmed), f"(unread: {why!r})"
-        untrained, first = self._untrained([*left, self.held, *self.queue])
+        untrained, first = self._untrained(*left, self.held)
         state: TrainState | None = self.state
         try:
             validate.alive(state)
@@ -351,7 +348,7 @@ class Loop:
             except Exception as why:
                 err.add_note(f"jaxstep: saving the state on the way out failed: {why!r}")
         self.checkpoints.close()
-        _attach(err, state, untrained, failed, saved)
+        attach(err, state, untrained, failed, saved)
 
     def _record(
         self, pending: Pending, table: HealthTable, examples_per_sec: float = float("nan")
@@ -365,23 +362,13 @@ class Loop:
         if self.checkpoints.waiting:
             self.checkpoints.settled(table)
 
-    def _untrained(
-        self, left: Sequence[Pending | Item | None]
-    ) -> tuple[list[Any], tuple[int, int] | None]:
-        """The batches of ``left`` (steps in flight, the batch held, the queue) and the
-        rows carried, in the order they were pulled, and the data position of the first
-        ``(seq, rows into it)`` (None: unknown); empties the queue and the carry."""
+    def _untrained(self, *left: Pending | Item | None) -> tuple[list[Any], tuple[int, int] | None]:
+        """The batches of ``left`` and of the queue, untrained, in the order they were
+        pulled, and the data position of the first (:func:`untrained_batches`);
+        empties the queue and the carry."""
+        batches = untrained_batches([*left, *self.queue], self.carry)
         self.queue.clear()
-        known = [u for u in left if u is not None]
-        carried = None if self.carry is None else self.carry.requeue()
-        if carried is not None:
-            known.append(carried)
-        order = [u.item if isinstance(u, Pending) else u for u in known]
-        if any(item is None for item in order):
-            return [u.batch for u in known], None
-        where = [_where(item) for item in order if item is not None]
-        known = [u for _, u in sorted(zip(where, known, strict=True), key=lambda p: p[0])]
-        return [u.batch for u in known], min(where, default=None)
+        return batches
 
     def _settle_unconfirmed(self) -> tuple[list[Pending], str | None]:
         """Reads the tables of the steps whose settling did not complete (no callbacks:
@@ -402,36 +389,6 @@ class Loop:
         self.unconfirmed.clear()
         self.pending = None
         return untrained, failed
-
-    @contextlib.contextmanager
-    def deferred_interrupts(self) -> Iterator[None]:
-        """A first Ctrl-C (SIGINT) only marks the loop: :meth:`advance` raises
-        ``KeyboardInterrupt`` once the step in flight is dispatched and the one before
-        it settled, so no state is caught half donated. A second one raises at once.
-        Only in the main thread, and only over Python's own handler (a notebook
-        kernel's or the user's handler is left alone)."""
-        if (
-            threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-        ):
-            yield
-            return
-
-        def first(signum: int, frame: Any) -> None:
-            if self.interrupted:
-                raise KeyboardInterrupt
-            self.interrupted = True
-            print(
-                "jaxstep: stopping after the step in flight (Ctrl-C again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-        signal.signal(signal.SIGINT, first)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def finish(self) -> TrainState:
         """After the last step settled: waits for the last checkpoint write, calls the
@@ -467,7 +424,7 @@ class Loop:
         """A failure, a hang or a lost peer: the ``untrained`` batches (failing batch
         first, then those pulled after it and those a recovery queued) and the emergency
         save go on the error, and the callbacks hear of it."""
-        batches, first = self._untrained([*untrained, *self.queue])
+        batches, first = self._untrained(*untrained)
         error = self.checkpoints.failed(error, batches, first)
         if self.recovery is not None:
             error = self.recovery.noted(error)
@@ -484,42 +441,3 @@ class Loop:
         if self.recovery is not None:
             exit_for_restart(error)
         return error
-
-
-def _where(item: Item) -> tuple[int, int]:
-    """The data position before ``item``'s first row: (seq of its batch, rows into it)."""
-    return (item.seq if item.first is None else item.first), item.offset
-
-
-def _attach(
-    err: BaseException,
-    state: TrainState | None,
-    untrained: list[Any],
-    failed: str | None,
-    saved: str | None,
-) -> None:
-    """``err.state``, ``err.batches`` and a note saying where they are."""
-    try:
-        err.state = state  # type: ignore[attr-defined]
-        err.batches = untrained  # type: ignore[attr-defined]
-    except AttributeError:  # an exception type that takes no attributes
-        return
-    if state is None:
-        lines = [
-            "jaxstep: the state was lost (a second Ctrl-C stopped a step while it held "
-            "the state); restore the latest checkpoint"
-        ]
-    else:
-        lines = ["jaxstep: the last good state is in error.state"]
-    held = len(untrained)
-    lines.append(
-        f"error.batches holds the {held} batch(es) pulled and not trained, in order: "
-        "fit(step, error.state, itertools.chain(error.batches, rest)) loses nothing"
-        if held
-        else "every batch pulled was trained (error.batches is empty)"
-    )
-    if failed is not None:
-        lines.append(failed)
-    if saved is not None:
-        lines.append(f"the state was saved to {saved}: fit(..., resume=True) goes on from it")
-    err.add_note("; ".join(lines))

@@ -18,6 +18,7 @@ from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._driver import Loop
 from jaxstep.loop._history import History
 from jaxstep.loop._recover import Recover
+from jaxstep.loop._stopping import deferred_interrupts
 from jaxstep.step import TrainStep
 
 
@@ -142,7 +143,7 @@ def fit(
     )
     try:
         loop.start()
-        with loop.deferred_interrupts():
+        with deferred_interrupts(loop):
             # islice: never pull a batch that will not be trained (an iterator is shared).
             for batch in itertools.islice(source, num_steps):
                 loop.advance(batch)

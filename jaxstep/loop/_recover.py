@@ -166,8 +166,7 @@ class Recovery:
         """Acts on the failure of ``pending`` (``error``, from its ``table``): raises
         :class:`Recovered` once the loop goes on, or returns the error to raise."""
         if len(self.records) >= self.options.max_recoveries:
-            return _noted(
-                error,
+            return error.with_note(
                 f"not recovered: the budget of max_recoveries={self.options.max_recoveries} "
                 "recoveries is spent",
             )
@@ -186,7 +185,7 @@ class Recovery:
             return self._quarantine(pending, error, found)
         if found.verdict == "device":
             return self._exclude(pending, error, found)
-        return _noted(error, f"not recovered: the replay's verdict is {found.verdict!r}")
+        return error.with_note(f"not recovered: the replay's verdict is {found.verdict!r}")
 
     def summary(self) -> None:
         """At the end of fit: the recoveries made, logged (at WARNING level unless a
@@ -205,7 +204,7 @@ class Recovery:
             f"(max_recoveries={self.options.max_recoveries}):"
         ]
         lines += [f"  {record}" for record in self.records]
-        return _noted(error, "\n".join(lines))
+        return error.with_note("\n".join(lines))
 
     # -- the verdicts --------------------------------------------------------------
 
@@ -219,8 +218,7 @@ class Recovery:
         item = _item(pending)
         done = self.retried.get(item.seq, 0)
         if done >= self.options.retries:
-            return _noted(
-                error,
+            return error.with_note(
                 f"not recovered: the step was retried {done} time(s) already "
                 f"(Recover(retries={self.options.retries}))",
             )
@@ -240,10 +238,10 @@ class Recovery:
     ) -> TrainingWorkerError:
         item = _item(pending)
         if not self.options.quarantine:
-            return _noted(error, "not recovered: Recover(quarantine=False)")
+            return error.with_note("not recovered: Recover(quarantine=False)")
         if item.drop:
-            return _noted(
-                error, "not recovered: the step failed again with the failing chunks left out"
+            return error.with_note(
+                "not recovered: the step failed again with the failing chunks left out"
             )
         devices = found.root_devices or _ids(error)
         sources = self._sources(item, found.examples)
@@ -275,18 +273,18 @@ class Recovery:
         self, pending: Pending, error: TrainingWorkerError, found: Diagnosis
     ) -> TrainingWorkerError:
         if not self.options.exclude_devices:
-            return _noted(error, "not recovered: Recover(exclude_devices=False)")
+            return error.with_note("not recovered: Recover(exclude_devices=False)")
         step = self.loop.step
         ids = _ids(error)
         if len(ids) >= len(step.devices):
-            return _noted(error, "not recovered: every device failed")
+            return error.with_note("not recovered: every device failed")
         many = distributed.spans_processes(step.devices)
         here = [d.id for d in step.devices if d.process_index == jax.process_index()]
         gone = sorted({d.process_index for d in step.devices if d.id in ids})
         try:
             state = step.exclude_devices(ids, error.state)
         except ValueError as err:  # a process would keep none of its devices
-            return _noted(error, f"not recovered: {err}")
+            return error.with_note(f"not recovered: {err}")
         loop = self.loop
         loop.device_count = len(step.devices)
         where = {d: i for i, d in enumerate(loop.history.device_ids)}
@@ -314,7 +312,7 @@ class Recovery:
     def _spike(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
         k = self.options.rollback_batches
         if k is None:
-            return _noted(error, "not recovered: a loss spike needs Recover(rollback_batches=k)")
+            return error.with_note("not recovered: a loss spike needs Recover(rollback_batches=k)")
         back = self._since_checkpoint(pending, error)
         if isinstance(back, TrainingWorkerError):
             return back
@@ -378,15 +376,14 @@ class Recovery:
         from it to the failing one (included), or the error to raise."""
         c = self.loop.checkpoints.latest_verified()
         if c is None or c > pending.number:
-            return _noted(
-                error,
+            return error.with_note(
                 "not recovered: no verified checkpoint to go back to "
                 "(fit(checkpoint_dir=..., checkpoint_every=...))",
             )
         since = [(n, item) for n, item in self.kept if c <= n <= pending.number]
         if [n for n, _ in since] != list(range(c, pending.number + 1)):
-            return _noted(
-                error, f"not recovered: the batches since the checkpoint of step {c} are gone"
+            return error.with_note(
+                f"not recovered: the batches since the checkpoint of step {c} are gone"
             )
         return c, since
 
@@ -466,7 +463,3 @@ def _item(pending: Pending) -> Item:
 
 def _ids(error: TrainingWorkerError) -> tuple[int, ...]:
     return tuple(dict.fromkeys(f.device_id for f in error.failures))
-
-
-def _noted(error: TrainingWorkerError, line: str) -> TrainingWorkerError:
-    return error.replace(note=line if not error.note else f"{error.note}\n{line}")

@@ -6,10 +6,7 @@ peer heartbeats' to name: :mod:`jaxstep.distributed`.)"""
 from __future__ import annotations
 
 import concurrent.futures
-import logging
-import sys
 import time
-import traceback
 from typing import Any
 
 from jaxstep import distributed
@@ -19,8 +16,6 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.step import TrainStep
-
-log = logging.getLogger("jaxstep")
 
 
 class StepWatchdog:
@@ -66,11 +61,7 @@ class StepWatchdog:
 
 
 def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
-    stacks = "\n".join(
-        f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
-        for ident, frame in sys._current_frames().items()
-    )
-    log.error("step %d did not finish within %.1f s; Python stacks:\n%s", expected, timeout, stacks)
+    distributed.log_stacks(f"step {expected} did not finish within {timeout:.1f} s")
     done = {i for i, beat in dict(step._internals.heartbeats).items() if beat >= expected}
     many = distributed.spans_processes(step.devices)
     if many:

@@ -39,7 +39,7 @@ from jaxstep.step import _exclude as exclude
 from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
 from jaxstep.step._inputs import Inputs
-from jaxstep.step._inputs import join
+from jaxstep.step._inputs import join_presplit
 from jaxstep.step._passes import Passes
 
 
@@ -263,7 +263,7 @@ class TrainStep:
 
     def join(self, batch: Batch) -> Batch:
         """A pre-split ``(n_devices, per_device, ...)`` batch as the global batch."""
-        return join(batch, len(self.devices))
+        return join_presplit(batch, len(self.devices))
 
     def _learn(self, info: StepInfo) -> None:
         """What the program returned about itself (once per compiled program)."""

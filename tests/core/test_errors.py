@@ -55,6 +55,21 @@ def test_message_and_fields():
     assert "error.batches holds the failing batch and the 1 pulled after it, untrained" in two
 
 
+def test_with_note_adds_a_line_under_the_first_and_keeps_every_other_field():
+    failure = Failure(3, 0, 7, Status.LOSS_NONFINITE, "non-finite loss", None, (12, 16))
+    err = TrainingWorkerError([failure], state="s", batches=["b"], checkpoint="/c")
+    once = err.with_note("first line")
+    twice = once.with_note("second line")
+    assert (err.note, once.note, twice.note) == (None, "first line", "first line\nsecond line")
+    assert str(twice).splitlines()[1:3] == ["first line", "second line"]
+    assert (twice.failures, twice.state, twice.batches, twice.checkpoint) == (
+        (failure,),
+        "s",
+        ["b"],
+        "/c",
+    )
+
+
 def test_error_from_a_run_pickles_with_its_fields(backend):
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend)
     batches = make_batches(3)

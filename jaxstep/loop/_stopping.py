@@ -1,0 +1,113 @@
+"""How fit stops early and loses nothing: the batches pulled and not trained, handed
+back in the order they were pulled with the data position of the first
+(:func:`untrained_batches`); ``err.state``, ``err.batches`` and a note on an exception that
+leaves fit (:func:`attach`); and a first Ctrl-C deferred until no state is half donated
+(:func:`deferred_interrupts`)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+from jaxstep.core import TrainState
+from jaxstep.loop._carry import Carry
+from jaxstep.loop._carry import Cut
+from jaxstep.loop._pending import Item
+from jaxstep.loop._pending import Pending
+
+if TYPE_CHECKING:
+    from jaxstep.loop._driver import Loop
+
+
+def untrained_batches(
+    left: Sequence[Pending | Item | None], carry: Carry | Cut | None
+) -> tuple[list[Any], tuple[int, int] | None]:
+    """The batches of ``left`` (steps in flight, the batch held, the queue) and the
+    rows ``carry`` holds, in the order they were pulled, and the data position of the
+    first ``(seq, rows into it)`` (None: unknown); empties the carry."""
+    known = [u for u in left if u is not None]
+    carried = None if carry is None else carry.requeue()
+    if carried is not None:
+        known.append(carried)
+    order = [u.item if isinstance(u, Pending) else u for u in known]
+    if any(item is None for item in order):
+        return [u.batch for u in known], None
+    where = [_where(item) for item in order if item is not None]
+    known = [u for _, u in sorted(zip(where, known, strict=True), key=lambda p: p[0])]
+    return [u.batch for u in known], min(where, default=None)
+
+
+def _where(item: Item) -> tuple[int, int]:
+    """The data position before ``item``'s first row: (seq of its batch, rows into it)."""
+    return (item.seq if item.first is None else item.first), item.offset
+
+
+def attach(
+    err: BaseException,
+    state: TrainState | None,
+    untrained: list[Any],
+    failed: str | None,
+    saved: str | None,
+) -> None:
+    """``err.state``, ``err.batches`` and a note saying where they are."""
+    try:
+        err.state = state  # type: ignore[attr-defined]
+        err.batches = untrained  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type that takes no attributes
+        return
+    if state is None:
+        lines = [
+            "jaxstep: the state was lost (a second Ctrl-C stopped a step while it held "
+            "the state); restore the latest checkpoint"
+        ]
+    else:
+        lines = ["jaxstep: the last good state is in error.state"]
+    held = len(untrained)
+    lines.append(
+        f"error.batches holds the {held} batch(es) pulled and not trained, in order: "
+        "fit(step, error.state, itertools.chain(error.batches, rest)) loses nothing"
+        if held
+        else "every batch pulled was trained (error.batches is empty)"
+    )
+    if failed is not None:
+        lines.append(failed)
+    if saved is not None:
+        lines.append(f"the state was saved to {saved}: fit(..., resume=True) goes on from it")
+    err.add_note("; ".join(lines))
+
+
+@contextlib.contextmanager
+def deferred_interrupts(loop: Loop) -> Iterator[None]:
+    """A first Ctrl-C (SIGINT) only marks ``loop`` (``loop.interrupted``): its
+    :meth:`~Loop.advance` raises ``KeyboardInterrupt`` once the step in flight is
+    dispatched and the one before it settled, so no state is caught half donated. A
+    second one raises at once. Only in the main thread, and only over Python's own
+    handler (a notebook kernel's or the user's handler is left alone)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def first(signum: int, frame: Any) -> None:
+        if loop.interrupted:
+            raise KeyboardInterrupt
+        loop.interrupted = True
+        print(
+            "jaxstep: stopping after the step in flight (Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
