@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 N = 8  # devices
 PER_DEVICE = 4
@@ -56,6 +60,38 @@ def loss_with_checks(params, batch):
     loss = loss_fn(params, batch)
     checks = {"y_bounded": jnp.all(jnp.abs(batch["y"]) < 100.0), "loss_finite": jnp.isfinite(loss)}
     return loss, {"checks": checks, "mean_y": jnp.mean(batch["y"])}
+
+
+class HostFault:
+    """A fault the test springs: :meth:`loss` is :func:`loss_fn` plus a host callback on
+    each device, and once :meth:`arm` ed, the next call on ``devices[position]`` makes
+    its loss NaN (``stall=None``) or sleeps ``stall`` seconds; then it is spent. A
+    ``jaxstep.testing.Fault`` fires in a step's first run; this one fires when the test
+    says, e.g. from a callback's ``on_recovery``: in a step run again only."""
+
+    def __init__(self, position: int, stall: float | None = None, axis: str = "devices"):
+        self.position, self.stall, self.axis = position, stall, axis
+        self.armed = False
+        self.fired = 0
+        self._lock = threading.Lock()  # the devices call it from their own threads
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def loss(self, params, batch):
+        shape = jax.ShapeDtypeStruct((), jnp.float32)
+        term = io_callback(self._call, shape, jax.lax.axis_index(self.axis))
+        return loss_fn(params, batch) + term
+
+    def _call(self, position) -> np.ndarray:
+        with self._lock:
+            hit = self.armed and int(position) == self.position
+            if hit:
+                self.armed = False
+                self.fired += 1
+        if hit and self.stall is not None:
+            time.sleep(self.stall)
+        return np.asarray(np.nan if hit and self.stall is None else 0.0, np.float32)
 
 
 def make_batches(num: int, seed: int = 1) -> list[dict]:

@@ -218,13 +218,13 @@ class Loop:
         first = item.seq if item.first is None else item.first
         check = self.checkpoints.before(self.state, first, item.offset)
         try:
-            if item.drop:  # a data recovery: the failing chunks left out of the mean
+            if watchdog is not None:  # item.drop: a quarantine's rerun, watched alike
+                self.state, out = watchdog.run(
+                    self.state, batch, self.next_step, check, presplit=presplit, drop=item.drop
+                )
+            elif item.drop:  # a data recovery: the failing chunks left out of the mean
                 self.state, out = self.step._internals.rerun_dropping(
                     self.state, batch, presplit=presplit
-                )
-            elif watchdog is not None:
-                self.state, out = watchdog.run(
-                    self.state, batch, self.next_step, check, presplit=presplit
                 )
             else:
                 self.state, out = self.step.dispatch(

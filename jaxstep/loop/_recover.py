@@ -37,7 +37,6 @@ from jaxstep.checkpoint import restore
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
-from jaxstep.core import TrainState
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
 from jaxstep.loop._carry import merge_spans
@@ -63,7 +62,8 @@ class Recover:
 
     Attributes:
       retries: how many times a step whose failure does not come back on replay
-        (a transient fault) is run again with the same batch, from the last good state.
+        (a transient fault) is run again with the same batch, from the last good state;
+        counted per batch, afresh when a rollback trains the batch again.
       quarantine: act on a ``data`` verdict: the step again with the chunks holding the
         offending examples left out of the mean, the examples recorded (and, with
         ``checkpoint_dir``, appended to its quarantine file: :func:`read_quarantine`).
@@ -113,7 +113,8 @@ class Recovery:
     def __init__(self, options: Recover, loop: Loop):
         self.options = options
         self.loop = loop
-        self.retried: dict[int, int] = {}  # retries by batch (its Item.seq)
+        # retries by batch (its Item.seq); a rollback's training again starts afresh
+        self.retried: dict[int, int] = {}
         # (step number, item) of each dispatched step since the last verified
         # checkpoint, oldest first: what a rollback trains again
         self.kept: list[tuple[int, Item]] = []
@@ -338,7 +339,7 @@ class Recovery:
             batch=self._batch(_item(pending)),
             detail=detail,
         )
-        self._resume(pending, self._restore(c), again, record)
+        self._roll_back(pending, c, again, record)
 
     def _diverged(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
         back = self._since_checkpoint(pending, error)
@@ -353,7 +354,7 @@ class Recovery:
                 detail=f"restored the checkpoint of step {c}; {len(since)} batch(es) since it "
                 "trained again",
             )
-            self._resume(pending, self._restore(c), [item for _, item in since], record)
+            self._roll_back(pending, c, [item for _, item in since], record)
         if not error.state_is_good or majority_position(self.loop.step, error.failures) is None:
             return back
         record = RecoveryRecord(
@@ -387,10 +388,18 @@ class Recovery:
             )
         return c, since
 
-    def _restore(self, number: int) -> TrainState:
+    def _roll_back(
+        self, pending: Pending, number: int, items: list[Item], record: RecoveryRecord
+    ) -> NoReturn:
+        """Goes on from the checkpoint of step ``number`` with ``items``: each batch
+        trained again is a fresh attempt, its retries counted from zero again (the
+        budget, ``max_recoveries``, still bounds them all)."""
         store = self.loop.checkpoints.store
         assert store is not None
-        return restore(self.loop.step, store.directory, at=number)
+        state = restore(self.loop.step, store.directory, at=number)
+        for item in items:
+            self.retried.pop(item.seq, None)
+        self._resume(pending, state, items, record)
 
     def _resume(
         self, pending: Pending, state: Any, items: list[Item], record: RecoveryRecord

@@ -6,7 +6,9 @@ peer heartbeats' to name: :mod:`jaxstep.distributed`.)"""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jaxstep import distributed
@@ -36,15 +38,33 @@ class StepWatchdog:
         check_replicas: bool = False,
         *,
         presplit: bool = False,
+        drop: bool = False,
     ) -> tuple[TrainState, StepOutput]:
+        """Runs step ``expected`` (``state``'s) on ``batch`` and returns what the step
+        returns, or raises the ``HUNG`` error naming the devices that did not finish
+        their local part in time. ``drop``: a quarantine's rerun
+        (``step._internals.rerun_dropping``), watched the same way."""
+        step = self.step
         if presplit:
-            batch = self.step.join(batch)
-        for replicas in (False, check_replicas or self.step.options.divergence_every is not None):
+            batch = step.join(batch)
+        call: Callable[..., tuple[TrainState, StepOutput]]
+        if drop:
+            internals = step._internals
+            compile_ahead: Callable[..., Any] = internals.compile_dropping
+            call = functools.partial(internals.rerun_dropping, heartbeat=True)
+            # as without a watchdog: the rerun checks replicas on divergence_every's
+            # schedule only (the step's failed first run did the checkpoint's check)
+            check_replicas = False
+        else:
+            compile_ahead = step.compile
+            call = functools.partial(step.dispatch, heartbeat=True, check_replicas=check_replicas)
+        for replicas in (False, check_replicas or step.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
-            self.step.compile(state, batch, heartbeat=True, replicas=replicas)
-        future = self.pool.submit(
-            self.step.dispatch, state, batch, heartbeat=True, check_replicas=check_replicas
-        )
+            compile_ahead(state, batch, heartbeat=True, replicas=replicas)
+        # Only this run's beats count: a step run again (a retry, a rerun, a rollback)
+        # has the step number its earlier run beat with.
+        step._internals.heartbeats.clear()
+        future = self.pool.submit(call, state, batch)
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
         while not (future.done() and future.result()[1].health.is_ready()):  # type: ignore[attr-defined]

@@ -537,7 +537,7 @@ class Internals:
         self._dropping: TrainStep | None = None
 
     def rerun_dropping(
-        self, state: TrainState, batch: Batch, *, presplit: bool = False
+        self, state: TrainState, batch: Batch, *, presplit: bool = False, heartbeat: bool = False
     ) -> tuple[TrainState, StepOutput]:
         """Runs one step on ``batch`` from ``state`` as a step built with
         ``on_failure="drop"`` would, whatever this step's policy: each device whose own
@@ -555,7 +555,10 @@ class Internals:
         marks the devices left out. Injected faults fire as in the step itself (a
         ``"data"`` fault again on its chunk; a transient that fired does not). The
         dropping step is compiled on first use (and again after
-        :meth:`TrainStep.exclude_devices`).
+        :meth:`TrainStep.exclude_devices`). ``heartbeat=True`` runs its heartbeat
+        variant, as ``TrainStep.dispatch`` does: each device's beat lands in
+        :attr:`heartbeats`, as the step's own would (``fit(step_timeout=...)`` names a
+        device that stalls in the rerun); :meth:`compile_dropping` compiles it ahead.
 
         Raises:
           ValueError, TypeError: the state or batch does not fit this step.
@@ -563,21 +566,46 @@ class Internals:
         step = self._step
         step.check_state(state)
         own = step.options.on_failure == "drop"
-        if self._dropping is None:
-            self._dropping = TrainStep(exclude.dropping_options(step.options))
-        dropping = self._dropping
-        placed = step._backend.place_state(exclude.drop_fields(len(step.devices)))
-        entering = exclude.into_dropping(state, placed, own=own)
-        dropping._extras = step._extras  # the same fault bookkeeping (what fired)
-        dropping._inputs.presplit_warned = step._inputs.presplit_warned
+        dropping = self._sibling()
         try:
-            new, out = dropping.dispatch(entering, batch, presplit=presplit)
+            new, out = dropping.dispatch(
+                self._entering(state), batch, presplit=presplit, heartbeat=heartbeat
+            )
         finally:
             step._extras = dropping._extras
         leaving = exclude.out_of_dropping(new, own=own)
         step._last_state, step._next_number = leaving, dropping._next_number
         step._inputs.rows_per_device = dropping._inputs.rows_per_device
         return leaving, out
+
+    def compile_dropping(
+        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, replicas: bool = False
+    ) -> None:
+        """Compiles ahead :meth:`rerun_dropping`'s program for this state and batch shape
+        (cached), as ``TrainStep.compile`` does the step's: what ``fit(step_timeout=...)``
+        keeps out of a rerun's deadline."""
+        self._step.check_state(state)
+        self._sibling().compile(
+            self._entering(state), batch, heartbeat=heartbeat, replicas=replicas
+        )
+
+    def _sibling(self) -> TrainStep:
+        """The dropping step (built on first use), with this step's fault bookkeeping
+        (what fired) and its heartbeats."""
+        step = self._step
+        if self._dropping is None:
+            self._dropping = TrainStep(exclude.dropping_options(step.options))
+            self._dropping._internals.heartbeats = self.heartbeats  # one record of beats
+        dropping = self._dropping
+        dropping._extras = step._extras
+        dropping._inputs.presplit_warned = step._inputs.presplit_warned
+        return dropping
+
+    def _entering(self, state: TrainState) -> TrainState:
+        """``state`` as the dropping step takes it (one ``device_put`` of its fields)."""
+        step = self._step
+        placed = step._backend.place_state(exclude.drop_fields(len(step.devices)))
+        return exclude.into_dropping(state, placed, own=step.options.on_failure == "drop")
 
     @property
     def rows_per_device(self) -> int:

@@ -57,3 +57,70 @@ def test_stalled_device_is_named_hung(backend):
     assert result["message"].startswith(f"training worker on device {device} failed:")
     assert result["state"]  # no state can be read from a hung device
     assert "Python stacks" in proc.stderr  # the stacks went to the log first
+
+
+# A quarantine's rerun stalls: device 3's chunk holds a NaN example at step 1 (a
+# "data" verdict), and device 5 stalls only once the quarantine is recorded, so only in
+# the rerun (a Fault fires in a step's first run: tests.models.HostFault waits to be armed).
+RERUN = r"""
+import json, logging, os, sys
+import jaxstep
+jaxstep.testing.set_cpu_devices(8)
+import jax, optax
+from tests.models import HostFault, init_params, make_batches
+from jaxstep.testing import Fault
+
+logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+backend, bad, stalls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+stall = HostFault(stalls, stall=60.0)
+
+class Watch:
+    def on_recovery(self, record):
+        stall.arm()
+        print(json.dumps({"record": [record.step, record.verdict, record.action,
+                                     list(record.device_ids)]}), flush=True)
+    def on_failure(self, err):
+        print(json.dumps({
+            "device_id": err.device_id, "step": err.step, "status": int(err.status),
+            "ids": [f.device_id for f in err.failures], "message": str(err),
+            "state": err.state is None,
+        }), flush=True)
+
+fault = Fault("input", jax.devices()[bad].id, step=1, mode="data", example=1)
+step = jaxstep.make_train_step(
+    stall.loss, optax.adam(1e-2), backend=backend, faults=[fault], divergence_every=None
+)
+jaxstep.fit(step, step.init(init_params()), make_batches(3), step_timeout=3.0,
+            recover=jaxstep.Recover(), callbacks=[Watch()])
+print(json.dumps({"finished": True}), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_device_that_stalls_in_a_quarantines_rerun_is_named_hung(backend):
+    import jax
+
+    import jaxstep
+
+    proc = subprocess.run(
+        [sys.executable, "-c", RERUN, backend, "3", "5"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
+    )
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert results, f"no result; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    bad, stalled = jax.devices()[3].id, jax.devices()[5].id
+    record, failure = results
+    assert record == {"record": [1, "data", "quarantined", [bad]]}
+    assert "finished" not in failure, "fit went on past the stall: the rerun was not watched"
+    assert failure["device_id"] == stalled
+    assert failure["ids"] == [stalled]  # the healthy devices (and the dropped one) beat
+    assert failure["step"] == 1
+    assert failure["status"] == int(jaxstep.Status.HUNG)
+    assert failure["message"].startswith(f"training worker on device {stalled} failed:")
+    assert failure["state"]
+    # under recover a hang is not recovered in the process: it exits for a restart
+    assert proc.returncode == jaxstep.RESTART_EXIT_CODE, proc.stderr[-3000:]
+    assert "exiting with code 75" in proc.stderr

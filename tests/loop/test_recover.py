@@ -15,14 +15,15 @@ from jaxstep import Status
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
 from tests.models import PER_DEVICE
+from tests.models import HostFault
 from tests.models import host_params
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
 
 
-def _step(backend, **kw):
-    return jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, **kw)
+def _step(backend, loss=loss_fn, **kw):
+    return jaxstep.make_train_step(loss, optax.adam(1e-2), backend=backend, **kw)
 
 
 def _clean(backend, batches, **kw):
@@ -127,6 +128,57 @@ def test_a_loss_spike_rolls_back_to_the_checkpoint_and_skips_its_batches(backend
     assert int(step.host_state(state).step) == 8
     kept = [b for i, b in enumerate(batches) if i not in (6, 7)]
     chex.assert_trees_all_equal(host_params(step, state), _clean(backend, kept, loss_spike=spike))
+
+
+class _ArmOnRollback:
+    """Arms a :class:`tests.models.HostFault` when a rollback is recorded."""
+
+    def __init__(self, fault):
+        self.fault = fault
+
+    def on_recovery(self, record):
+        if record.action == "rolled back":
+            self.fault.arm()
+
+
+def test_a_batch_trained_again_after_a_rollback_gets_its_retries_afresh(backend, tmp_path):
+    spike = jaxstep.LossSpike(window=8, warmup=3, sigmas=50.0)
+    batches = _spiky_batches(10, spike_at=7)
+    first, again = jax.devices()[2], jax.devices()[6]
+    # batch 4 fails once (retried), the spike at 7 goes back to the checkpoint of step 4,
+    # and batch 4 fails once more on another device: a fresh attempt, retried again
+    late = HostFault(6)
+    transient = Fault("input", first.id, step=4, mode="transient")
+    step = _step(backend, loss=late.loss, loss_spike=spike, faults=[transient])
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step,
+        step.init(init_params()),
+        batches,
+        recover=jaxstep.Recover(retries=1, rollback_batches=2),
+        history=history,
+        callbacks=[_ArmOnRollback(late)],
+        checkpoint_dir=tmp_path,
+        checkpoint_every=4,
+    )
+    assert late.fired == 1
+    records = [
+        (r.step, r.verdict, r.action, r.device_ids, r.batch, r.skipped_batches)
+        for r in history.recoveries
+    ]
+    assert records == [
+        (4, "transient", "retried", (first.id,), 4, ()),
+        (7, "spike", "rolled back", tuple(d.id for d in jax.devices()), 7, (6, 7)),
+        (4, "transient", "retried", (again.id,), 4, ()),
+    ]
+    assert history.step == [0, 1, 2, 3, 4, 4, 5, 6, 7, 4, 4, 5, 6, 7]
+    assert int(step.host_state(state).step) == 8
+    kept = [b for i, b in enumerate(batches) if i not in (6, 7)]
+    reference = _step(backend, loss=HostFault(6).loss, loss_spike=spike)
+    chex.assert_trees_all_equal(
+        host_params(step, state),
+        host_params(reference, jaxstep.fit(reference, reference.init(init_params()), kept)),
+    )
 
 
 def test_a_spike_without_rollback_batches_raises(backend, tmp_path):
