@@ -64,6 +64,10 @@ class _Snapshot:
     number: int
     leaves: list[jax.Array]  # one replica, on device, not yet read
     position: Position
+    # taken with the state, not when the writer thread gets to it: a recovery may have
+    # rebuilt the step on fewer devices by then (per-device monitor columns included)
+    devices: tuple[jax.Device, ...]
+    layout: Layout
 
 
 def _version() -> str:
@@ -93,7 +97,6 @@ class FitCheckpoints:
         self.writer = coordination.is_writer()
         self._key = coordination.new_run() if len(self.processes) > 1 else None
         self._snap: _Snapshot | None = None
-        self._layout: Layout | None = None
         self._done = set(store.steps()) if store is not None else set()
         self._futures: list[concurrent.futures.Future[None]] = []
         self._asked = 0  # latest_verified calls, the same count on every process
@@ -182,8 +185,6 @@ class FitCheckpoints:
         check = self.every is not None and self.store is not None and number % self.every == 0
         if self._pool is None or not check or number in self._done:
             return check
-        if self._layout is None:
-            self._layout = Layout.of(state, stacked=self.step.stacked)
         # The position before the batch of this step (by default the one pulled last).
         position = self.source.position(self.source.count - 1 if index is None else index, rows)
         if self._key is not None:  # published before the step runs: the writer reads
@@ -191,7 +192,14 @@ class FitCheckpoints:
             coordination.publish(f"{self._key}{number}", position.to_json())
             if not self.writer:
                 return True
-        self._snap = _Snapshot(number, local_copy(state, stacked=self.step.stacked), position)
+        stacked, devices = self.step.stacked, tuple(self.step.devices)
+        self._snap = _Snapshot(
+            number,
+            local_copy(state, stacked=stacked),
+            position,
+            devices,
+            Layout.of(state, stacked=stacked),
+        )
         return True
 
     @property
@@ -215,9 +223,9 @@ class FitCheckpoints:
         self._futures = [f for f in self._futures if not f.done()] + [future]
 
     def _write(self, snap: _Snapshot) -> None:
-        assert self.store is not None and self._layout is not None
+        assert self.store is not None
         leaves = jax.device_get(snap.leaves)
-        meta = self._meta(snap.number, verified=True)
+        meta = self._meta(snap.number, snap.devices, verified=True)
         if self._key is not None:  # every process's own data position
             key = f"{self._key}{snap.number}"
             meta["data_by_process"] = {
@@ -230,21 +238,23 @@ class FitCheckpoints:
             exact_resume=self.source.exact,
             verified_by=(
                 f"the replica check of step {snap.number} (parameter and optimizer state "
-                f"fingerprints of all {len(self.step.devices)} devices agreed)"
+                f"fingerprints of all {len(snap.devices)} devices agreed)"
             ),
-            layout=self._layout.to_json(),
+            layout=snap.layout.to_json(),
         )
         self.store.save(snap.number, {"state": leaves, "meta": meta})
 
-    def _meta(self, number: int, *, verified: bool) -> dict[str, Any]:
+    def _meta(
+        self, number: int, devices: Sequence[jax.Device], *, verified: bool
+    ) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "step": number,
             "verified": verified,
-            "devices": len(self.step.devices),
-            "device_ids": [int(d.id) for d in self.step.devices],
+            "devices": len(devices),
+            "device_ids": [int(d.id) for d in devices],
             "backend": self.step.backend,
-            "platform": self.step.devices[0].platform,
+            "platform": devices[0].platform,
             "process_count": jax.process_count(),
             "host": socket.gethostname(),
             "jaxstep_version": _version(),
@@ -309,7 +319,7 @@ class FitCheckpoints:
             path = emergency.save(
                 self.store.directory,
                 error,
-                meta=self._meta(error.step, verified=False),
+                meta=self._meta(error.step, self.step.devices, verified=False),
                 failing=self.source.position(*first),
                 stacked=self.step.stacked,
                 devices=self.step.devices,
@@ -350,11 +360,11 @@ class FitCheckpoints:
             return where
         verified = self.step.replicas_agree(state)
         stacked = self.step.stacked
-        layout = self._layout or Layout.of(state, stacked=stacked)
+        layout = Layout.of(state, stacked=stacked)
         if first is None:
             first = (self.source.count - untrained, 0)
         position = self.source.position(*first)
-        meta = self._meta(number, verified=verified)
+        meta = self._meta(number, self.step.devices, verified=verified)
         meta.update(
             data=position.to_json(),
             exact_resume=self.source.exact,
