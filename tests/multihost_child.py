@@ -76,6 +76,12 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
             step(state, jax.tree.map(lambda x: x[:6], batches[0]))
         except ValueError as err:
             rejected["rows"] = str(err)
+        # pmap-style (its own 4 devices, per_device, ...): joined back to its rows
+        split = jax.tree.map(lambda x: x.reshape(4, -1, *x.shape[1:]), batches[0])
+        joined = jax.tree.leaves(step.join(split))
+        rejected["presplit_joins"] = all(
+            (a == b).all() for a, b in zip(joined, jax.tree.leaves(batches[0]), strict=True)
+        )
         if jax.process_index() == 1:  # its own devices only: orbax cannot write from it
             local = jaxstep.make_train_step(loss_fn, optax.sgd(0.1), devices=jax.local_devices())
             try:

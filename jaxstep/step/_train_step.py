@@ -262,8 +262,9 @@ class TrainStep:
         return state, out
 
     def join(self, batch: Batch) -> Batch:
-        """A pre-split ``(n_devices, per_device, ...)`` batch as the global batch."""
-        return join_presplit(batch, len(self.devices))
+        """A pre-split ``(n_devices, per_device, ...)`` batch as one batch. Several
+        processes: each passes its own rows, ``n_devices`` of them its own devices."""
+        return join_presplit(batch, len(self._local_positions()))
 
     def _learn(self, info: StepInfo) -> None:
         """What the program returned about itself (once per compiled program)."""

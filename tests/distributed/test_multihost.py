@@ -134,6 +134,7 @@ def test_nan_on_process_1_raises_the_same_error_on_both_processes(jobs):
     assert "backend='pmap' with devices of several processes" in rejected["pmap"]
     assert "does not divide by the 4 devices of this process" in rejected["rows"]
     assert "process 0 writes the checkpoints" in res[1]["rejected"]["local_checkpoint"]
+    assert res[0]["rejected"]["presplit_joins"] and res[1]["rejected"]["presplit_joins"]
 
 
 def test_error_reports_one_per_process_root_cause_marked(jobs):
