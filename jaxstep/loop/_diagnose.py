@@ -173,13 +173,6 @@ def _verdict(
         )
         examples = _examples(step, error, batch, sorted(chunks_then))
         return Diagnosis("data", evidence, examples, tuple(replays))
-    if set(moved) == set(same) and error.state.rng is not None:
-        evidence = (
-            f"fails again on replay on device(s) {[ids[i] for i in same]}, and again there "
-            "with other rows; but random keys are folded with the device's position, so a "
-            "failure that depends on them stays on the device too",
-        )
-        return Diagnosis("inconclusive", evidence, replays=tuple(replays))
     if set(moved) == set(same):
         evidence = (
             f"fails again on replay on device(s) {[ids[i] for i in same]}",

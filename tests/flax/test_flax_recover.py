@@ -1,0 +1,107 @@
+"""fit(..., recover=...) on the Flax examples' kind of model: BatchNorm statistics
+(local, or across the devices as in examples/imagenet) and Dropout drawing from the
+step's key. A bad device is excluded and a bad example quarantined, naming the device
+that holds the fault, not the ones a collective in the model infected."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import traverse_util
+
+import jaxstep
+import jaxstep.flax
+from jaxstep import Status
+from jaxstep.testing import Fault
+
+N = 8
+PER_DEVICE = 4
+BATCH = N * PER_DEVICE
+
+
+class Net(nn.Module):
+    """examples/imagenet's pattern in a few weights: a bias-free layer, BatchNorm
+    (``axis_name="batch"``: statistics over the global batch), then Dropout."""
+
+    axis_name: str | None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Dense(8, use_bias=False)(x)
+        norm = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name=self.axis_name)
+        x = nn.Dropout(0.2, deterministic=not train)(nn.relu(norm(x)))
+        return nn.Dense(4)(x)
+
+
+def _variables(model: Net) -> dict:
+    """Weights drawn with numpy: XLA:CPU takes seconds to compile each initializer."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.ones((1, 6), np.float32))
+    rng = np.random.default_rng(0)
+
+    def one(path: tuple[str, ...], x: jax.ShapeDtypeStruct) -> np.ndarray:
+        if path[-1] == "kernel":
+            return (rng.normal(size=x.shape) / np.sqrt(x.shape[0])).astype(x.dtype)
+        return (np.ones if path[-1] in ("scale", "var") else np.zeros)(x.shape, x.dtype)
+
+    flat = traverse_util.flatten_dict(shapes)
+    return traverse_util.unflatten_dict({p: one(p, x) for p, x in flat.items()})
+
+
+def _batches(num: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "x": rng.normal(size=(BATCH, 6)).astype(np.float32),
+            "y": rng.integers(0, 4, BATCH).astype(np.int32),
+        }
+        for _ in range(num)
+    ]
+
+
+def _fit(backend: str, axis_name: str | None, faults: list[Fault], batches: list, **fit_kw):
+    model = Net(axis_name)
+
+    def loss_fn(params, batch, rng, *, model_state):
+        logits, model_state = jaxstep.flax.linen_apply(
+            model, params, model_state, batch["x"], rng=rng, train=True
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, {"model_state": model_state}
+
+    step = jaxstep.make_train_step(
+        loss_fn, optax.sgd(0.1), has_aux=True, axis_name="batch", backend=backend, faults=faults
+    )
+    params, model_state = jaxstep.flax.linen_split(_variables(model))
+    state = step.init(params, model_state=model_state, rng=jax.random.key(1))
+    history = jaxstep.History()
+    state = jaxstep.fit(step, state, batches, history=history, recover=jaxstep.Recover(), **fit_kw)
+    return step, state, history
+
+
+def _finite(tree) -> bool:
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("axis_name", [None])
+def test_a_bad_device_is_excluded_with_dropout_and_batchnorm(backend, axis_name):
+    # Dropout draws from the step's key: the replay that moves the chunks moves their
+    # keys too, so the failure staying on device 5 is the device's (it was
+    # "inconclusive"). With cross-device BatchNorm device 5's Inf reaches every
+    # device's gradients through the statistics' collective: only device 5 goes.
+    bad = jax.devices()[5].id
+    step, state, history = _fit(
+        backend, axis_name, [Fault("loss", bad, step=2, mode="device")], _batches(4)
+    )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "device", "excluded")
+    assert record.device_ids == (bad,)
+    assert Status.LOSS_NONFINITE in Status(int(history.status[2][5]))
+    spread = [int(s) != 0 for s in history.status[2]]
+    assert spread == ([True] * N if axis_name else [i == 5 for i in range(N)])
+    assert [d.id for d in step.devices] == [d.id for d in jax.devices() if d.id != bad]
+    assert history.step[:4] == [0, 1, 2, 2]  # the failed step, then again on 7 devices
+    jaxstep.testing.assert_replicas_equal(step, state)
+    assert _finite(step.host_state(state).model_state)
