@@ -85,7 +85,7 @@ def _finite(tree) -> bool:
     return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize("axis_name", [None])
+@pytest.mark.parametrize("axis_name", ["batch", None])
 def test_a_bad_device_is_excluded_with_dropout_and_batchnorm(backend, axis_name):
     # Dropout draws from the step's key: the replay that moves the chunks moves their
     # keys too, so the failure staying on device 5 is the device's (it was
@@ -104,4 +104,48 @@ def test_a_bad_device_is_excluded_with_dropout_and_batchnorm(backend, axis_name)
     assert [d.id for d in step.devices] == [d.id for d in jax.devices() if d.id != bad]
     assert history.step[:4] == [0, 1, 2, 2]  # the failed step, then again on 7 devices
     jaxstep.testing.assert_replicas_equal(step, state)
+    assert _finite(step.host_state(state).model_state)
+
+
+def test_a_bad_example_under_cross_device_batchnorm_is_quarantined_and_its_step_skipped(
+    backend, tmp_path
+):
+    # The NaN example on device 3 reaches every device through the BatchNorm
+    # statistics: leaving chunk 3 out of the mean cannot save the step. The record
+    # names device 3 and says the batch was skipped (it said "left out of the mean").
+    dev3 = jax.devices()[3].id
+    step, state, history = _fit(
+        backend,
+        "batch",
+        [Fault("input", dev3, step=2, mode="data", example=1)],
+        _batches(4),
+        checkpoint_dir=tmp_path,
+    )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "data", "quarantined")
+    assert record.device_ids == (dev3,)
+    assert record.examples == (3 * PER_DEVICE + 1,)
+    assert record.skipped_batches == (2,)
+    assert "every device failed" in record.detail and "not trained" in record.detail
+    assert history.step == [0, 1, 2, 2, 3]
+    assert history.skipped[3] and not history.skipped[4]  # the rerun trained nothing
+    assert jaxstep.read_quarantine(tmp_path) == {2: (3 * PER_DEVICE + 1,)}
+    assert int(step.host_state(state).step) == 4
+    assert _finite(step.host_state(state).model_state)
+
+
+def test_a_bad_example_under_local_batchnorm_is_quarantined_and_the_rest_trained(backend, tmp_path):
+    dev3 = jax.devices()[3].id
+    step, state, history = _fit(
+        backend,
+        None,
+        [Fault("input", dev3, step=2, mode="data", example=1)],
+        _batches(4),
+        checkpoint_dir=tmp_path,
+    )
+    (record,) = history.recoveries
+    assert (record.verdict, record.action, record.device_ids) == ("data", "quarantined", (dev3,))
+    assert record.skipped_batches == ()
+    assert history.step == [0, 1, 2, 2, 3]
+    assert not history.skipped[3] and history.dropped[3] == (dev3,)  # the others trained
     assert _finite(step.host_state(state).model_state)
