@@ -1,7 +1,8 @@
 """Faults compiled into a step, for tests, notebooks and the demo.
 
 A :class:`Fault` puts NaN or Inf into one device's input, loss, one gradient leaf or
-one parameter leaf at one step, or stalls that device. It is compiled into the step
+one parameter leaf at one step, multiplies its loss by a finite factor (a loss spike,
+for :class:`~jaxstep.LossSpike`), or stalls that device. It is compiled into the step
 (no host round trip; a step built without faults carries none of this code):
 
 - ``mode="device"``: the device fails whatever data it gets (a bad chip);
@@ -44,7 +45,9 @@ class Fault:
         whose chunk carries the fault in the normal placement).
       step: the ``state.step`` at which it fires.
       mode: ``"device"``, ``"transient"`` or ``"data"`` (see the module docstring).
-      value: what is written: ``float("nan")`` (default) or ``float("inf")``.
+      value: what is written: ``float("nan")`` (default) or ``float("inf")``; for
+        ``loss``, a finite number is a factor instead: the loss (and so its gradient)
+        times ``value``, a loss spike that :class:`~jaxstep.LossSpike` catches.
       leaf: for ``grad``/``param``: the ``jax.tree_util.keystr`` of the leaf (default
         the first); for ``input``: the batch leaf (default the first float one).
       example: the row of the device's chunk that carries an ``input`` fault, and the
@@ -66,8 +69,11 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {KINDS}")
         if self.mode not in MODES:
             raise ValueError(f"unknown fault mode {self.mode!r}; expected one of {MODES}")
-        if math.isfinite(self.value):
-            raise ValueError(f"a fault writes NaN or Inf, got value={self.value!r}")
+        if math.isfinite(self.value) and self.kind != "loss":
+            raise ValueError(
+                f"a {self.kind!r} fault writes NaN or Inf, got value={self.value!r} (only "
+                "a 'loss' fault takes a finite value: the factor of a loss spike)"
+            )
         if self.step < 0 or self.example < 0:
             raise ValueError(f"step and example must be >= 0, got {self.step}, {self.example}")
 

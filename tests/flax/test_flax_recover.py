@@ -61,7 +61,15 @@ def _batches(num: int) -> list[dict[str, np.ndarray]]:
     ]
 
 
-def _fit(backend: str, axis_name: str | None, faults: list[Fault], batches: list, **fit_kw):
+def _fit(
+    backend: str,
+    axis_name: str | None,
+    faults: list[Fault],
+    batches: list,
+    loss_spike: jaxstep.LossSpike | None = None,
+    rollback_batches: int | None = None,
+    **fit_kw,
+):
     model = Net(axis_name)
 
     def loss_fn(params, batch, rng, *, model_state):
@@ -72,12 +80,19 @@ def _fit(backend: str, axis_name: str | None, faults: list[Fault], batches: list
         return loss, {"model_state": model_state}
 
     step = jaxstep.make_train_step(
-        loss_fn, optax.sgd(0.1), has_aux=True, axis_name="batch", backend=backend, faults=faults
+        loss_fn,
+        optax.sgd(0.1),
+        has_aux=True,
+        axis_name="batch",
+        backend=backend,
+        faults=faults,
+        loss_spike=loss_spike,
     )
     params, model_state = jaxstep.flax.linen_split(_variables(model))
     state = step.init(params, model_state=model_state, rng=jax.random.key(1))
     history = jaxstep.History()
-    state = jaxstep.fit(step, state, batches, history=history, recover=jaxstep.Recover(), **fit_kw)
+    recover = jaxstep.Recover(rollback_batches=rollback_batches)
+    state = jaxstep.fit(step, state, batches, history=history, recover=recover, **fit_kw)
     return step, state, history
 
 
@@ -149,3 +164,32 @@ def test_a_bad_example_under_local_batchnorm_is_quarantined_and_the_rest_trained
     assert history.step == [0, 1, 2, 2, 3]
     assert not history.skipped[3] and history.dropped[3] == (dev3,)  # the others trained
     assert _finite(step.host_state(state).model_state)
+
+
+def test_a_loss_spike_rolls_back_the_batchnorm_statistics_with_the_parameters(backend, tmp_path):
+    # A finite loss fault is a spike. Transient: the steps after the rollback come
+    # round again, and a fault fires by step number.
+    bad = jax.devices()[6].id
+    batches = _batches(9)
+    spike = jaxstep.LossSpike(window=8, warmup=3, sigmas=6.0)
+    step, state, history = _fit(
+        backend,
+        "batch",
+        [Fault("loss", bad, step=6, mode="transient", value=100.0)],
+        batches,
+        loss_spike=spike,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=4,
+        rollback_batches=1,
+    )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (6, "spike", "rolled back")
+    assert record.device_ids == (bad,) and record.skipped_batches == (6,)
+    assert Status(int(history.status[6][6])) == Status.LOSS_SPIKE
+    assert history.step == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7]
+    # from the checkpoint of step 4, batches 4, 5, 7, 8: the run without batch 6, the
+    # same dropout keys (step numbers) and the statistics restored with the weights
+    clean, clean_state, _ = _fit(backend, "batch", [], batches[:6] + batches[7:])
+    got, want = step.host_state(state), clean.host_state(clean_state)
+    for a, b in [(got.params, want.params), (got.model_state, want.model_state)]:
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
