@@ -116,6 +116,13 @@ class Injector:
           ValueError: naming the fault and listing the leaves it may name.
         """
         for f in self.faults:
+            if f.kind == "input" and f.leaf is None and "input" in names and not names["input"]:
+                raise ValueError(
+                    f"{f!r} writes {f.value} into a float leaf of the batch, and this batch "
+                    "has none (token ids?): a bad record in a token model shows as a "
+                    "non-finite loss, Fault('loss', device_id, step, mode='data', "
+                    "example=...)"
+                )
             if f.leaf is None or f.kind not in names:
                 continue
             known = list(names[f.kind])

@@ -6,6 +6,7 @@ that holds the fault, not the ones a collective in the model infected."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -193,3 +194,62 @@ def test_a_loss_spike_rolls_back_the_batchnorm_statistics_with_the_parameters(ba
     got, want = step.host_state(state), clean.host_state(clean_state)
     for a, b in [(got.params, want.params), (got.model_state, want.model_state)]:
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+
+
+V = 16  # the vocabulary
+
+
+class TokenLM(nn.Module):
+    """examples/lm1b's pattern in a few weights: a shared embedding, Dropout, logits
+    by attending to the embedding."""
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        embed = nn.Embed(V, 8)
+        x = nn.Dropout(0.1, deterministic=False)(embed(tokens))
+        return embed.attend(nn.Dense(8)(x))
+
+
+def _token_step(backend: str, faults: list[Fault]):
+    model = TokenLM()
+
+    def loss_fn(params, batch, rng):
+        tokens = batch["tokens"]
+        logits = model.apply({"params": params}, tokens, rngs={"dropout": rng})
+        xent = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+        mask = (tokens > 0).astype(xent.dtype)
+        return jaxstep.WeightedLoss(jnp.sum(xent * mask), jnp.sum(mask))
+
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, faults=faults)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.ones((1, 5), np.int32))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(size=x.shape).astype(x.dtype), shapes)["params"]
+    return step, step.init(params, rng=jax.random.key(1))
+
+
+def _tokens(num: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(2)
+    return [{"tokens": rng.integers(0, V, (BATCH, 5)).astype(np.int32)} for _ in range(num)]
+
+
+def test_a_token_past_the_vocabulary_is_quarantined_in_a_token_model(backend, tmp_path):
+    # Token ids have no float leaf for an "input" fault: refused at the first batch,
+    # saying what to plant instead.
+    dev3 = jax.devices()[3].id
+    step, state = _token_step(backend, [Fault("input", dev3, step=2)])
+    with pytest.raises(ValueError, match=r"has none \(token ids\?\).*Fault\('loss'"):
+        step(state, _tokens(1)[0])
+    # A real bad record: nn.Embed fills NaN for an id past the vocabulary.
+    batches = _tokens(4)
+    batches[2]["tokens"][3 * PER_DEVICE + 1, 2] = V + 3
+    step, state = _token_step(backend, [])
+    history = jaxstep.History()
+    jaxstep.fit(
+        step, state, batches, history=history, recover=jaxstep.Recover(), checkpoint_dir=tmp_path
+    )
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "data", "quarantined")
+    assert record.device_ids == (dev3,) and record.examples == (3 * PER_DEVICE + 1,)
+    assert Status(int(history.status[2][3])) & Status.LOSS_NONFINITE
+    assert history.dropped[3] == (dev3,) and not history.skipped[3]
+    assert jaxstep.read_quarantine(tmp_path) == {2: (3 * PER_DEVICE + 1,)}
