@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax import traverse_util
+from flax.core import meta
 
 __all__ = [
     "NNXGraph",
@@ -69,7 +70,12 @@ def linen_split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
     Returns:
       ``variables["params"]`` and a dict of every other collection (empty for a
-      model without state).
+      model without state), unboxed: the ``nn.Partitioned`` boxes of
+      ``nn.with_logical_partitioning`` (the lm1b, wmt and gemma examples) are
+      replaced by their arrays, as those examples do before training, so that a
+      leaf is named ``['Dense_0']['kernel']``, not ``['Dense_0']['kernel'].value``
+      (jaxstep keeps a whole copy of the state on every device: no sharding to
+      annotate). ``module.apply`` takes the unboxed arrays.
 
     Raises:
       ValueError: there is no ``"params"`` collection.
@@ -79,6 +85,7 @@ def linen_split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
             f"linen variables without a 'params' collection (found {sorted(variables)}); "
             "pass what module.init(key, x) returns"
         )
+    variables = meta.unbox(variables)
     model_state = {k: v for k, v in variables.items() if k != "params"}
     return variables["params"], model_state
 

@@ -31,8 +31,9 @@ class TrainState:
       params: the model parameters.
       opt_state: the optimizer state.
       rng: a PRNG key, or None. When set, ``loss_fn(params, batch, rng)`` gets a key
-        folded with the step and the device's position, so every device draws its
-        own numbers and a replay draws the same ones.
+        folded with the step and the chunk of the batch the device holds (its
+        position), so every device draws its own numbers and a replay draws the same
+        ones, for the same rows, on whichever device it moves them to.
       halted: True once a step failed under the ``raise`` policy (or too many skips
         in a row): every later step leaves the state unchanged.
       consecutive_skips: skipped steps in a row (``skip`` policy).

@@ -63,6 +63,16 @@ class Diagnosis:
     grad_leaves: tuple[str, ...] = ()
     root_devices: tuple[int, ...] = ()
 
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The ids of the devices the verdict is about: where a failure that spread
+        started (``root_devices``), else those that failed again in the replay in
+        place (for a ``"data"`` verdict the devices holding the examples, for
+        ``"device"`` the bad ones); empty for ``"transient"``. When a collective in the
+        model carried a failure to every device, these are fewer than the step's
+        failures."""
+        return self.root_devices or dict(self.replays).get(0, ())
+
     def __str__(self) -> str:
         text = f"{self.verdict}: " + "; ".join(self.evidence)
         if self.examples:
@@ -173,13 +183,6 @@ def _verdict(
         )
         examples = _examples(step, error, batch, sorted(chunks_then))
         return Diagnosis("data", evidence, examples, tuple(replays))
-    if set(moved) == set(same) and error.state.rng is not None:
-        evidence = (
-            f"fails again on replay on device(s) {[ids[i] for i in same]}, and again there "
-            "with other rows; but random keys are folded with the device's position, so a "
-            "failure that depends on them stays on the device too",
-        )
-        return Diagnosis("inconclusive", evidence, replays=tuple(replays))
     if set(moved) == set(same):
         evidence = (
             f"fails again on replay on device(s) {[ids[i] for i in same]}",

@@ -42,7 +42,9 @@ class Recovery:
       verdict: ``"transient"``, ``"data"``, ``"device"``, ``"spike"`` or ``"diverged"``.
       action: ``"retried"`` (the same batch again from the last good state),
         ``"quarantined"`` (the step again with the chunks holding ``examples`` left
-        out of the mean), ``"excluded"`` (training goes on without ``device_ids``),
+        out of the mean; when a collective in the model carried them to every device,
+        the step's batch is skipped instead: ``skipped_batches``), ``"excluded"``
+        (training goes on without ``device_ids``),
         ``"rolled back"`` (to the last verified checkpoint, ``skipped_batches`` left
         out) or ``"repaired"`` (a diverged replica copied from the majority).
       device_ids: the ``jax.Device.id`` s the verdict is about (failing, excluded,

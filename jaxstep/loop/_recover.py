@@ -244,18 +244,35 @@ class Recovery:
             return error.with_note(
                 "not recovered: the step failed again with the failing chunks left out"
             )
-        devices = found.root_devices or _ids(error)
+        devices = found.devices or _ids(error)
         sources = self._sources(item, found.examples)
         where = "; ".join(f"batch {b} rows {rows}" for b, rows in sources.items())
+        # Every device failed: a collective in the model (cross-device BatchNorm)
+        # carried the bad rows into every chunk, so the rerun leaving the failing
+        # chunks out of the mean is skipped whole (state.step counts it): say so.
+        spread = len(_ids(error)) >= len(self.loop.step.devices)
+        skipped: tuple[int, ...] = ()
+        if spread:
+            spans = self._spans(item)
+            skipped = tuple(sorted({b for b, _, _ in spans}))
+            lost = ", ".join(f"batch {b} rows {lo}..{hi - 1}" for b, lo, hi in spans)
+            detail = (
+                f"every device failed (a collective in the model carries the bad rows to "
+                f"every chunk), so the step is skipped: {lost} not trained"
+            )
+        else:
+            detail = "the step again with the chunks holding them left out of the mean" + (
+                f" (in the data: {where})" if item.spans is not None else ""
+            )
         record = RecoveryRecord(
             error.step,
             "data",
             "quarantined",
             devices,
             examples=found.examples,
+            skipped_batches=skipped,
             batch=self._batch(item),
-            detail="the step again with the chunks holding them left out of the mean"
-            + (f" (in the data: {where})" if item.spans is not None else ""),
+            detail=detail,
         )
         store = self.loop.checkpoints.store
         if store is not None:
@@ -276,7 +293,8 @@ class Recovery:
         if not self.options.exclude_devices:
             return error.with_note("not recovered: Recover(exclude_devices=False)")
         step = self.loop.step
-        ids = _ids(error)
+        # the devices the replay blamed: not those a collective in the model infected
+        ids = found.devices or _ids(error)
         if len(ids) >= len(step.devices):
             return error.with_note("not recovered: every device failed")
         many = distributed.spans_processes(step.devices)

@@ -61,9 +61,12 @@ def body(
     repair = None
     if options.on_failure == "drop" and replicas:  # a diverged replica is repaired first
         state, repair = drop.repair_replicas(options, state, index)
-    ctx, token = _fault_context(options, state, batch, extras, index)
+    # The chunk of the global batch this device holds: its own position, except in a
+    # replay that moves the chunks, where the key and the faults travel with the rows.
+    chunk = extras["chunk"].reshape(-1)[0]
+    ctx, token = _fault_context(options, state, batch, extras, index, chunk)
     # 1. input, 2. loss and gradients, 3. local health: all before any collective.
-    part = local_part(options, state, batch, ctx, token, index, beat=beat, replicas=replicas)
+    part = local_part(options, state, batch, ctx, token, index, chunk, beat=beat, replicas=replicas)
     # 4. the first collective, 5. the checks that compare the devices' rows.
     reduced = all_reduce(options, state, part, ctx, index)
     status, seen, columns, extras = compare_devices(options, reduced, part, ctx, extras, repair)
@@ -95,7 +98,12 @@ def body(
 
 
 def _fault_context(
-    options: Options, state: TrainState, batch: Batch, extras: dict[str, Any], index: jax.Array
+    options: Options,
+    state: TrainState,
+    batch: Batch,
+    extras: dict[str, Any],
+    index: jax.Array,
+    chunk: jax.Array,
 ) -> tuple[Context | None, jax.Array]:
     """The injected faults' view of this device's step (None without faults) and the
     token an injected stall sets."""
@@ -105,7 +113,7 @@ def _fault_context(
         ctx = Context(
             step=state.step,
             device_id=jnp.asarray(options.device_ids, jnp.int32)[index],
-            chunk=extras["chunk"].reshape(-1)[0],
+            chunk=chunk,
             rows=jnp.arange(rows),
             fired=extras["fired"],
         )
@@ -131,15 +139,19 @@ def local_part(
     ctx: Context | None,
     token: jax.Array,
     index: jax.Array,
+    chunk: jax.Array,
     *,
     beat: Beat | None,
     replicas: bool,
 ) -> LocalPart:
     """This device's loss, gradients and health row, before any collective; with
-    ``replicas`` its fingerprints too, and with ``beat`` the host told it is done."""
+    ``replicas`` its fingerprints too, and with ``beat`` the host told it is done. The
+    key is folded with the step and ``chunk``: a replay that moves a chunk to another
+    device moves its random numbers with it (dropout masks), so a failure that follows
+    the chunk is the data's and one that stays is the device's."""
     key = None
     if state.rng is not None:
-        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), index)
+        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
     work, microbatch, check_names = microbatched_work(
         options, state, batch, key, ctx, options.microbatches
     )

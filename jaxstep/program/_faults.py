@@ -1,7 +1,8 @@
 """Faults compiled into a step, for tests, notebooks and the demo.
 
 A :class:`Fault` puts NaN or Inf into one device's input, loss, one gradient leaf or
-one parameter leaf at one step, or stalls that device. It is compiled into the step
+one parameter leaf at one step, multiplies its loss by a finite factor (a loss spike,
+for :class:`~jaxstep.LossSpike`), or stalls that device. It is compiled into the step
 (no host round trip; a step built without faults carries none of this code):
 
 - ``mode="device"``: the device fails whatever data it gets (a bad chip);
@@ -45,7 +46,9 @@ class Fault:
         whose chunk carries the fault in the normal placement).
       step: the ``state.step`` at which it fires.
       mode: ``"device"``, ``"transient"`` or ``"data"`` (see the module docstring).
-      value: what is written: ``float("nan")`` (default) or ``float("inf")``.
+      value: what is written: ``float("nan")`` (default) or ``float("inf")``; for
+        ``loss``, a finite number is a factor instead: the loss (and so its gradient)
+        times ``value``, a loss spike that :class:`~jaxstep.LossSpike` catches.
       leaf: for ``grad``/``param``: the ``jax.tree_util.keystr`` of the leaf (default
         the first), ``"['w']"`` or ``"params['w']"``; for ``input``: the batch leaf
         (default the first float one).
@@ -68,8 +71,11 @@ class Fault:
             raise ValueError(f"unknown fault kind {self.kind!r}; expected one of {KINDS}")
         if self.mode not in MODES:
             raise ValueError(f"unknown fault mode {self.mode!r}; expected one of {MODES}")
-        if math.isfinite(self.value):
-            raise ValueError(f"a fault writes NaN or Inf, got value={self.value!r}")
+        if math.isfinite(self.value) and self.kind != "loss":
+            raise ValueError(
+                f"a {self.kind!r} fault writes NaN or Inf, got value={self.value!r} (only "
+                "a 'loss' fault takes a finite value: the factor of a loss spike)"
+            )
         if self.step < 0 or self.example < 0:
             raise ValueError(f"step and example must be >= 0, got {self.step}, {self.example}")
         if self.kind in ("grad", "param"):  # "params['w']", as step.names writes it
@@ -114,6 +120,13 @@ class Injector:
           ValueError: naming the fault and listing the leaves it may name.
         """
         for f in self.faults:
+            if f.kind == "input" and f.leaf is None and "input" in names and not names["input"]:
+                raise ValueError(
+                    f"{f!r} writes {f.value} into a float leaf of the batch, and this batch "
+                    "has none (token ids?): a bad record in a token model shows as a "
+                    "non-finite loss, Fault('loss', device_id, step, mode='data', "
+                    "example=...)"
+                )
             if f.leaf is None or f.kind not in names:
                 continue
             known = list(names[f.kind])

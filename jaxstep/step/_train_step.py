@@ -69,8 +69,9 @@ class TrainStep:
         self.devices: list[jax.Device] = list(options.devices)
         self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name)
         self._injector = options.injector
-        # Small arrays threaded through every call: fault bookkeeping only.
-        self._split = {"fired": False, "chunk": True} if self._injector else {}
+        # Small arrays threaded through every call: the chunk each device holds (a
+        # replay moves them; the random keys follow), and the faults' bookkeeping.
+        self._split = {"chunk": True, **({"fired": False} if self._injector else {})}
         self._extras = self._make_extras(np.arange(len(self.devices)))
         # Four programs, compiled on first use: with or without the heartbeat callback,
         # and with or without the replica check, which runs only every
@@ -332,8 +333,7 @@ class TrainStep:
         moved = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
         copy = jax.tree.map(jnp.copy, state)
         extras = dict(self._extras)
-        if self._injector:
-            extras["chunk"] = self._make_extras(chunks)["chunk"]
+        extras["chunk"] = self._make_extras(chunks)["chunk"]
         placed = self._backend.place_batch(moved)
         fn = self._compiled[(False, self._checks_replicas(self._step_number(state)))]
         new_state, out, _ = fn(copy, placed, extras)
@@ -490,12 +490,9 @@ class TrainStep:
         return bool(np.all(gathered == gathered[:1]))
 
     def _make_extras(self, chunks: np.ndarray, fired: np.ndarray | None = None) -> dict[str, Any]:
-        if not self._injector:
-            return {}
-        values = {
-            "fired": np.zeros(len(self._injector.faults), bool) if fired is None else fired,
-            "chunk": np.asarray(chunks, np.int32),
-        }
+        values: dict[str, np.ndarray] = {"chunk": np.asarray(chunks, np.int32)}
+        if self._injector:
+            values["fired"] = np.zeros(len(self._injector.faults), bool) if fired is None else fired
         return self._backend.place_extras(values, self._split)
 
     def check_state(self, state: TrainState) -> None:

@@ -299,6 +299,46 @@ def test_linen_helpers_split_apply_and_merge():
     assert np.all(np.isfinite(eval_logits))
 
 
+def test_logically_partitioned_params_are_unboxed_and_faults_named_without_value(backend):
+    """lm1b/wmt/gemma declare their weights with nn.with_logical_partitioning: the
+    boxes come off in linen_split, so leaves are named as in a plain model."""
+    boxed = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            x = nn.relu(nn.Dense(8, kernel_init=boxed, name="mlp")(x.reshape(len(x), -1)))
+            return nn.Dense(10, name="head")(x)
+
+    model = Mlp()
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8, 8, 1)))
+    assert "['params']['mlp']['kernel'].value" in _names(variables)  # boxed
+    params, model_state = jaxstep.flax.linen_split(variables)
+    assert _names(params) == [
+        "['head']['bias']",
+        "['head']['kernel']",
+        "['mlp']['bias']",
+        "['mlp']['kernel']",
+    ]
+    assert model_state == {}
+    dev2 = jax.devices()[2].id
+
+    def loss_fn(params, batch):
+        return _xent(model.apply({"params": params}, batch["image"]), batch["label"])
+
+    step = jaxstep.make_train_step(
+        loss_fn,
+        optax.adam(1e-2),
+        backend=backend,
+        faults=[jaxstep.testing.Fault("grad", dev2, step=1, leaf="['mlp']['kernel']")],
+    )
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(params), _images(3))
+    jaxstep.testing.assert_fails(
+        info, device_id=dev2, step=1, status=Status.GRAD_NONFINITE, leaf="['mlp']['kernel']"
+    )
+
+
 # ------------------------------------------------------------------ linen models
 @functools.cache
 def _mnist_step(backend):

@@ -127,8 +127,9 @@ def test_faults_injected_nowhere_cost_nothing_in_the_program():
     state = plain.init(init_params())
     lowered = plain.lower(state, batch)
     assert "callback" not in lowered.as_text()
-    # no extra inputs either: exactly the state and the batch
-    assert lowered.in_tree.num_leaves == len(jax.tree.leaves(state)) + len(batch)
+    # no extra inputs either: the state, the batch and the chunk each device holds
+    # (one int: a replay that moves the chunks moves their random keys with them)
+    assert lowered.in_tree.num_leaves == len(jax.tree.leaves(state)) + len(batch) + 1
     faulty = jaxstep.make_train_step(
         loss_fn, optax.adam(1e-2), faults=[Fault("grad", 0, step=10**6, mode="transient")]
     )
