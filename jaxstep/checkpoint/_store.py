@@ -95,7 +95,9 @@ class Store:
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
-        return sorted(self._mngr.all_steps())
+        """The steps in the directory now (read again: another process, or a store
+        opened earlier, may have written since this one was opened)."""
+        return sorted(self._mngr.all_steps(read=True))
 
     def save(self, number: int, items: dict[str, Any]) -> None:
         """Writes ``items`` (name -> list of numpy arrays, or a JSON-able dict) as step

@@ -26,6 +26,6 @@ def _is_box(key: Any) -> bool:
 def without_root(leaf: str | None, root: str) -> str | None:
     """``leaf`` without ``root`` in front (``"params['w']"`` -> ``"['w']"``): the name of a
     leaf of that tree written either way. Others pass unchanged."""
-    if leaf is not None and leaf.startswith(root) and leaf[len(root) :][:1] in "[.":
+    if leaf is not None and leaf.startswith(root) and leaf[len(root) : len(root) + 1] in ("[", "."):
         return leaf[len(root) :]
     return leaf

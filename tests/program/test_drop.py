@@ -329,3 +329,18 @@ def test_steps_where_nothing_fails_match_the_default_policy(backend, count):
     for part in ("params", "opt_state"):
         got, want = getattr(finals["drop"], part), getattr(finals["raise"], part)
         chex.assert_trees_all_close(got, want, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float64", 1e-15), ("bfloat16", 2.0**-8)])
+def test_the_mean_over_the_healthy_devices_keeps_the_gradients_precision(dtype, rtol):
+    # 1 / 7 is taken in float32 at least (float64 under x64) and the product rounded
+    # once, within half an ulp (bfloat16: 2**-8 relative at most); a float32 reciprocal
+    # cast to bfloat16 first was off by up to 0.53%, and float64 kept float32's digits
+    from jaxstep.program._body import _times_share
+
+    with jax.enable_x64(dtype == "float64"):
+        x = jnp.asarray(np.linspace(-3.0, 3.0, 257), dtype)
+        got = np.asarray(_times_share(x, jnp.float32(7.0)))
+    assert got.dtype == x.dtype
+    exact = np.asarray(x).astype(np.float64) / 7.0
+    np.testing.assert_allclose(got.astype(np.float64), exact, rtol=rtol, atol=0)
