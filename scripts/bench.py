@@ -235,9 +235,12 @@ class Setup:
         step = jaxstep.make_train_step(self.model.loss_fn, self.adam, divergence_every=None)
         state, batch = step.init(self.params), self.batches[0]
         compiled = step.compile(state, batch)
+        # the small arrays the step threads through every call (the chunk each device
+        # holds, since session 8), as the step passes them: not donated, so reused
+        extras = getattr(step, "_extras", {})
 
         def run(s: Any, b: Any) -> tuple[Any, jax.Array]:
-            s, out, _ = compiled(s, b, {})
+            s, out, _ = compiled(s, b, extras)
             return s, out.metrics["loss"]
 
         return Variant(name, run, state, self.batches, lambda: step.lower(state, batch), "other")
