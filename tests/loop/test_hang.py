@@ -4,8 +4,26 @@ CPU). Runs in a subprocess: the stuck process is thrown away afterwards."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def _child(script: str, *args: str) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """Runs ``script`` in a fresh Python; its JSON lines, in order."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=str(ROOT),
+    )
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert results, f"no result; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return proc, results
+
 
 SCRIPT = r"""
 import json, logging, os, sys
@@ -38,16 +56,8 @@ def test_stalled_device_is_named_hung(backend):
 
     import jaxstep
 
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, backend, "5", "3"],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    result = json.loads(lines[-1])
+    proc, results = _child(SCRIPT, backend, "5", "3")
+    result = results[-1]
     assert result["raised"]
     device = jax.devices()[5].id
     assert result["device_id"] == device
@@ -102,15 +112,7 @@ def test_a_device_that_stalls_in_a_quarantines_rerun_is_named_hung(backend):
 
     import jaxstep
 
-    proc = subprocess.run(
-        [sys.executable, "-c", RERUN, backend, "3", "5"],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd=str(__import__("pathlib").Path(__file__).parents[2]),
-    )
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert results, f"no result; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    proc, results = _child(RERUN, backend, "3", "5")
     bad, stalled = jax.devices()[3].id, jax.devices()[5].id
     record, failure = results
     assert record == {"record": [1, "data", "quarantined", [bad]]}
