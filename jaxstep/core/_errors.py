@@ -66,6 +66,21 @@ _HINTS: dict[Status, str] = {
     Status.LOSS_SPIKE: "the loss jumped far above its recent range on this device's rows {rows}",
 }
 
+# What to try when a replay's verdict (``fit(diagnose=True)``) says it is not the data:
+# the status hints above are about the data and the model.
+_VERDICT_HINTS: dict[str, str] = {
+    "device": (
+        "the failure stayed on this device when its rows moved to another: suspect the "
+        "chip, not the data; leave it out (make_train_step(devices=...) without it, or "
+        "fit(recover=jaxstep.Recover()), which excludes it) and resume from the last "
+        "checkpoint"
+    ),
+    "transient": (
+        "the step passed when run again from the same state: a transient fault of the "
+        "chip or its link; run it again (fit(recover=jaxstep.Recover()) retries it)"
+    ),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
@@ -161,7 +176,10 @@ class TrainingWorkerError(RuntimeError):
         primary = next((s for s, _ in _CAUSES if s in first.status), None)
         if primary is not None:
             rows = f"{first.rows[0]}..{first.rows[1] - 1}" if first.rows else "?"
-            lines.append("what to try: " + _HINTS[primary].format(rows=rows, leaf=first.leaf))
+            hint = _VERDICT_HINTS.get(getattr(self.diagnosis, "verdict", ""))
+            if hint is None or primary in (Status.DIVERGED, Status.HUNG):
+                hint = _HINTS[primary].format(rows=rows, leaf=first.leaf)
+            lines.append("what to try: " + hint)
         if self.state is not None and self.state_is_good:
             lines.append(
                 f"the last good state (step {first.step}) is in error.state; resume with "

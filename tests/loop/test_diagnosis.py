@@ -37,6 +37,7 @@ def test_data_fault_follows_the_chunk_and_names_the_example(backend):
     # rotated: device i holds chunk i+1, so chunk 3 ran on device 2
     assert err.diagnosis.replays == ((0, (dev.id,)), (1, (jax.devices()[2].id,)))
     assert "diagnosis: data:" in str(err)
+    assert "what to try: the loss was finite but a gradient was not" in str(err)
 
 
 def test_device_fault_stays_on_the_device(backend):
@@ -48,6 +49,9 @@ def test_device_fault_stays_on_the_device(backend):
     assert err.diagnosis.verdict == "device"
     assert err.diagnosis.replays == ((0, (dev.id,)), (1, (dev.id,)))
     assert err.diagnosis.examples == ()
+    # what to try points at the chip, not at log/sqrt in loss_fn
+    assert "what to try: the failure stayed on this device" in str(err)
+    assert "look for log, sqrt" not in str(err)
 
 
 def test_transient_fault_does_not_come_back(backend):
@@ -60,6 +64,8 @@ def test_transient_fault_does_not_come_back(backend):
     assert err.leaf == "['x']"
     assert err.diagnosis.verdict == "transient"
     assert err.diagnosis.replays == ((0, ()),)
+    assert "what to try: the step passed when run again" in str(err)
+    assert "check the data pipeline" not in str(err)
 
 
 def test_real_nan_in_the_data_is_diagnosed_as_data(backend):
