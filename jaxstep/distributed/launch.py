@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -38,12 +39,44 @@ from jaxstep.core import ENV_RESTART
 from jaxstep.core import RESTART_EXIT_CODE
 from jaxstep.distributed import reports
 
+#: Ports handed out by launchers on this host, a file each (``free_port``).
+PORTS = Path(tempfile.gettempdir()) / "jaxstep-ports"
+_HELD_S = 120.0  # a reservation outlives the seconds until the coordinator binds
+
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the coordinator binds it moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now (the coordinator binds it moments later,
+    once process 0 has imported JAX: seconds under load), and not handed out by another
+    launcher on this host within ``_HELD_S``. In that gap the OS may give a launcher
+    started at the same time the same port; its processes would then join this run's
+    coordinator as its tasks ("a different incarnation"), and both runs die."""
+    port = 0
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if _reserve(port):
+            return port
+    return port  # every draw reserved (or the folder unusable): the OS's word alone
+
+
+def _reserve(port: int) -> bool:
+    """Whether ``port`` is now this launcher's: its file created, or found stale."""
+    mark = PORTS / str(port)
+    try:
+        PORTS.mkdir(mode=0o777, exist_ok=True)
+        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        return True
+    except FileExistsError:
+        try:
+            if time.time() - mark.stat().st_mtime < _HELD_S:
+                return False
+            os.utime(mark)  # stale: the run that held it bound it long ago
+            return True
+        except OSError:
+            return False
+    except OSError:
+        return True  # no folder to reserve in: as before, the OS's word alone
 
 
 def child_env(
@@ -220,6 +253,7 @@ def _attempt(job: _Job, attempt: int, deadline: float | None) -> tuple[int, int]
     finally:
         for t in threads:
             t.join(timeout=5)
+        (PORTS / str(port)).unlink(missing_ok=True)  # the run is over: its port is free
     for i, proc in enumerate(procs):
         codes.setdefault(i, _exit_code(proc.returncode))
     if job.error_dir is not None and any(codes.values()):
