@@ -246,21 +246,19 @@ class Recovery:
             )
         devices = found.devices or _ids(error)
         sources = self._sources(item, found.examples)
-        where = "; ".join(f"batch {b} rows {rows}" for b, rows in sources.items())
         # Every device failed: a collective in the model (cross-device BatchNorm)
         # carried the bad rows into every chunk, so the rerun leaving the failing
         # chunks out of the mean is skipped whole (state.step counts it): say so.
         spread = len(_ids(error)) >= len(self.loop.step.devices)
         skipped: tuple[int, ...] = ()
         if spread:
-            spans = self._spans(item)
-            skipped = tuple(sorted({b for b, _, _ in spans}))
-            lost = ", ".join(f"batch {b} rows {lo}..{hi - 1}" for b, lo, hi in spans)
+            skipped, lost = _in_words(self._spans(item))
             detail = (
                 f"every device failed (a collective in the model carries the bad rows to "
                 f"every chunk), so the step is skipped: {lost} not trained"
             )
         else:
+            where = "; ".join(f"batch {b} rows {rows}" for b, rows in sources.items())
             detail = "the step again with the chunks holding them left out of the mean" + (
                 f" (in the data: {where})" if item.spans is not None else ""
             )
@@ -342,9 +340,9 @@ class Recovery:
             f"restored the checkpoint of step {c}; {len(again)} batch(es) since it trained again"
         )
         if any(item.spans is not None for item in skip):  # steps of rows carried
-            spans = merge_spans([span for item in skip for span in self._spans(item)])
-            skipped = tuple(sorted({b for b, _, _ in spans}))
-            rows = ", ".join(f"batch {b} rows {lo}..{hi - 1}" for b, lo, hi in spans)
+            skipped, rows = _in_words(
+                merge_spans([span for item in skip for span in self._spans(item)])
+            )
             detail += f"; a device gone, the steps skipped held rows of several batches: {rows}"
         else:
             skipped = tuple(b for item in skip if (b := self._batch(item)) is not None)
@@ -486,6 +484,12 @@ class Recovery:
 def _item(pending: Pending) -> Item:
     assert pending.item is not None  # every step fit dispatches comes from its queue
     return pending.item
+
+
+def _in_words(spans: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, ...], str]:
+    """The batches ``spans`` (``(batch, first row, stop)``) touch, and the rows in words."""
+    text = ", ".join(f"batch {b} rows {lo}..{hi - 1}" for b, lo, hi in spans)
+    return tuple(sorted({b for b, _, _ in spans})), text
 
 
 def _ids(error: TrainingWorkerError) -> tuple[int, ...]:
