@@ -20,6 +20,7 @@ from typing import Any
 from jaxstep import distributed
 from jaxstep import plot
 from jaxstep import testing
+from jaxstep.callbacks import CluWriter
 from jaxstep.callbacks import JsonlWriter
 from jaxstep.callbacks import Progress
 from jaxstep.callbacks import TensorBoardWriter
@@ -56,6 +57,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CluWriter",
     "Diagnosis",
     "DynamicLossScale",
     "Failure",

@@ -1,7 +1,8 @@
 """What watches a run from outside the loop, reading its :class:`jaxstep.History`: the
-progress line, the metric writers (JSONL, TensorBoard) and the plots (public home:
+progress line, the metric writers (JSONL, TensorBoard, CLU) and the plots (public home:
 :mod:`jaxstep.plot`)."""
 
+from jaxstep.callbacks._clu import CluWriter as CluWriter
 from jaxstep.callbacks._metrics import JsonlWriter as JsonlWriter
 from jaxstep.callbacks._metrics import TensorBoardWriter as TensorBoardWriter
 from jaxstep.callbacks._progress import Progress as Progress
@@ -11,6 +12,7 @@ from jaxstep.callbacks.plot import marks as marks
 from jaxstep.callbacks.plot import overview as overview
 
 __all__ = [
+    "CluWriter",
     "JsonlWriter",
     "Progress",
     "TensorBoardWriter",

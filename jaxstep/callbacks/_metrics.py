@@ -89,6 +89,28 @@ def step_record(history: History, index: int = -1) -> dict[str, Any]:
     }
 
 
+def step_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A :func:`step_record` as the flat scalars a metric writer draws as curves:
+    ``loss``, ``examples_per_sec``, ``skipped``, ``dropped`` (how many devices),
+    ``metrics/<name>`` for each scalar of ``aux``, and ``device_<id>/loss``,
+    ``device_<id>/grad_norm``, ``device_<id>/failed``, ``device_<id>/dropped`` per
+    device. A non-finite number (None in the record) is NaN again: a curve shows it as
+    a gap, and the step stays on it."""
+    scalars = {
+        "loss": record["loss"],
+        "examples_per_sec": record["examples_per_sec"],
+        "skipped": float(record["skipped"]),
+        "dropped": float(len(record["dropped"])),
+    }
+    scalars.update({f"metrics/{k}": v for k, v in record["metrics"].items()})
+    for d in record["devices"]:
+        scalars[f"device_{d['id']}/loss"] = d["loss"]
+        scalars[f"device_{d['id']}/grad_norm"] = d["grad_norm"]
+        scalars[f"device_{d['id']}/failed"] = float(d["failed"])
+        scalars[f"device_{d['id']}/dropped"] = float(d["dropped"])
+    return {tag: np.nan if value is None else float(value) for tag, value in scalars.items()}
+
+
 def failure_record(error: TrainingWorkerError) -> dict[str, Any]:
     """The failure of a run as JSON-ready Python (``event: "failure"``)."""
     return {
@@ -188,7 +210,8 @@ class TensorBoardWriter(_Writer):
     """Writes each finished step's scalars to TensorBoard event files (through
     tensorboardX): ``loss``, ``examples_per_sec``, ``skipped``, ``metrics/<name>``
     for each scalar of ``aux``, and ``device_<id>/loss``, ``device_<id>/grad_norm``,
-    ``device_<id>/failed`` per device; a failure is written as text (``failure``).
+    ``device_<id>/failed`` per device (see :func:`step_scalars`); a failure is written
+    as text (``failure``).
     Under ``fit(..., recover=...)`` each recovery action adds, at its step, the scalar
     ``recoveries`` (the count so far) and the text ``recovery`` (the record in words).
 
@@ -218,22 +241,8 @@ class TensorBoardWriter(_Writer):
         if self.writer is None:
             return
         record = self._record(table)
-        step = record["step"]
-        scalars = {
-            "loss": record["loss"],
-            "examples_per_sec": record["examples_per_sec"],
-            "skipped": float(record["skipped"]),
-            "dropped": float(len(record["dropped"])),
-        }
-        scalars.update({f"metrics/{k}": v for k, v in record["metrics"].items()})
-        for d in record["devices"]:
-            scalars[f"device_{d['id']}/loss"] = d["loss"]
-            scalars[f"device_{d['id']}/grad_norm"] = d["grad_norm"]
-            scalars[f"device_{d['id']}/failed"] = float(d["failed"])
-            scalars[f"device_{d['id']}/dropped"] = float(d["dropped"])
-        for tag, value in scalars.items():
-            # TensorBoard draws NaN as a gap: keep the step visible on the curve.
-            self.writer.add_scalar(tag, np.nan if value is None else value, step)
+        for tag, value in step_scalars(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
 
     def on_recovery(self, record: Recovery) -> None:
         self.recoveries += 1

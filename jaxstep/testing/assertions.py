@@ -4,6 +4,7 @@ message that says what was expected, what happened and where."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
@@ -189,8 +190,11 @@ def assert_matches_reference(
     Raises:
       AssertionError: a step failed, or its loss or parameters differ from the
         reference; the message names the step and the leaf.
+      TypeError: ``loss_fn`` takes ``model_state`` and none was given (or the other
+        way round); refused before anything runs.
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
+    _model_state_matches(step.options.loss_fn, model_state)
     n = len(step.devices)
     state = step.init(params, model_state=model_state)
     ref_params = jax.tree.map(jnp.asarray, params)
@@ -226,14 +230,39 @@ def assert_matches_reference(
             except AssertionError as e:
                 raise AssertionError(
                     f"after step {t} the {what} differ from the single-device optax "
-                    f"reference (tree 0: {step.backend} on {n} devices, tree 1: "
+                    f"reference (tree 0: {step.options.backend} on {n} devices, tree 1: "
                     f"reference): {e}"
                 ) from None
     return state
 
 
+def _model_state_matches(loss_fn: Callable[..., Any], model_state: Any) -> None:
+    """Refuses a call whose ``model_state`` does not match ``loss_fn``'s signature, which
+    would otherwise fail inside the user's loss ("missing 1 required keyword-only
+    argument") once the step is traced. A signature Python cannot read is not checked."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    name = f"{getattr(loss_fn, '__name__', type(loss_fn).__name__)}{sig}"
+    param = sig.parameters.get("model_state")
+    if model_state is None and param is not None and param.default is param.empty:
+        raise TypeError(
+            f"{name} takes model_state but assert_matches_reference got none: pass the "
+            "model's initial state, assert_matches_reference(step, params, batches, "
+            "model_state=...), as step.init(params, model_state=...) takes it. Nothing ran"
+        )
+    var_keyword = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    if model_state is not None and param is None and not var_keyword:
+        raise TypeError(
+            f"assert_matches_reference got model_state=, but {name} takes no model_state: "
+            "add the keyword to loss_fn (it returns the new state in aux['model_state']), "
+            "or leave model_state out. Nothing ran"
+        )
+
+
 def _reference_step(step: TrainStep, n: int) -> Callable[[Any, Any, Any, Any], Any]:
-    axis = step.axis_name
+    axis = step.options.axis_name
 
     def mean_loss(params: Any, model_state: Any, batch: Any) -> tuple[jax.Array, Any]:
         chunks = jax.tree.map(lambda x: x.reshape((n, -1, *x.shape[1:])), batch)
@@ -241,7 +270,7 @@ def _reference_step(step: TrainStep, n: int) -> Callable[[Any, Any, Any, Any], A
         def one(chunk: Any) -> tuple[jax.Array, Any]:
             kwargs = {} if model_state is None else {"model_state": model_state}
             out = step.loss_fn(params, chunk, **kwargs)
-            if not step.has_aux:
+            if not step.options.has_aux:
                 return out, None
             loss, aux = out
             return loss, None if model_state is None else aux["model_state"]

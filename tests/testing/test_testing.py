@@ -176,6 +176,49 @@ def test_assert_matches_reference_follows_a_loss_with_collectives_and_catches_dr
     assert "dense2/bias" in message
 
 
+def _running_mean_loss(traced):
+    """A loss with a model state (a running mean of the inputs, as BatchNorm keeps),
+    taken by keyword only as linen's adapters do; it notes each time it is traced."""
+
+    def loss(params, batch, *, model_state):
+        traced.append(1)
+        mean = 0.9 * model_state["mean"] + 0.1 * jnp.mean(batch["x"], axis=0)
+        h = jnp.tanh((batch["x"] - mean) @ params["dense1"]["kernel"])
+        pred = h @ params["dense2"]["kernel"] + params["dense2"]["bias"]
+        return jnp.mean((pred - batch["y"]) ** 2), {"model_state": {"mean": mean}}
+
+    return loss
+
+
+def test_assert_matches_reference_refuses_a_missing_model_state_before_anything_runs(backend):
+    traced = []
+    step = jaxstep.make_train_step(
+        _running_mean_loss(traced), optax.adam(1e-2), backend=backend, has_aux=True
+    )
+    batches = make_batches(2)
+    with pytest.raises(TypeError) as info:
+        assert_matches_reference(step, init_params(), batches)
+    message = str(info.value)
+    assert message.startswith("loss(params, batch, *, model_state) takes model_state but ")
+    assert "assert_matches_reference(step, params, batches, model_state=...)" in message
+    assert traced == []  # refused before the step (or the reference) traced the loss
+    # given, the same step matches the reference
+    state = assert_matches_reference(
+        step, init_params(), batches, model_state={"mean": np.zeros(3, np.float32)}
+    )
+    assert int(np.asarray(step.host_state(state).step)) == 2
+
+
+def test_assert_matches_reference_refuses_a_model_state_the_loss_does_not_take():
+    step = jaxstep.make_train_step(
+        lambda params, batch: (loss_fn(params, batch), {}), optax.adam(1e-2), has_aux=True
+    )
+    with pytest.raises(TypeError, match=r"got model_state=, but <lambda>\(params, batch\) "):
+        assert_matches_reference(
+            step, init_params(), make_batches(1), model_state={"mean": np.zeros(3, np.float32)}
+        )
+
+
 def test_set_cpu_devices_after_the_backend_started():
     set_cpu_devices(len(jax.devices()))  # what runs already: fine
     with pytest.raises(RuntimeError, match=r"JAX runs with 8 CPU devices, wanted 4: .*"):
