@@ -39,6 +39,14 @@ def join_presplit(batch: Batch, n: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), batch)
 
 
+def local_positions(devices: Sequence[jax.Device]) -> list[int]:
+    """The positions of ``devices`` whose chunks this process's batches hold, in order:
+    every one with one process."""
+    if processes.spans_processes(devices):
+        return processes.local_positions(devices)
+    return list(range(len(devices)))
+
+
 class Inputs:
     """The state and batch a step takes, and the names of their leaves.
 
@@ -73,6 +81,16 @@ class Inputs:
     def forget_state(self) -> None:
         """The next state checked is learned afresh (a new ``init``)."""
         self._state_sig = None
+
+    def for_options(self, options: Options) -> Inputs:
+        """The inputs of the step rebuilt with ``options`` (``exclude_devices``): the
+        same leaf names (the model did not change); the state and batch shapes are
+        learned afresh."""
+        inputs = Inputs(options)
+        inputs.names = self.names
+        inputs.presplit_warned = self.presplit_warned
+        inputs.rows_per_device = self.rows_per_device
+        return inputs
 
     def learn_checks(self, checks: Sequence[str]) -> None:
         self.names["checks"] = list(checks)
