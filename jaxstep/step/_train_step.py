@@ -158,7 +158,10 @@ class TrainStep:
         params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
         opt_state = self.options.optimizer.init(params)
         n = len(self.devices)
-        self._inputs.forget_state()  # _check_state below learns the new state's names and shape
+        # A new run: the state's names and shape are learned below, the batch's layout from
+        # the next batch (not held to an earlier run's, e.g. a pre-split batch first
+        # passed without presplit=True)
+        self._inputs.forget()
         drops = self.options.on_failure == "drop"
         monitor: dict[str, Any] = {}
         if self.options.loss_spike:
@@ -226,7 +229,7 @@ class TrainStep:
             self._inputs.presplit_warned = True  # it is pre-split, and said so
             batch = self._join(batch)
         self._check_state(state)
-        leaves = self._inputs.check_batch(batch)
+        leaves = self._inputs.check_batch(batch, presplit)
         number = self._step_number(state)
         placed = self._backend.place_batch(batch, leaves)
         replicas = check_replicas or self._checks_replicas(number)
