@@ -53,6 +53,7 @@ import jaxstep  # noqa: E402
 from jaxstep.checkpoint import FitCheckpoints  # noqa: E402
 from jaxstep.checkpoint._store import Store  # noqa: E402
 from jaxstep.checkpoint._store import local_copy  # noqa: E402
+from jaxstep.step import driving  # noqa: E402
 
 SIZES = (784, 512, 512, 10)
 
@@ -84,7 +85,8 @@ def main() -> None:
     n = len(devices)
     step = jaxstep.make_train_step(mlp_loss, optax.adam(1e-3), backend=args.backend)
     rng = np.random.default_rng(0)
-    split = NamedSharding(Mesh(np.array(devices), (step.axis_name,)), P(step.axis_name))
+    axis = step.options.axis_name
+    split = NamedSharding(Mesh(np.array(devices), (axis,)), P(axis))
     host = [
         {
             "x": rng.normal(size=(args.per_device * n, SIZES[0])).astype(np.float32),
@@ -92,7 +94,7 @@ def main() -> None:
         }
         for _ in range(4)
     ]
-    placed = host if step.stacked else [jax.device_put(b, split) for b in host]
+    placed = host if driving.stacked(step) else [jax.device_put(b, split) for b in host]
     feed = [placed[i % len(placed)] for i in range(args.block)]
     root = args.dir or tempfile.mkdtemp(prefix="jaxstep-bench-ckpt-")
     where = os.path.join(root, "run")
@@ -162,14 +164,14 @@ def main() -> None:
 
     # One write, as the writer thread does it, and the design not taken.
     state = states["checkpoint"]
-    leaves = jax.device_get(local_copy(state, stacked=step.stacked))
+    leaves = jax.device_get(local_copy(state, stacked=driving.stacked(step)))
     out["state_mb"] = sum(x.nbytes for x in leaves) / 2**20
     scratch = os.path.join(root, "scratch")
     store = Store(scratch, create=True)
     writes = []
     for i in range(5):
         t0 = time.perf_counter()
-        leaves = jax.device_get(local_copy(state, stacked=step.stacked))
+        leaves = jax.device_get(local_copy(state, stacked=driving.stacked(step)))
         store.save(i, {"state": leaves, "meta": {"i": i}})
         writes.append(time.perf_counter() - t0)
     store.close()

@@ -105,7 +105,7 @@ def child(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         prev = None
         for _ in range(steps):
-            state, out = step.dispatch(state, placed)
+            state, out = step(state, placed)
             if prev is not None:
                 step.table(prev)
             prev = out

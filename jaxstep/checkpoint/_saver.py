@@ -42,6 +42,7 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.step import driving
 
 if TYPE_CHECKING:
     from jaxstep.checkpoint._store import Loaded
@@ -192,7 +193,7 @@ class FitCheckpoints:
             coordination.publish(f"{self._key}{number}", position.to_json())
             if not self.writer:
                 return True
-        stacked, devices = self.step.stacked, tuple(self.step.devices)
+        stacked, devices = driving.stacked(self.step), tuple(self.step.devices)
         self._snap = _Snapshot(
             number,
             local_copy(state, stacked=stacked),
@@ -253,7 +254,7 @@ class FitCheckpoints:
             "verified": verified,
             "devices": len(devices),
             "device_ids": [int(d.id) for d in devices],
-            "backend": self.step.backend,
+            "backend": self.step.options.backend,
             "platform": devices[0].platform,
             "process_count": jax.process_count(),
             "host": socket.gethostname(),
@@ -321,7 +322,7 @@ class FitCheckpoints:
                 error,
                 meta=self._meta(error.step, self.step.devices, verified=False),
                 failing=self.source.position(*first),
-                stacked=self.step.stacked,
+                stacked=driving.stacked(self.step),
                 devices=self.step.devices,
             )
         except Exception as err:  # never hide the failure behind a failed save
@@ -354,12 +355,12 @@ class FitCheckpoints:
             log.warning("fit stopped early: with several processes no state is saved")
             return None
         self.drain(_DRAIN_TIMEOUT)
-        number = int(np.asarray(self.step.first_copy(state.step)))
+        number = int(np.asarray(driving.first_copy(self.step, state.step)))
         where = str(self.store.directory / str(number))
         if number in self._done:  # this very state was written as a checkpoint
             return where
-        verified = self.step.replicas_agree(state)
-        stacked = self.step.stacked
+        verified = driving.replicas_agree(self.step, state)
+        stacked = driving.stacked(self.step)
         layout = Layout.of(state, stacked=stacked)
         if first is None:
             first = (self.source.count - untrained, 0)

@@ -36,6 +36,7 @@ from jaxstep.checkpoint._layout import local_copy
 from jaxstep.checkpoint._position import Position
 from jaxstep.core import TrainState
 from jaxstep.program import drop_memory
+from jaxstep.step import driving
 
 if TYPE_CHECKING:
     from jaxstep.step import TrainStep
@@ -290,7 +291,7 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
     saved = loaded.layout
     leaves = list(loaded.leaves)
     if template is not None:
-        want = Layout.of(template, stacked=step.stacked)
+        want = Layout.of(template, stacked=driving.stacked(step))
         have = dict(zip(saved.names, zip(saved.shapes, saved.dtypes, strict=True), strict=True))
         differ = []
         fresh: list[Any] | None = None
@@ -299,7 +300,7 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
             spec = (want.shapes[i], want.dtypes[i])
             if name not in have and _of_drop(name):  # saved by a run without on_failure="drop"
                 if fresh is None:
-                    fresh = jax.device_get(local_copy(template, stacked=step.stacked))
+                    fresh = jax.device_get(local_copy(template, stacked=driving.stacked(step)))
                 out.append(fresh[i])
                 continue
             if name not in have:
@@ -307,7 +308,7 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
                 continue
             if have[name] != spec and name.startswith(".monitor"):
                 if fresh is None:  # per-device windows: they restart on a new device count
-                    fresh = jax.device_get(local_copy(template, stacked=step.stacked))
+                    fresh = jax.device_get(local_copy(template, stacked=driving.stacked(step)))
                     warnings.warn(
                         f"the checkpoint's monitor windows are for another device count; "
                         f"they restart here ({len(step.devices)} devices)",

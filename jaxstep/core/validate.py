@@ -303,9 +303,10 @@ def presplit_hint(err: Exception, tree: PyTree, n: int) -> Exception | None:
         return ValueError(
             f"tracing the step failed ({type(err).__name__}: {str(err)[:300]}); the batch "
             f"has shapes {shown}, whose leading axis is the number of devices ({n}): if it "
-            "is pre-split as (n_devices, per_device, ...), as pmap code builds it, call "
-            "step(state, batch, presplit=True), or pass the global batch "
-            "(n_devices * per_device, ...). Nothing ran; the state is unchanged"
+            "is pre-split as (n_devices, per_device, ...), as pmap code builds it, pass "
+            "presplit=True (step(state, batch, presplit=True), fit(..., presplit=True)), "
+            "or the global batch (n_devices * per_device, ...). Nothing ran; the state is "
+            "unchanged"
         )
     return None
 

@@ -21,6 +21,7 @@ from jaxstep import distributed
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.step import TrainStep
+from jaxstep.step import driving
 
 # Causes a replay can follow from chunk to device, earliest in the chain first.
 _ROOTS = (
@@ -120,7 +121,7 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
         failed = tuple(sorted(position[f.device_id] for f in error.failures if root in f.status))
 
     def run(rotation: int) -> tuple[int, ...]:
-        _, out = step.replay(error.state, batch, rotation=rotation)
+        _, out = driving.replay(step, error.state, batch, rotation=rotation)
         status = step.table(out).status
         hit = status != 0 if root is None else (status & int(root)) != 0
         return tuple(int(i) for i in np.flatnonzero(hit))
@@ -236,7 +237,7 @@ def _examples(
     process runs the chunks it holds, and with several processes each one's finds are
     shared (:func:`jaxstep.distributed.share`), so every process holds them all."""
     assert error.state is not None  # checked by diagnose
-    mine = step._internals.failing_examples(error.state, batch, chunks, error.step)
+    mine = driving.failing_examples(step, error.state, batch, chunks, error.step)
     found = distributed.share("diagnose/examples", mine, step.devices)
     return tuple(sorted(int(e) for seen in found.values() for e in seen))
 
@@ -250,7 +251,7 @@ def _with_grad_leaves(
     assert error.state is not None  # checked by diagnose
     bad = None  # only the process holding the device's rows can run them: it shares them
     if position in distributed.local_positions(step.devices):
-        bad = step._internals.nonfinite_grad_leaves(error.state, batch, position, error.step)
+        bad = driving.nonfinite_grad_leaves(step, error.state, batch, position, error.step)
     shared = distributed.share("diagnose/grad_leaves", bad, step.devices)
     bad = next(seen for seen in shared.values() if seen is not None)
     names = step.names["params"]

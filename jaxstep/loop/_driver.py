@@ -38,6 +38,7 @@ from jaxstep.loop._restart import exit_for_restart
 from jaxstep.loop._stopping import attach
 from jaxstep.loop._stopping import untrained_batches
 from jaxstep.loop._watchdog import StepWatchdog
+from jaxstep.step import driving
 
 if TYPE_CHECKING:
     from jaxstep.checkpoint import FitCheckpoints
@@ -131,7 +132,7 @@ class Loop:
         """Checks that the state is not halted, then starts the run: the history's
         device ids, the callbacks' ``on_fit_start``, the peer heartbeats."""
         step = self.step
-        halted, number = step.first_copy((self.state.halted, self.state.step))  # two reads
+        halted, number = driving.first_copy(step, (self.state.halted, self.state.step))  # two reads
         if bool(halted):
             raise ValueError(
                 "the state is halted by an earlier failure; resume from error.state (or "
@@ -139,7 +140,7 @@ class Loop:
             )
         self._columns()
         self.number = self.next_step = int(number)
-        step._internals.heartbeats.clear()
+        driving.heartbeats(step).clear()
         self.callbacks.on_fit_start(step, self.history)
         self.last_time = time.perf_counter()
         many = distributed.spans_processes(step.devices)
@@ -151,7 +152,7 @@ class Loop:
         devices it was built with (carried, or cut on several processes)."""
         step, history = self.step, self.history
         ids = [d.id for d in step.devices]
-        origin = step._internals.origin
+        origin = driving.origin(step)
         if history.device_ids and set(ids) < set(history.device_ids):
             pass  # a history shared with the fit calls before: its columns stay
         else:
@@ -223,12 +224,12 @@ class Loop:
                     self.state, batch, self.next_step, check, presplit=presplit, drop=item.drop
                 )
             elif item.drop:  # a data recovery: the failing chunks left out of the mean
-                self.state, out = self.step._internals.rerun_dropping(
-                    self.state, batch, presplit=presplit
+                self.state, out = driving.rerun_dropping(
+                    self.step, self.state, batch, presplit=presplit
                 )
             else:
-                self.state, out = self.step.dispatch(
-                    self.state, batch, check_replicas=check, presplit=presplit
+                self.state, out = driving.dispatch(
+                    self.step, self.state, batch, check_replicas=check, presplit=presplit
                 )
             self.last = out
         except (ValueError, TypeError) as err:
@@ -243,7 +244,7 @@ class Loop:
         self.held = None
         number = self.number
         self.number = number + 1
-        rows = self.step._internals.rows_per_device
+        rows = driving.rows_per_device(self.step)
         new = self.pending = Pending(out, batch, number, rows, item)
         if self.recovery is not None:
             self.recovery.dispatched(new)

@@ -18,6 +18,7 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.loop._history import History
 from jaxstep.step import TrainStep
+from jaxstep.step import driving
 
 
 def failure_error(
@@ -115,5 +116,5 @@ def _params_finite(params: Any) -> bool:
 def replica_state(step: TrainStep, state: TrainState, position: int) -> TrainState:
     """The state as held by ``step.devices[position]``, placed afresh on every device
     (unhalted): how a run recovers from one corrupted replica."""
-    host = step.local_copy(state, position)
+    host = driving.local_copy(step, state, position)
     return step.place_state(dataclasses.replace(host, halted=np.zeros((), bool)))

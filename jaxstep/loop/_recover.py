@@ -49,6 +49,7 @@ from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Recovered
 from jaxstep.loop._pending import rows_as_given
+from jaxstep.step import driving
 
 if TYPE_CHECKING:
     from jaxstep.loop._driver import Loop
@@ -212,7 +213,7 @@ class Recovery:
     def _verdict(self, pending: Pending, error: TrainingWorkerError) -> Diagnosis:
         batch = pending.batch
         if self.loop.presplit and _item(pending).first is None:
-            batch = self.loop.step.join(batch)  # the replay takes the global batch
+            batch = driving.join(self.loop.step, batch)  # the replay takes the global batch
         return diagnose(self.loop.step, error, batch)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
@@ -434,7 +435,7 @@ class Recovery:
         loop.read.clear()
         loop.pending = loop.held = None
         loop.state = state
-        number = int(np.asarray(loop.step.first_copy(state.step)))
+        number = int(np.asarray(driving.first_copy(loop.step, state.step)))
         loop.number = loop.next_step = number
         loop.checkpoints.rewind(number)
         self.kept = [(n, item) for n, item in self.kept if n < number]

@@ -18,6 +18,7 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.step import TrainStep
+from jaxstep.step import driving
 
 
 class StepWatchdog:
@@ -43,27 +44,28 @@ class StepWatchdog:
         """Runs step ``expected`` (``state``'s) on ``batch`` and returns what the step
         returns, or raises the ``HUNG`` error naming the devices that did not finish
         their local part in time. ``drop``: a quarantine's rerun
-        (``step._internals.rerun_dropping``), watched the same way."""
+        (``driving.rerun_dropping``), watched the same way."""
         step = self.step
         if presplit:
-            batch = step.join(batch)
+            batch = driving.join(step, batch)
         call: Callable[..., tuple[TrainState, StepOutput]]
         if drop:
-            internals = step._internals
-            compile_ahead: Callable[..., Any] = internals.compile_dropping
-            call = functools.partial(internals.rerun_dropping, heartbeat=True)
+            compile_ahead: Callable[..., Any] = functools.partial(driving.compile_dropping, step)
+            call = functools.partial(driving.rerun_dropping, step, heartbeat=True)
             # as without a watchdog: the rerun checks replicas on divergence_every's
             # schedule only (the step's failed first run did the checkpoint's check)
             check_replicas = False
         else:
             compile_ahead = step.compile
-            call = functools.partial(step.dispatch, heartbeat=True, check_replicas=check_replicas)
+            call = functools.partial(
+                driving.dispatch, step, heartbeat=True, check_replicas=check_replicas
+            )
         for replicas in (False, check_replicas or step.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             compile_ahead(state, batch, heartbeat=True, replicas=replicas)
         # Only this run's beats count: a step run again (a retry, a rerun, a rollback)
         # has the step number its earlier run beat with.
-        step._internals.heartbeats.clear()
+        driving.heartbeats(step).clear()
         future = self.pool.submit(call, state, batch)
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
@@ -82,7 +84,7 @@ class StepWatchdog:
 
 def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
     distributed.log_stacks(f"step {expected} did not finish within {timeout:.1f} s")
-    done = {i for i, beat in dict(step._internals.heartbeats).items() if beat >= expected}
+    done = {i for i, beat in dict(driving.heartbeats(step)).items() if beat >= expected}
     many = distributed.spans_processes(step.devices)
     if many:
         # Each process saw only its own devices' heartbeats: pool them, so every

@@ -1,5 +1,5 @@
 """Training on without some devices (``TrainStep.exclude_devices``) and one step rerun
-as under ``on_failure="drop"`` (``step._internals.rerun_dropping``): the options of
+as under ``on_failure="drop"`` (``driving.rerun_dropping``): the options of
 the smaller or the dropping step, and the host-side moves of a state between them.
 Host code only; nothing here is traced or reads a device."""
 

@@ -39,6 +39,14 @@ def join_presplit(batch: Batch, n: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), batch)
 
 
+def local_positions(devices: Sequence[jax.Device]) -> list[int]:
+    """The positions of ``devices`` whose chunks this process's batches hold, in order:
+    every one with one process."""
+    if processes.spans_processes(devices):
+        return processes.local_positions(devices)
+    return list(range(len(devices)))
+
+
 class Inputs:
     """The state and batch a step takes, and the names of their leaves.
 
@@ -64,15 +72,30 @@ class Inputs:
         self._batch_def: Any = None
         self._batch_key: Any = None
         self._batch_sig: list[tuple[Any, Any]] = []  # the first batch's (shape, dtype)s
+        # how the first batch came: pre-split (joined here), or looking pre-split
+        self._batch_presplit = False
+        self._batch_looked_presplit = False
         self._warned: set[str] = set()
         #: set by a pre-split call (``presplit=True``): no "looks pre-split" warning
         self.presplit_warned = False
         #: rows per device of the last batch checked (as this process passes it)
         self.rows_per_device = 0
 
-    def forget_state(self) -> None:
-        """The next state checked is learned afresh (a new ``init``)."""
+    def forget(self) -> None:
+        """The next state and the next batch checked are learned afresh (a new
+        ``init``): a fresh state is not held to an earlier run's batch layout."""
         self._state_sig = None
+        self._batch_def = self._batch_key = None
+
+    def for_options(self, options: Options) -> Inputs:
+        """The inputs of the step rebuilt with ``options`` (``exclude_devices``): the
+        same leaf names (the model did not change); the state and batch shapes are
+        learned afresh."""
+        inputs = Inputs(options)
+        inputs.names = self.names
+        inputs.presplit_warned = self.presplit_warned
+        inputs.rows_per_device = self.rows_per_device
+        return inputs
 
     def learn_checks(self, checks: Sequence[str]) -> None:
         self.names["checks"] = list(checks)
@@ -128,9 +151,11 @@ class Inputs:
                 "made it"
             )
 
-    def check_batch(self, batch: Batch) -> list[Any]:
+    def check_batch(self, batch: Batch, presplit: bool = False) -> list[Any]:
         """Validates a batch of a new structure or shape (one flatten otherwise);
-        returns its leaves.
+        returns its leaves. ``presplit``: the batch was passed pre-split and joined; the
+        first batch's layout is learned afresh when a first batch taken flat (with a
+        warning to pass ``presplit=True``) is followed by one as told (:meth:`_relayout`).
 
         Raises:
           ValueError, TypeError: the batch does not split over the devices, or its
@@ -147,14 +172,16 @@ class Inputs:
         validate.examples_list(batch)
         n, what = self._feeding_devices(leaves[0] if leaves else None)
         validate.batch(batch, n, self.options.microbatches, what)
-        if not self.presplit_warned and (hint := validate.looks_presplit(batch, n)):
+        looks = None if presplit else validate.looks_presplit(batch, n)
+        if looks and not self.presplit_warned:
             self.presplit_warned = True
-            warnings.warn(hint, stacklevel=5)
-        if self._batch_def is None:
+            warnings.warn(looks, stacklevel=5)
+        if self._batch_def is None or self._relayout(treedef, leaves, presplit):
             self.options.injector.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
             self.names["input"] = [name or "batch" for name in keystrs(batch)]
             self._batch_sig = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+            self._batch_presplit, self._batch_looked_presplit = presplit, looks is not None
         elif treedef != self._batch_def:
             raise ValueError(
                 f"batch structure changed: the first batch was {self._batch_def}, this "
@@ -165,6 +192,22 @@ class Inputs:
         self._batch_key = key
         self.rows_per_device = int(leaves[0].shape[0]) // n
         return leaves
+
+    def _relayout(self, treedef: Any, leaves: Sequence[Any], presplit: bool) -> bool:
+        """Whether this batch's layout replaces the first batch's: it comes pre-split
+        and the first did not, or the first looked pre-split, ``(n, per_device, ...)``,
+        and this one is its joined form, ``(n * per_device, ...)``, leaf for leaf (the
+        loop joins pre-split batches itself under ``step_timeout``). The other way, a
+        batch passed flat after pre-split ones is held to their joined layout: a
+        pre-split batch without the option is refused with the fix."""
+        if presplit and not self._batch_presplit:
+            return True
+        if not self._batch_looked_presplit or treedef != self._batch_def:
+            return False
+        return all(
+            tuple(x.shape) == (shape[0] * shape[1], *shape[2:]) and np.dtype(x.dtype) == dtype
+            for (shape, dtype), x in zip(self._batch_sig, leaves, strict=True)
+        )
 
     def _feeding_devices(self, first: Any) -> tuple[int, str]:
         """How many devices this process's batch is split over, and what to call them."""

@@ -41,7 +41,7 @@ class Passes:
         local: Sequence[int] | None = None,
     ) -> list[int]:
         """Global batch indices of the examples of ``chunks`` that fail on their own;
-        ``copy``: one device's numpy copy of the state (``step.local_copy``); ``local``:
+        ``copy``: one device's numpy copy of the state (``driving.local_copy``); ``local``:
         the positions whose chunks ``batch`` holds, in order (default: all)."""
         if self._examples is None:
             options, axis = self.options, self.options.axis_name

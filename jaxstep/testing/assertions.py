@@ -22,6 +22,7 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core.names import without_root
 from jaxstep.step import TrainStep
+from jaxstep.step import driving
 
 _UNCHECKED: Any = object()
 
@@ -128,7 +129,7 @@ def assert_replicas_equal(step: TrainStep, tree: Any) -> None:
         the leaves that differ (``chex.assert_trees_all_equal``'s report).
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
-    copies = [_raw_keys(step.local_copy(tree, i)) for i in range(len(step.devices))]
+    copies = [_raw_keys(driving.local_copy(step, tree, i)) for i in range(len(step.devices))]
     ids = [d.id for d in step.devices]
     # Group equal copies; the largest group is taken as the correct one.
     groups: list[list[int]] = []
@@ -170,7 +171,7 @@ def assert_matches_reference(
     The reference is what data parallelism promises: the loss is the mean over
     devices of ``loss_fn`` on each device's chunk (evaluated with ``jax.vmap`` over
     the chunks, under the step's axis name, so a loss that uses collectives works),
-    its gradient goes through ``step.optimizer.update`` and ``optax.apply_updates``.
+    its gradient goes through ``step.options.optimizer.update`` and ``optax.apply_updates``.
 
     Args:
       step: from ``jaxstep.make_train_step`` (the run starts from
@@ -199,7 +200,7 @@ def assert_matches_reference(
     state = step.init(params, model_state=model_state)
     ref_params = jax.tree.map(jnp.asarray, params)
     ref_ms = None if model_state is None else jax.tree.map(jnp.asarray, model_state)
-    ref_opt = step.optimizer.init(ref_params)
+    ref_opt = step.options.optimizer.init(ref_params)
     reference = _reference_step(step, n)
     for t, batch in enumerate(batches):
         state, out = step(state, batch)
@@ -269,7 +270,7 @@ def _reference_step(step: TrainStep, n: int) -> Callable[[Any, Any, Any, Any], A
 
         def one(chunk: Any) -> tuple[jax.Array, Any]:
             kwargs = {} if model_state is None else {"model_state": model_state}
-            out = step.loss_fn(params, chunk, **kwargs)
+            out = step.options.loss_fn(params, chunk, **kwargs)
             if not step.options.has_aux:
                 return out, None
             loss, aux = out
@@ -290,7 +291,7 @@ def _reference_step(step: TrainStep, n: int) -> Callable[[Any, Any, Any, Any], A
         (loss, new_ms), grads = jax.value_and_grad(mean_loss, has_aux=True)(
             params, model_state, batch
         )
-        updates, opt_state = step.optimizer.update(grads, opt_state, params)
+        updates, opt_state = step.options.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, new_ms, loss
 
     return update

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxstep.core import TrainState
 from jaxstep.step import TrainStep
+from jaxstep.step import driving
 
 
 def corrupt_replica(
@@ -74,4 +75,4 @@ def state_leaf_index(names: list[str], leaf: str) -> int:
 def replicas(step: TrainStep, tree: Any) -> list[Any]:
     """Each device's own copy of a replicated (or pmap-stacked) pytree, as numpy, in
     the order of ``step.devices``."""
-    return [step.local_copy(tree, i) for i in range(len(step.devices))]
+    return [driving.local_copy(step, tree, i) for i in range(len(step.devices))]

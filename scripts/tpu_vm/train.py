@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         step, state = train(args)
         log(f"finished {args.steps} steps")
         if args.save_params and jax.process_index() == 0:
-            params = step.local_copy(step.host_state(state).params, 0)
+            params = jax.device_get(step.host_state(state).params)
             flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in _flatten(params)}
             np.savez(args.save_params, **flat)
 

@@ -203,6 +203,7 @@ TRAIN = """
 import json, os, sys
 import jax, optax
 import jaxstep
+from jaxstep.step import driving
 from jaxstep.testing import Fault
 from tests.models import init_params, loss_fn, make_batches
 
@@ -217,7 +218,7 @@ state = jaxstep.fit(
     recover=jaxstep.Recover(), step_timeout=3.0,
     checkpoint_dir=sys.argv[1], checkpoint_every=2, resume=True,
 )
-final = int(step.first_copy(state.step))
+final = int(driving.first_copy(step, state.step))
 print("RESULT " + json.dumps({"attempt": attempt, "steps": history.step, "final": final}))
 """
 

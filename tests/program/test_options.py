@@ -12,30 +12,18 @@ from jaxstep.program import Options
 from tests.models import loss_fn
 
 FACE = {
-    "axis_name",
     "check_state",
-    "backend",
     "clear_halt",
     "compile",
     "devices",
-    "dispatch",
     "exclude_devices",
     "failures",
-    "first_copy",
-    "has_aux",
     "host_state",
     "init",
-    "join",
-    "local_copy",
-    "loss_fn",
     "lower",
     "names",
-    "optimizer",
     "options",
-    "replicas_agree",
     "place_state",
-    "replay",
-    "stacked",
     "table",
 }
 

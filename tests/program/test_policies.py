@@ -8,6 +8,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
+from jaxstep.step import driving
 from jaxstep.testing import assert_replicas_equal
 from jaxstep.testing import replicas
 from tests.models import BATCH
@@ -137,10 +138,10 @@ def test_fit_reads_each_table_one_step_late(monkeypatch):
     """Dispatch t, then read t-1: the device queue never drains, at most 2 in flight."""
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
     events = []
-    dispatch, table = step.dispatch, step.table
+    dispatch, table = driving.dispatch, step.table
 
-    def logged_dispatch(state, batch, **kw):
-        state, out = dispatch(state, batch, **kw)
+    def logged_dispatch(step, state, batch, **kw):
+        state, out = dispatch(step, state, batch, **kw)
         events.append(("dispatch", id(out)))
         return state, out
 
@@ -148,7 +149,7 @@ def test_fit_reads_each_table_one_step_late(monkeypatch):
         events.append(("table", id(out)))
         return table(out)
 
-    monkeypatch.setattr(step, "dispatch", logged_dispatch)
+    monkeypatch.setattr(driving, "dispatch", logged_dispatch)
     monkeypatch.setattr(step, "table", logged_table)
     jaxstep.fit(step, step.init(init_params()), make_batches(4))
     kinds = [k for k, _ in events]

@@ -31,7 +31,7 @@ def _assert_usable(step, state, batch):
     params = host_params(step, state)
     after, out = step(state, batch)
     assert not step.table(out).failed
-    clean = _step(step.backend, devices=step.devices)
+    clean = _step(step.options.backend, devices=step.devices)
     ref, _ = clean(clean.init(params), batch)
     for a, b in zip(
         jax.tree.leaves(host_params(step, after)),

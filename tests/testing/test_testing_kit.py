@@ -130,7 +130,7 @@ def test_a_wrong_backend_in_the_ini_is_a_usage_error(pytester: pytest.Pytester):
 
 def test_the_tiny_step_fixture_trains_on_the_tests_backend(jaxstep_tiny_step, jaxstep_backend):
     tiny = jaxstep_tiny_step
-    assert tiny.step.backend == jaxstep_backend
+    assert tiny.step.options.backend == jaxstep_backend
     batches = tiny.batches(4)
     assert batches[0]["x"].shape == (2 * len(jax.devices()), 3)
     history = jaxstep.History()
