@@ -97,7 +97,8 @@ class Store:
     def steps(self) -> list[int]:
         """The steps in the directory now (read again: another process, or a store
         opened earlier, may have written since this one was opened)."""
-        return sorted(self._mngr.all_steps(read=True))
+        self._mngr.reload()  # all_steps(read=True) does the same, and logs a deprecation
+        return sorted(self._mngr.all_steps())
 
     def save(self, number: int, items: dict[str, Any]) -> None:
         """Writes ``items`` (name -> list of numpy arrays, or a JSON-able dict) as step
