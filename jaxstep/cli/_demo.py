@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from jaxstep.cli.data import Split
+    from jaxstep.core import FaultKind
+    from jaxstep.core import FaultMode
     from jaxstep.core import TrainingWorkerError
     from jaxstep.core import TrainState
     from jaxstep.loop import History
@@ -208,7 +210,7 @@ def _faults(inj: Injection | None) -> list[Fault]:
 
     if inj is None or inj.kind == "corrupt":
         return []
-    spec: dict[str, tuple[str, str, dict[str, Any]]] = {
+    spec: dict[str, tuple[FaultKind, FaultMode, dict[str, Any]]] = {
         "nan": ("input", "data", {"example": 1}),
         "inf": ("loss", "device", {"value": math.inf}),
         "grad": ("grad", "transient", {"leaf": GRAD_LEAF}),
