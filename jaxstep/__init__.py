@@ -3,8 +3,10 @@
 The public face: ``import jaxstep`` and nothing deeper. The layers behind it (data
 flows down; nothing imports a layer above it; docs/internals.md):
 
-    cli/          jaxstep demo, doctor; the digits data (jaxstep.data)
-    callbacks/    progress, metric writers, plots (jaxstep.plot)
+    cli/          jaxstep demo, doctor
+    data.py       the digits the demo and the notebooks train on (jaxstep.data)
+    plot.py       pictures of a run from its History (jaxstep.plot)
+    callbacks/    progress, metric writers
     loop/         fit, History, the watchdog, the replay diagnosis
     checkpoint/   the orbax store, the data position, the emergency save
     distributed/  jax.distributed runtime, heartbeats, reports, launcher
@@ -25,6 +27,7 @@ from jaxstep.callbacks import Progress
 from jaxstep.callbacks import TensorBoardWriter
 from jaxstep.checkpoint import read_quarantine
 from jaxstep.checkpoint import restore
+from jaxstep.core import RESTART_EXIT_CODE
 from jaxstep.core import Failure
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
@@ -32,7 +35,6 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import WeightedLoss
-from jaxstep.loop import RESTART_EXIT_CODE
 from jaxstep.loop import Diagnosis
 from jaxstep.loop import History
 from jaxstep.loop import Recover

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     import jax
     import optax
 
-    from jaxstep.cli import data as data
+    from jaxstep import data
     from jaxstep.loop import History
     from jaxstep.step import make_train_step
 

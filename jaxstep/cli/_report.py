@@ -12,9 +12,9 @@ if TYPE_CHECKING:
     import flax.linen as nn
     import jax
 
-    from jaxstep.cli.data import Split
     from jaxstep.core import TrainingWorkerError
     from jaxstep.core import TrainState
+    from jaxstep.data import Split
     from jaxstep.loop import History
     from jaxstep.step import TrainStep
 
@@ -38,7 +38,7 @@ def report(
     import jax
     import numpy as np
 
-    from jaxstep.callbacks import overview
+    from jaxstep.plot import overview
 
     usable = error is None or error.state is not None
     host = step.host_state(state) if usable else None
