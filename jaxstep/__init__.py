@@ -4,16 +4,17 @@ The public face: ``import jaxstep`` and nothing deeper. The layers behind it (da
 flows down; nothing imports a layer above it; docs/internals.md):
 
     cli/          jaxstep demo, doctor
-    data.py       the digits the demo and the notebooks train on (jaxstep.data)
-    plot.py       pictures of a run from its History (jaxstep.plot)
-    callbacks/    progress, metric writers
+    testing/, flax.py, data.py
+                  the users' kits: the testing kit, the Flax adapters, the digits
+                  the demo and the notebooks train on (jaxstep.data)
+    callbacks/, plot.py
+                  progress, metric writers; pictures of a run (jaxstep.plot)
     loop/         fit, History, the watchdog, the replay diagnosis
     checkpoint/   the orbax store, the data position, the emergency save
     distributed/  jax.distributed runtime, heartbeats, reports, launcher
     step/         make_train_step, TrainStep: validate, place, dispatch, replay
     program/      the traced per-device program: checks, one all-reduce, verdict
     core/         the vocabulary: state, health, errors, processes, validation
-    flax.py, testing/   adapters, and the users' testing kit
 """
 
 import importlib
