@@ -414,11 +414,6 @@ def test_a_top_level_module_hands_on_nothing_a_layers_face_lists():
     assert not shims, "top-level modules that hand on a layer's names:\n" + "\n".join(shims)
 
 
-def _module_of(thing: str) -> str:
-    """The module of what :func:`origin` found: itself, or the module that makes it."""
-    return thing if thing in MODULES else thing.rsplit(".", 1)[0]
-
-
 @pytest.mark.parametrize("face", LAYER_FACES, ids=path_of)
 def test_a_layers_face_lists_only_what_its_own_package_makes(face):
     """A layer's face hands on its own package's names; a layer above takes another
