@@ -3,15 +3,18 @@
 The public face: ``import jaxstep`` and nothing deeper. The layers behind it (data
 flows down; nothing imports a layer above it; docs/internals.md):
 
-    cli/          jaxstep demo, doctor; the digits data (jaxstep.data)
-    callbacks/    progress, metric writers, plots (jaxstep.plot)
+    cli/          jaxstep demo, doctor
+    testing/, flax.py, data.py
+                  the users' kits: the testing kit, the Flax adapters, the digits
+                  the demo and the notebooks train on (jaxstep.data)
+    callbacks/, plot.py
+                  progress, metric writers; pictures of a run (jaxstep.plot)
     loop/         fit, History, the watchdog, the replay diagnosis
     checkpoint/   the orbax store, the data position, the emergency save
     distributed/  jax.distributed runtime, heartbeats, reports, launcher
     step/         make_train_step, TrainStep: validate, place, dispatch, replay
     program/      the traced per-device program: checks, one all-reduce, verdict
     core/         the vocabulary: state, health, errors, processes, validation
-    flax.py, testing/   adapters, and the users' testing kit
 """
 
 import importlib
@@ -26,6 +29,7 @@ from jaxstep.callbacks import Progress
 from jaxstep.callbacks import TensorBoardWriter
 from jaxstep.checkpoint import read_quarantine
 from jaxstep.checkpoint import restore
+from jaxstep.core import RESTART_EXIT_CODE
 from jaxstep.core import Failure
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
@@ -33,7 +37,6 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import WeightedLoss
-from jaxstep.loop import RESTART_EXIT_CODE
 from jaxstep.loop import Diagnosis
 from jaxstep.loop import History
 from jaxstep.loop import Recover

@@ -1,9 +1,87 @@
 """Small real data for the demo and the notebooks: scikit-learn's bundled digits
-(nothing downloaded), served as global batches that are the same whenever batch ``i``
-is made. Made by :mod:`jaxstep.cli` for the demo; this is its public home."""
+(1797 8x8 images, shipped with the package, nothing downloaded), split once, then
+served as global batches that are the same whenever batch ``i`` is made."""
 
-from jaxstep.cli.data import Split as Split
-from jaxstep.cli.data import batches as batches
-from jaxstep.cli.data import digits as digits
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
 
 __all__ = ["Split", "batches", "digits"]
+
+
+class Split(NamedTuple):
+    """Images ``(n, 8, 8, 1)`` float32 in [0, 1] and labels ``(n,)`` int32."""
+
+    image: np.ndarray
+    label: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+
+def _digits_table() -> np.ndarray:
+    """The ``(1797, 65)`` table ``load_digits`` reads (64 pixels in 0..16, the label).
+
+    Read straight from scikit-learn's package data: importing scikit-learn itself
+    costs seconds (scipy and more) and is not needed to read one small CSV file.
+    """
+    spec = importlib.util.find_spec("sklearn")  # locates it without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the digits data comes with scikit-learn: pip install 'jaxstep[demo]' "
+            "(or pip install scikit-learn)"
+        )
+    path = pathlib.Path(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    if path.exists():
+        return np.loadtxt(path, delimiter=",", dtype=np.float64)
+    from sklearn.datasets import load_digits  # a layout this function does not know
+
+    raw = load_digits()
+    return np.concatenate([raw.data, raw.target[:, None]], axis=1)
+
+
+def digits(*, test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
+    """scikit-learn's digits, shuffled with ``seed`` and split into (train, test).
+
+    Raises:
+      ImportError: scikit-learn is missing (``pip install 'jaxstep[demo]'``).
+    """
+    if not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    table = _digits_table()
+    image = (table[:, :64].reshape(-1, 8, 8, 1) / 16.0).astype(np.float32)
+    label = table[:, 64].astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(label))
+    n_test = round(len(label) * test_fraction)
+    test, train = order[:n_test], order[n_test:]
+    return Split(image[train], label[train]), Split(image[test], label[test])
+
+
+def batches(
+    data: Split, batch_size: int, *, seed: int = 0, start: int = 0, stop: int | None = None
+) -> Iterator[dict[str, np.ndarray]]:
+    """Global batches ``{"image", "label"}`` of ``batch_size`` examples, steps
+    ``start``, ``start + 1``, ... (up to ``stop``, or forever).
+
+    Each epoch is a fresh shuffle (``seed``, epoch) cut into ``len(data) //
+    batch_size`` batches, so batch ``i`` is the same whenever it is made: resuming at
+    ``start`` sees the data a run that never stopped would have seen.
+    """
+    if not 0 < batch_size <= len(data):
+        raise ValueError(f"batch_size must be in 1..{len(data)}, got {batch_size}")
+    per_epoch = len(data) // batch_size  # the last partial batch of each epoch is dropped
+    orders: dict[int, np.ndarray] = {}
+    i = start
+    while stop is None or i < stop:
+        epoch, k = divmod(i, per_epoch)
+        if epoch not in orders:
+            orders.clear()
+            orders[epoch] = np.random.default_rng([seed, epoch]).permutation(len(data))
+        rows = orders[epoch][k * batch_size : (k + 1) * batch_size]
+        yield {"image": data.image[rows], "label": data.label[rows]}
+        i += 1

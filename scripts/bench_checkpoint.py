@@ -51,8 +51,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstep  # noqa: E402
 from jaxstep.checkpoint import FitCheckpoints  # noqa: E402
+from jaxstep.checkpoint._layout import local_copy  # noqa: E402
 from jaxstep.checkpoint._store import Store  # noqa: E402
-from jaxstep.checkpoint._store import local_copy  # noqa: E402
 from jaxstep.step import driving  # noqa: E402
 
 SIZES = (784, 512, 512, 10)

@@ -1,7 +1,9 @@
 """The package's folders keep the architecture docs/internals.md draws: each layer
 imports only itself and the layers below it, no packages or modules import each
-other in a circle, functions stay short, each face lists exactly what it imports,
-and no module reaches into another package's private modules.
+other in a circle (annotations under ``TYPE_CHECKING`` count: a circle they close is
+still one the reader must hold in mind), modules and functions stay short, each face
+lists exactly what it imports, a public thing has one path, and no module reaches into
+another package's private modules.
 
 Read from the source with :mod:`ast` (nothing of jaxstep is imported), so a broken
 layer fails here by name, not as an import error somewhere else."""
@@ -18,10 +20,12 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxstep"
 
 #: Bottom to top; a module may import its own layer and any layer below it. The
-#: adapters (the testing kit, the flax helpers) sit on the library's layers; the
-#: ``jaxstep`` command demos the testing kit (faults, fake devices, a corrupted
-#: replica), so it sits on them; the public faces (``jaxstep/__init__.py`` and the
-#: top-level modules) re-export from everything below.
+#: pictures (``jaxstep.plot``) read a run's History like the callbacks; the users' kits
+#: (the testing kit, the flax helpers, the digits data of ``jaxstep.data``) sit on the
+#: library's layers; the ``jaxstep`` command demos the testing kit (faults, fake
+#: devices, a corrupted replica) on the digits, so it sits on them; the public faces
+#: (``jaxstep/__init__.py`` and the other top-level modules) re-export from everything
+#: below.
 ORDER = [
     ("core",),
     ("program",),
@@ -29,17 +33,23 @@ ORDER = [
     ("distributed",),
     ("checkpoint",),
     ("loop",),
-    ("callbacks",),
-    ("testing", "flax"),
+    ("callbacks", "plot"),
+    ("testing", "flax", "data"),
     ("cli",),
     ("faces",),
 ]
 RANK = {package: rank for rank, packages in enumerate(ORDER) for package in packages}
 
+#: Top-level modules that hold the code of a layer of their own (where the docs point
+#: users: ``jaxstep.plot``, ``jaxstep.data``; the flax helpers), not a face.
+TOP_LEVEL_LAYERS = {"jaxstep.flax": "flax", "jaxstep.plot": "plot", "jaxstep.data": "data"}
+
 #: A function longer than this (lines of code: docstring, blank and comment lines
 #: left out) must say why in its docstring, with these words.
 MAX_FUNCTION_LINES = 80
 LONG_BECAUSE = "long because"
+#: A module longer than this (lines, all of them) is usually two concepts: split it.
+MAX_MODULE_LINES = 400
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +87,13 @@ def path_of(module: str) -> str:
 
 
 def package_of(module: str) -> str:
-    """The layer a module belongs to: its sub-package, ``flax`` for jaxstep.flax, and
-    ``faces`` for jaxstep itself and its other top-level modules."""
+    """The layer a module belongs to: its sub-package, its own for the top-level modules
+    of :data:`TOP_LEVEL_LAYERS` (``flax`` for jaxstep.flax), and ``faces`` for jaxstep
+    itself and its other top-level modules."""
     parts = module.split(".")
     if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
         return parts[1]
-    if module == "jaxstep.flax":
-        return "flax"
-    return "faces"
+    return TOP_LEVEL_LAYERS.get(module, "faces")
 
 
 def is_package(module: str) -> bool:
@@ -167,7 +176,7 @@ def test_the_walk_finds_imports_in_functions_and_marks_type_checking_ones():
         "    from jaxstep.loop import History\n"
         "def f():\n"
         "    import jaxstep\n"
-        "    from jaxstep.cli import data\n"
+        "    from jaxstep import data\n"
         "    from . import _passes\n"
     )
     found = {(i.target, i.top_level, i.type_checking) for i in imports("jaxstep.step._build", text)}
@@ -175,19 +184,19 @@ def test_the_walk_finds_imports_in_functions_and_marks_type_checking_ones():
         ("jaxstep.core", True, False),
         ("jaxstep.loop", True, True),
         ("jaxstep", False, False),
-        ("jaxstep.cli.data", False, False),
+        ("jaxstep.data", False, False),
         ("jaxstep.step._passes", False, False),
     }
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_imports_go_to_the_same_or_a_lower_layer():
-    """At module level and inside functions; ``if TYPE_CHECKING:`` imports are
-    annotations only, and may name a layer above."""
+    """At module level, inside functions and under ``if TYPE_CHECKING:`` (an annotation
+    that names a layer above ties the layers as surely as an import that runs)."""
     upward = [
         f"{i}  [{package_of(i.source)} imports {package_of(i.target)}]"
         for i in IMPORTS
-        if not i.type_checking and RANK[package_of(i.target)] > RANK[package_of(i.source)]
+        if RANK[package_of(i.target)] > RANK[package_of(i.source)]
     ]
     assert not upward, "imports of a layer above:\n" + "\n".join(upward)
 
@@ -225,21 +234,38 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_packages_import_each_other_in_a_circle():
+    """``if TYPE_CHECKING:`` imports included."""
     edges: dict[str, set[str]] = {}
     for i in IMPORTS:
         source, target = package_of(i.source), package_of(i.target)
-        if not i.type_checking and source != target:
+        if source != target:
             edges.setdefault(source, set()).add(target)
     assert not _cycles(edges), f"packages in a circle: {_cycles(edges)}"
 
 
-def test_no_modules_import_each_other_in_a_circle_when_imported():
-    """Module-level imports only: those run while a module is being imported."""
+def test_no_modules_import_each_other_in_a_circle():
+    """Module-level imports, ``if TYPE_CHECKING:`` ones included (an import inside a
+    function runs only when it is called, and is left out)."""
     edges: dict[str, set[str]] = {}
+    found: dict[tuple[str, str], Import] = {}
     for i in IMPORTS:
-        if i.top_level and not i.type_checking and i.source != i.target:
+        if i.top_level and i.source != i.target:
             edges.setdefault(i.source, set()).add(i.target)
-    assert not _cycles(edges), f"modules in a circle: {_cycles(edges)}"
+            found.setdefault((i.source, i.target), i)
+    shown = [
+        "\n".join(str(i) for (a, b), i in found.items() if a in circle and b in circle)
+        for circle in _cycles(edges)
+    ]
+    assert not shown, "modules in a circle:\n" + "\n\n".join(shown)
+
+
+def test_no_module_is_longer_than_400_lines():
+    long = [
+        f"{path_of(module)} ({count} lines)"
+        for module, path in MODULES.items()
+        if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
 
 
 def _lines_of_code(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> int:
@@ -301,6 +327,104 @@ def test_a_face_lists_in_all_sorted_exactly_the_names_it_imports(face):
     )
     if is_package(face):
         assert not others, f"{path_of(face)}: a sub-package's face only re-exports: {others}"
+
+
+#: The sub-packages users import (docs/internals.md); the other sub-packages' faces are
+#: the layers' own, for the layers above them.
+PUBLIC_PACKAGES = ["jaxstep.distributed", "jaxstep.testing"]
+#: The modules the docs send users to: ``import jaxstep``, the modules beside it
+#: (``jaxstep.plot``, ``jaxstep.data``, ``jaxstep.launch``, ``jaxstep.flax``) and the
+#: public sub-packages.
+PUBLIC_FACES = sorted(
+    [m for m in MODULES if (m.count(".") <= 1 and not is_package(m)) or m == "jaxstep"]
+    + PUBLIC_PACKAGES
+)
+#: The modules beside ``jaxstep/__init__.py``.
+TOP_LEVEL = [m for m in PUBLIC_FACES if m.count(".") == 1 and m not in PUBLIC_PACKAGES]
+#: The layers' faces: each sub-package's ``__init__.py`` that users are not sent to.
+LAYER_FACES = [m for m in MODULES if is_package(m) and m not in PUBLIC_FACES]
+
+
+def _listed(module: str) -> list[str]:
+    """A module's ``__all__``."""
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{path_of(module)} has no __all__")
+
+
+def origin(module: str, name: str) -> str:
+    """Where the ``name`` a module holds is made (``pkg._mod.name``, or the module
+    ``pkg.name`` itself): followed through each ``from ... import`` that hands it on."""
+    if f"{module}.{name}" in MODULES:
+        return f"{module}.{name}"
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if not (isinstance(node, ast.ImportFrom) and node.module != "__future__"):
+            continue
+        target = _resolve(module, node)
+        for alias in node.names:
+            if (alias.asname or alias.name) == name and target in MODULES:
+                return origin(target, alias.name)
+    return f"{module}.{name}"
+
+
+def _module_of(thing: str) -> str:
+    """The module of what :func:`origin` found: itself, or the module that makes it."""
+    return thing if thing in MODULES else thing.rsplit(".", 1)[0]
+
+
+def test_the_walk_follows_a_name_to_the_module_that_makes_it():
+    assert {"jaxstep", "jaxstep.plot", "jaxstep.data", "jaxstep.testing"} <= set(PUBLIC_FACES)
+    assert "jaxstep.loop" in LAYER_FACES and "jaxstep.testing" not in LAYER_FACES
+    assert origin("jaxstep", "fit") == "jaxstep.loop._fit.fit"  # through jaxstep.loop
+    assert origin("jaxstep", "testing") == "jaxstep.testing"  # a module
+    assert origin("jaxstep.testing", "Fault") == "jaxstep.program._faults.Fault"
+
+
+def _paths(faces: list[str]) -> dict[str, list[str]]:
+    """Each thing the ``__all__`` of these modules lists: the paths listing it."""
+    found: dict[str, list[str]] = {}
+    for face in faces:
+        if "__all__" in MODULES[face].read_text():
+            for name in _listed(face):
+                found.setdefault(origin(face, name), []).append(f"{face}.{name}")
+    return found
+
+
+def test_a_public_thing_has_one_public_path():
+    """No two public modules list the same thing (``jaxstep.X`` and ``jaxstep.plot.X``):
+    the docs, a search and an editor's completion find one name for it."""
+    twice = [f"{t}: {', '.join(p)}" for t, p in _paths(PUBLIC_FACES).items() if len(p) > 1]
+    assert not twice, "public things with more than one public path:\n" + "\n".join(twice)
+
+
+def test_a_top_level_module_hands_on_nothing_a_layers_face_lists():
+    """``jaxstep.plot`` is the home of the pictures, not a second path to a layer's
+    (a shim kept for an older path is one). ``import jaxstep`` gathers the layers'
+    faces, and is left out."""
+    layers = _paths(LAYER_FACES)
+    shims = [
+        f"{path} (also {', '.join(layers[thing])})"
+        for thing, paths in _paths(TOP_LEVEL).items()
+        for path in paths
+        if thing in layers
+    ]
+    assert not shims, "top-level modules that hand on a layer's names:\n" + "\n".join(shims)
+
+
+@pytest.mark.parametrize("face", LAYER_FACES, ids=path_of)
+def test_a_layers_face_lists_only_what_its_own_package_makes(face):
+    """A layer's face hands on its own package's names; a layer above takes another
+    package's names from that package's face, and a user from a public module: a name
+    handed on twice is a second path to keep in step."""
+    foreign = [
+        f"{name} (made in {origin(face, name)})"
+        for name in _listed(face)
+        if package_of(_module_of(origin(face, name))) != package_of(face)
+    ]
+    assert not foreign, f"{path_of(face)} hands on another package's names: {foreign}"
 
 
 def _private(dotted: str) -> bool:

@@ -23,13 +23,17 @@ import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
+from typing import Final
+from typing import cast
 
-CALLABLE = "callable"
-CHECKPOINTABLE = "checkpointable"
-SEQUENCE = "sequence"
-ITERATOR = "iterator"
+from jaxstep.core import SourceKind
+
+CALLABLE: Final = "callable"
+CHECKPOINTABLE: Final = "checkpointable"
+SEQUENCE: Final = "sequence"
+ITERATOR: Final = "iterator"
 #: kinds whose resume is exact
-EXACT = (CALLABLE, CHECKPOINTABLE, SEQUENCE)
+EXACT: tuple[SourceKind, ...] = (CALLABLE, CHECKPOINTABLE, SEQUENCE)
 
 _warned_plain = False
 
@@ -48,7 +52,7 @@ class Position:
     """
 
     index: int
-    kind: str
+    kind: SourceKind
     iterator_state: Any = None
     rows: int = 0
 
@@ -63,7 +67,8 @@ class Position:
         state = data.get("iterator_state")
         if isinstance(state, dict) and set(state) == {"base64"}:
             state = base64.b64decode(state["base64"])
-        return cls(int(data["index"]), str(data["kind"]), state, int(data.get("rows", 0)))
+        kind = cast(SourceKind, str(data["kind"]))  # as saved: one of SourceKind's
+        return cls(int(data["index"]), kind, state, int(data.get("rows", 0)))
 
 
 def _checkpointable(obj: Any) -> bool:
@@ -99,6 +104,7 @@ class Source(Iterator[Any]):
         self._resuming = resuming and start.index > 0
         self._marks: dict[int, Any] = {}
         self._watch: Callable[[int], bool] | None = None
+        self.kind: SourceKind
         if is_callable_source(batches):
             self.kind = CALLABLE
             self._it = iter(batches(start.index))

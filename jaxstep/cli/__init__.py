@@ -1,10 +1,6 @@
-"""The ``jaxstep`` command: ``jaxstep demo`` and ``jaxstep doctor``, and the digits data
-the demo trains on (public home: :mod:`jaxstep.data`). Built on the layers' faces and
-the testing kit."""
+"""The ``jaxstep`` command: ``jaxstep demo`` (on the digits of :mod:`jaxstep.data`) and
+``jaxstep doctor``. Built on the layers' faces, the testing kit and the data."""
 
 from jaxstep.cli._main import main as main
-from jaxstep.cli.data import Split as Split
-from jaxstep.cli.data import batches as batches
-from jaxstep.cli.data import digits as digits
 
-__all__ = ["Split", "batches", "digits", "main"]
+__all__ = ["main"]

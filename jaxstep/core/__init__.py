@@ -8,6 +8,7 @@ from jaxstep.core._errors import failures_from_table as failures_from_table
 from jaxstep.core._restart import ENV_RESTART as ENV_RESTART
 from jaxstep.core._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 from jaxstep.core._state import HostKey as HostKey
+from jaxstep.core._state import LossScaleState as LossScaleState
 from jaxstep.core._state import StepInfo as StepInfo
 from jaxstep.core._state import StepOutput as StepOutput
 from jaxstep.core._state import TrainState as TrainState
@@ -17,9 +18,12 @@ from jaxstep.core._types import BACKEND_NAMES as BACKEND_NAMES
 from jaxstep.core._types import POLICIES as POLICIES
 from jaxstep.core._types import BackendName as BackendName
 from jaxstep.core._types import Batch as Batch
+from jaxstep.core._types import FaultKind as FaultKind
+from jaxstep.core._types import FaultMode as FaultMode
 from jaxstep.core._types import Params as Params
 from jaxstep.core._types import Policy as Policy
 from jaxstep.core._types import PyTree as PyTree
+from jaxstep.core._types import SourceKind as SourceKind
 from jaxstep.core._weighted import WeightedLoss as WeightedLoss
 from jaxstep.core.health import COL as COL
 from jaxstep.core.health import COLUMNS as COLUMNS
@@ -34,13 +38,17 @@ __all__ = [
     "COLUMNS",
     "ENV_RESTART",
     "Failure",
+    "FaultKind",
+    "FaultMode",
     "HealthTable",
     "HostKey",
+    "LossScaleState",
     "POLICIES",
     "Params",
     "Policy",
     "PyTree",
     "RESTART_EXIT_CODE",
+    "SourceKind",
     "Status",
     "StepInfo",
     "StepOutput",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 from typing import Any
 from typing import NamedTuple
 
@@ -18,8 +17,14 @@ from flax import struct
 from jaxstep.core._types import Params
 from jaxstep.core._types import PyTree
 
-if TYPE_CHECKING:  # annotations only: the program layer sits above this one
-    from jaxstep.program import LossScaleState
+
+class LossScaleState(NamedTuple):
+    """The scale in the training state: ``scale`` (float32) and the good steps in a
+    row since it last changed (``good_steps``, int32: flax's ``fin_steps``). What
+    :class:`jaxstep.DynamicLossScale` (the program layer) keeps between steps."""
+
+    scale: jax.Array
+    good_steps: jax.Array
 
 
 @struct.dataclass
@@ -42,7 +47,7 @@ class TrainState:
       model_state: the model's non-trained variables (BatchNorm statistics,
         counters), or None: ``loss_fn(..., model_state=ms)`` returns the new one as
         ``aux["model_state"]``; float leaves are averaged over the devices each step.
-      loss_scale: a :class:`jaxstep.program.LossScaleState` with a
+      loss_scale: a :class:`LossScaleState` with a
         :class:`jaxstep.DynamicLossScale`, or None.
       total_drops: with ``on_failure="drop"``, the device-steps left out of a step's
         mean so far (None under the other policies: their program does not carry it).

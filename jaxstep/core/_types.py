@@ -1,5 +1,6 @@
-"""The names the layers type with: pytrees (what a user's params and batches are) and
-the modes a step is built with (``backend``, ``on_failure``)."""
+"""The names the layers type with: pytrees (what a user's params and batches are), the
+modes a step is built with (``backend``, ``on_failure``), an injected fault's kind and
+mode, and how a data source resumes."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ Batch: TypeAlias = PyTree
 BackendName: TypeAlias = Literal["shard_map", "pmap"]
 #: ``make_train_step(on_failure=...)``.
 Policy: TypeAlias = Literal["raise", "skip", "drop"]
+#: ``Fault(kind=...)``: where an injected fault strikes.
+FaultKind: TypeAlias = Literal["input", "loss", "grad", "param", "stall"]
+#: ``Fault(mode=...)``: what an injected fault follows: the chip, one execution, a record.
+FaultMode: TypeAlias = Literal["device", "transient", "data"]
+#: ``Position.kind``: how ``fit``'s batches resume; ``""`` for a start given as a batch
+#: number, before a source knows its kind.
+SourceKind: TypeAlias = Literal["callable", "checkpointable", "sequence", "iterator", ""]
 
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
 POLICIES: tuple[Policy, ...] = get_args(Policy)

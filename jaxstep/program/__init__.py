@@ -16,7 +16,6 @@ from jaxstep.program._faults import float_leaves as float_leaves
 from jaxstep.program._options import AXIS as AXIS
 from jaxstep.program._options import Options as Options
 from jaxstep.program._scaling import DynamicLossScale as DynamicLossScale
-from jaxstep.program._scaling import LossScaleState as LossScaleState
 
 __all__ = [
     "AXIS",
@@ -24,7 +23,6 @@ __all__ = [
     "DynamicLossScale",
     "Fault",
     "Injector",
-    "LossScaleState",
     "LossSpike",
     "Options",
     "body",

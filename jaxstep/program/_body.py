@@ -1,27 +1,25 @@
 """The per-device program: what every device runs inside ``shard_map`` / ``pmap``.
 
 its local part (:mod:`jaxstep.program._device`: input, loss, gradients, checks) -> one
-all-reduce of (gradients, model state, health rows) -> the same verdict on every
-device -> the optimizer update under ``lax.cond``. Pure functions over an immutable
+all-reduce of (gradients, model state, health rows) -> the checks that compare the
+devices' rows -> the same verdict on every device and the optimizer update under
+``lax.cond`` (:mod:`jaxstep.program._verdict`). Pure functions over an immutable
 :class:`~jaxstep.program._options.Options`; nothing here touches host state.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.experimental import io_callback
 
 from jaxstep.core import COL
 from jaxstep.core import COLUMNS
 from jaxstep.core import Batch
-from jaxstep.core import Params
 from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import StepInfo
@@ -34,11 +32,12 @@ from jaxstep.program._device import DeviceWork
 from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
+from jaxstep.program._verdict import Seen
+from jaxstep.program._verdict import halting_status
+from jaxstep.program._verdict import times_share
+from jaxstep.program._verdict import update
 
-__all__ = ["ALWAYS_HALT", "Beat", "body", "update", "verdict"]
-
-# Failures that skipping a step cannot cure: they halt under either policy.
-ALWAYS_HALT = Status.DIVERGED | Status.HUNG
+__all__ = ["Beat", "body"]
 
 #: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
 #: device finished its local part (``fit(step_timeout=...)``).
@@ -251,7 +250,7 @@ def all_reduce(
     counts = gathered[0, len(COLUMNS) : width]
     if options.on_failure == "drop":  # the mean over the devices not left out
         healthy = jnp.maximum(n - counts[0], 1)  # see update's ``mean``
-        floats = [_times_share(x, healthy) for x in floats]
+        floats = [times_share(x, healthy) for x in floats]
     else:
         floats = [x / n for x in floats]
     model_state = _with_floats(part.work.model_state, floats)
@@ -304,45 +303,6 @@ def compare_devices(
     return status, seen, columns, extras
 
 
-def halting_status(options: Options) -> Status:
-    """Failures that halt under either policy: skipping cannot repair a diverged
-    replica, nor parameters that are already non-finite (found by the periodic
-    check; ``verify_update`` never commits them)."""
-    return ALWAYS_HALT if options.verify_update else ALWAYS_HALT | Status.PARAM_NONFINITE
-
-
-class Seen(NamedTuple):
-    """Step-wide facts, taken from the all-reduce: whether any device failed,
-    overflowed or must halt (counted there for the status set before it, so the
-    verdict needs no reduction over the table; the few optional checks that set
-    status after it add theirs with :meth:`add`), and the state's ``halted`` flag and
-    ``step`` as they were before the step."""
-
-    failed: jax.Array
-    overflow: jax.Array
-    halt: jax.Array
-    halted: jax.Array
-    step: jax.Array
-    #: the devices that failed their own checks before the all-reduce, counted (float)
-    failing: jax.Array
-    #: ``drop``: which devices failed their own checks ((n,) bool; None otherwise)
-    left_out: jax.Array | None = None
-    #: a failure found after the all-reduce (``add``): leaving a device out cannot cure it
-    late: jax.Array | bool = False
-    #: ``drop``: whether a device failed ``max_consecutive_drops`` steps in a row
-    repeats: jax.Array | None = None
-
-    def add(self, bits: jax.Array, halting: int) -> Seen:
-        """With every device's ``bits`` (``(n,)`` Status bits) added."""
-        failed = jnp.any((bits & ~int(Status.OVERFLOW)) != 0)
-        return self._replace(
-            late=self.late | failed,
-            failed=self.failed | failed,
-            overflow=self.overflow | jnp.any((bits & int(Status.OVERFLOW)) != 0),
-            halt=self.halt | jnp.any((bits & halting) != 0),
-        )
-
-
 def _floats(tree: PyTree) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
@@ -360,140 +320,3 @@ def replica_check(state: TrainState) -> tuple[jax.Array, jax.Array]:
     leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
     n_params = len(jax.tree.leaves(state.params))
     return cross_checks.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
-
-
-def update(
-    options: Options,
-    state: TrainState,
-    losses: jax.Array,
-    status: jax.Array,
-    seen: Seen,
-    columns: dict[str, jax.Array],
-    grad_sums: PyTree,
-    model_state: PyTree,
-    ctx: Context | None,
-    index: jax.Array,
-) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
-    """Decides, then updates. By default everything the verdict needs is known
-    before the update, so a ``lax.cond`` skips it on failure: no second pass over
-    the state and no extra memory. ``verify_update=True`` also checks the new
-    parameters before committing them (one more pass, and a second collective).
-    ``grad_sums`` are the gradients summed over the devices (divided here, inside the
-    optimizer's pass). Returns the new state, every device's status and the table
-    columns to write."""
-    mean: Callable[[jax.Array], jax.Array] = lambda g: g / options.n  # noqa: E731
-    if options.on_failure == "drop":  # the mean over the devices not left out
-        # times the reciprocal, not divided: a multiply by a scalar fuses into both of
-        # the optimizer's passes that read it, where a divide got a pass of its own
-        healthy = jnp.maximum(options.n - seen.failing, 1)
-        mean = lambda g: _times_share(g, healthy)  # noqa: E731
-
-    def apply(operands: tuple[Params, PyTree, PyTree]) -> tuple[Params, PyTree, PyTree]:
-        params, opt_state, _ = operands
-        grads = jax.tree.map(mean, grad_sums)
-        updates, opt_state = options.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, model_state
-
-    old = (state.params, state.opt_state, state.model_state)
-    columns = dict(columns)
-    if options.verify_update:
-        new = apply(old)
-        checked = new[0] if ctx is None else options.injector.tree("param", new[0], ctx)
-        leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
-        mine = jnp.arange(options.n) == index
-        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
-        # After a bad gradient every replica's update is bad too: that is the
-        # gradient's fault, so parameters are blamed only when nothing else failed.
-        # (Under drop, the failing devices' gradients are not in the update.)
-        cleared = seen.late if options.on_failure == "drop" else seen.failed
-        bad = (leaves >= 0) & ~cleared & ~seen.overflow
-        columns["param_leaf"] = jnp.where(bad, leaves, -1)
-        added = jnp.where(bad, int(Status.PARAM_NONFINITE), 0)
-        status = status | added
-        seen = seen.add(added, int(halting_status(options)))
-    status, ok, fields, verdict_columns = verdict(options, state, losses, status, seen)
-    if options.verify_update:
-        params, opt_state, model_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-    else:
-        params, opt_state, model_state = jax.lax.cond(ok, apply, lambda operands: operands, old)
-    new_state = dataclasses.replace(
-        state, params=params, opt_state=opt_state, model_state=model_state, **fields
-    )
-    return new_state, status, {**columns, **verdict_columns}
-
-
-def verdict(
-    options: Options,
-    state: TrainState,
-    losses: jax.Array,
-    status: jax.Array,
-    seen: Seen,
-) -> tuple[jax.Array, jax.Array, dict[str, Any], dict[str, jax.Array]]:
-    """(every device's status, ok to update, the new state's other fields, the
-    step-wide verdict columns of the table). ``seen``: what ``status`` holds, step-wide
-    (failed, overflow, must halt)."""
-    monitor = state.monitor
-    spike = options.loss_spike
-    if spike is not None:
-        spiked = spike.check(state.monitor["spike"], losses) & (status == 0)
-        added = jnp.where(spiked, int(Status.LOSS_SPIKE), 0)
-        status = status | added
-        seen = seen.add(added, int(halting_status(options)))
-    overflow, failed, must_halt = seen.overflow, seen.failed, seen.halt
-    if options.on_failure == "drop":  # what leaving the failing devices out cannot cure
-        failed = seen.late | must_halt | (seen.failing > options.dropped_limit)
-    scaler, scale_state = options.loss_scale, state.loss_scale
-    if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
-        assert scale_state is not None  # init gave it one; a state without fails its check
-        failed |= overflow & scaler.at_minimum(scale_state)
-    if options.on_failure in ("skip", "drop"):
-        limit = options.max_consecutive_skips
-        halt_now = must_halt
-        if limit is not None:
-            halt_now |= failed & (state.consecutive_skips + 1 >= limit)
-        skipped = failed & ~halt_now & ~seen.halted
-    else:
-        halt_now = failed
-        skipped = jnp.array(False)
-    rescaled = overflow & ~failed & ~seen.halted  # skipped on every device, not a failure
-    ok = ~failed & ~overflow & ~seen.halted
-    drop_fields: dict[str, Any] = {}
-    drop_columns: dict[str, jax.Array] = {}
-    if options.on_failure == "drop":
-        bad_device, _, drop_fields, drop_columns = drop.decide(options, state, seen, ok)
-        ok &= ~bad_device
-        halt_now |= bad_device
-        failed |= bad_device
-    halted = seen.halted | halt_now
-    if spike is not None:
-        monitor = {**monitor, "spike": spike.update(state.monitor["spike"], losses, ok)}
-    if "drops" in drop_fields:
-        monitor = {**monitor, "drops": drop_fields.pop("drops")}
-    consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
-    columns = {
-        "step": seen.step,
-        "halted": halted,
-        "skipped": skipped | rescaled,
-        "consecutive_skips": consecutive,
-        "failed": failed,
-        **drop_columns,
-    }
-    fields = {
-        "step": seen.step + (ok | skipped | rescaled),
-        "halted": halted,
-        "consecutive_skips": consecutive,
-        "total_skips": state.total_skips + skipped,
-        "monitor": monitor,
-        **drop_fields,
-    }
-    if scaler is not None and scale_state is not None:  # both or neither (asserted above)
-        fields["loss_scale"] = scaler.update(scale_state, rescaled, ok)
-    return status, ok, fields, columns
-
-
-def _times_share(x: jax.Array, healthy: jax.Array) -> jax.Array:
-    """``x / healthy`` as a multiply by the reciprocal, taken in at least float32 and in
-    ``x``'s own precision when higher (float64 under x64), rounded to ``x``'s dtype once:
-    the counts are float32, so a reciprocal cast to bfloat16 first was off by 0.2%."""
-    wide = jnp.promote_types(x.dtype, jnp.float32)
-    return (x.astype(wide) * (1 / healthy.astype(wide))).astype(x.dtype)

@@ -99,7 +99,7 @@ def decide(
     """The drop policy's part of the verdict, for a step that would be applied
     (``would_apply``) with the devices ``seen.left_out`` ((n,) bool; ``seen.failing``
     of them) out of its mean; ``seen.repeats``: one of them failed
-    ``max_consecutive_drops`` steps in a row (``seen``: the body's ``Seen``).
+    ``max_consecutive_drops`` steps in a row (``seen``: the verdict's ``Seen``).
     Returns (halt: a device left out ``max_consecutive_drops`` steps in a row, a bad
     device rather than bad data; the devices left out of the applied step; the new
     ``total_drops`` and ``monitor["drops"]``; the table's columns)."""

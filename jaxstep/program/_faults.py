@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +29,14 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jaxstep.core import Batch
+from jaxstep.core import FaultKind
+from jaxstep.core import FaultMode
 from jaxstep.core import PyTree
 from jaxstep.core.names import leaf_name
 from jaxstep.core.names import without_root
 
-KINDS = ("input", "loss", "grad", "param", "stall")
-MODES = ("device", "transient", "data")
+KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
+MODES: tuple[FaultMode, ...] = get_args(FaultMode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +60,10 @@ class Fault:
       seconds: how long a ``stall`` blocks the device.
     """
 
-    kind: str
+    kind: FaultKind
     device_id: int
     step: int
-    mode: str = "device"
+    mode: FaultMode = "device"
     value: float = math.nan
     leaf: str | None = None
     example: int = 0

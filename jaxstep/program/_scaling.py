@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The state's type lives with the state (core). Imported here by name, it also keeps
+# the pickled tree structure of a checkpoint saved before it moved loading
+# (``jaxstep.program._scaling.LossScaleState``).
+from jaxstep.core import LossScaleState
+
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
-
-
-class LossScaleState(NamedTuple):
-    """The scale in the training state: ``scale`` (float32) and the good steps in a
-    row since it last changed (``good_steps``, int32: flax's ``fin_steps``)."""
-
-    scale: jax.Array
-    good_steps: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,10 @@ err.batches, the emergency save, restore across device counts and backends, bad 
 import functools
 import itertools
 import json
+import logging
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 
 import jax
@@ -417,3 +419,34 @@ def test_a_checkpoint_of_several_processes_resumes_on_one_only_when_positions_ag
     path.write_text(json.dumps(meta))
     state = jaxstep.fit(step, again, make_batches(6), checkpoint_dir=tmp_path, resume=True)
     assert int(jax.device_get(step.host_state(state).step)) == 6
+
+
+def test_a_save_a_resume_and_a_restore_log_no_warning_of_orbax(tmp_path, caplog):
+    # orbax's all_steps(read=True) logged "`read` option is deprecated. Use `reload`"
+    # (through absl) at every save and restore: a user's log shows only what matters.
+    step = _step("shard_map")
+    caplog.set_level(logging.DEBUG)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = jaxstep.fit(
+            step,
+            step.init(init_params()),
+            make_batches(3),
+            checkpoint_dir=tmp_path,
+            checkpoint_every=EVERY,
+        )
+        state = jaxstep.fit(
+            step,
+            state,
+            make_batches(5),
+            checkpoint_dir=tmp_path,
+            checkpoint_every=EVERY,
+            resume=True,
+        )
+        restored = jaxstep.restore(step, tmp_path)
+    assert int(jax.device_get(step.host_state(state).step)) == 5
+    assert int(jax.device_get(step.host_state(restored).step)) == 4
+    loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert loud == []
+    assert [str(w.message) for w in caught] == []
+    assert not any("deprecated" in r.getMessage() for r in caplog.records)

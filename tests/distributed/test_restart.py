@@ -50,8 +50,8 @@ def run_launcher(codes: list[str], restarts: int, **kwargs) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_the_exit_code_is_ex_tempfail_on_every_face():
-    assert jaxstep.RESTART_EXIT_CODE == jaxstep.loop.RESTART_EXIT_CODE == 75
+def test_the_exit_code_is_ex_tempfail_where_the_process_and_its_launcher_read_it():
+    assert jaxstep.RESTART_EXIT_CODE == jaxstep.core.RESTART_EXIT_CODE == 75
 
 
 def test_a_requested_restart_runs_the_job_again_and_its_last_attempt_decides():

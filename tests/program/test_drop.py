@@ -336,11 +336,11 @@ def test_the_mean_over_the_healthy_devices_keeps_the_gradients_precision(dtype, 
     # 1 / 7 is taken in float32 at least (float64 under x64) and the product rounded
     # once, within half an ulp (bfloat16: 2**-8 relative at most); a float32 reciprocal
     # cast to bfloat16 first was off by up to 0.53%, and float64 kept float32's digits
-    from jaxstep.program._body import _times_share
+    from jaxstep.program._verdict import times_share
 
     with jax.enable_x64(dtype == "float64"):
         x = jnp.asarray(np.linspace(-3.0, 3.0, 257), dtype)
-        got = np.asarray(_times_share(x, jnp.float32(7.0)))
+        got = np.asarray(times_share(x, jnp.float32(7.0)))
     assert got.dtype == x.dtype
     exact = np.asarray(x).astype(np.float64) / 7.0
     np.testing.assert_allclose(got.astype(np.float64), exact, rtol=rtol, atol=0)
