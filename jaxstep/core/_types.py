@@ -1,5 +1,6 @@
 """The names the layers type with: pytrees (what a user's params and batches are) and
-the modes a step is built with (``backend``, ``on_failure``)."""
+the modes a step is built with (``backend``, ``on_failure``) and those a run reports
+(a recovery's verdict and action, a replay's verdict)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ Batch: TypeAlias = PyTree
 BackendName: TypeAlias = Literal["shard_map", "pmap"]
 #: ``make_train_step(on_failure=...)``.
 Policy: TypeAlias = Literal["raise", "skip", "drop"]
+#: ``Recovery.verdict``: what ``fit(..., recover=...)`` found a failure to be.
+Verdict: TypeAlias = Literal["transient", "data", "device", "spike", "diverged"]
+#: ``Recovery.action``: what it did about it (in the order a summary counts them).
+RecoveryAction: TypeAlias = Literal["retried", "quarantined", "excluded", "rolled back", "repaired"]
+#: ``Diagnosis.verdict``: what a replay of a failed step found.
+ReplayVerdict: TypeAlias = Literal["data", "device", "transient", "inconclusive"]
 
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
