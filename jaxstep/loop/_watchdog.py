@@ -17,13 +17,18 @@ from jaxstep.core import Status
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.loop._pending import Item
 from jaxstep.step import TrainStep
 
 
 class StepWatchdog:
-    """Runs each step on a dispatch thread and waits for it with a deadline, so a hung
-    device is named instead of hanging the host (CPU runs steps with host callbacks
-    synchronously, so the wait must not be on the dispatching thread)."""
+    """The loop's runner under ``fit(step_timeout=...)``: runs each step on a dispatch
+    thread and waits for it with a deadline, so a hung device is named instead of
+    hanging the host (CPU runs steps with host callbacks synchronously, so the wait must
+    not be on the dispatching thread). A step has finished when :meth:`run` returns: the
+    loop settles it at once (:attr:`settles_at_once`)."""
+
+    settles_at_once = True
 
     def __init__(self, step: TrainStep, timeout: float):
         self.step = step
@@ -31,24 +36,16 @@ class StepWatchdog:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
 
     def run(
-        self,
-        state: TrainState,
-        batch: Any,
-        expected: int,
-        check_replicas: bool = False,
-        *,
-        presplit: bool = False,
-        drop: bool = False,
+        self, state: TrainState, item: Item, expected: int, check_replicas: bool, presplit: bool
     ) -> tuple[TrainState, StepOutput]:
-        """Runs step ``expected`` (``state``'s) on ``batch`` and returns what the step
-        returns, or raises the ``HUNG`` error naming the devices that did not finish
-        their local part in time. ``drop``: a quarantine's rerun
+        """Runs step ``expected`` (``state``'s) on ``item``'s batch and returns what the
+        step returns, or raises the ``HUNG`` error naming the devices that did not finish
+        their local part in time. ``item.drop``: a quarantine's rerun
         (``step._internals.rerun_dropping``), watched the same way."""
         step = self.step
-        if presplit:
-            batch = step.join(batch)
+        batch = step.join(item.batch) if presplit else item.batch
         call: Callable[..., tuple[TrainState, StepOutput]]
-        if drop:
+        if item.drop:
             internals = step._internals
             compile_ahead: Callable[..., Any] = internals.compile_dropping
             call = functools.partial(internals.rerun_dropping, heartbeat=True)
