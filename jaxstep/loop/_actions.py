@@ -41,7 +41,6 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxstep.checkpoint import FitCheckpoints
-from jaxstep.core import HealthTable
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
@@ -53,10 +52,10 @@ from jaxstep.loop._checkpoints import Checkpoints
 from jaxstep.loop._diagnose import Replay
 from jaxstep.loop._history import History
 from jaxstep.loop._options import FitOptions
+from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._recover import Recovery
-from jaxstep.loop._recover import Resume
 from jaxstep.loop._watchdog import StepWatchdog
 from jaxstep.step import TrainStep
 
@@ -114,14 +113,14 @@ Hooks = tuple[Callable[..., Any], ...]
 
 
 class Actions:
-    """The hooks of ``parts`` (:func:`actions`), bound once: each method calls its hook
-    on every part that has it, in order (the hot path: a loop over a tuple, empty when
-    no part has the hook). ``run`` and ``settles_at_once``: the dispatch."""
+    """The hooks of ``parts`` (:func:`actions`), bound once, in order. The hooks of
+    every step (``pulled``, ``take``, ``before``, ``dispatched``, ``read``,
+    ``on_step_end``, ``settled``) are tuples the loop runs itself: no call at all when
+    no part has the hook. The others are methods that call the hook on every part that
+    has it. ``run`` and ``settles_at_once``: the dispatch."""
 
     __slots__ = (
-        "_before",
         "_close",
-        "_dispatched",
         "_failed",
         "_finish",
         "_held",
@@ -129,17 +128,19 @@ class Actions:
         "_on_failure",
         "_on_fit_end",
         "_on_fit_start",
-        "_on_step_end",
-        "_pulled",
-        "_read",
         "_report",
         "_resumed",
-        "_settled",
         "_stopped",
-        "_take",
+        "before",
+        "dispatched",
+        "on_step_end",
         "parts",
+        "pulled",
+        "read",
         "run",
+        "settled",
         "settles_at_once",
+        "take",
     )
 
     def __init__(self, parts: list[Any], step: TrainStep):
@@ -152,13 +153,13 @@ class Actions:
             return tuple(getattr(p, hook) for p in parts if hasattr(p, hook))
 
         self._on_fit_start = bind("on_fit_start")
-        self._pulled = bind("pulled")
-        self._take = bind("take")
-        self._before = bind("before")
-        self._dispatched = bind("dispatched")
-        self._read = bind("read")
-        self._on_step_end = bind("on_step_end")
-        self._settled = bind("settled")
+        self.pulled = bind("pulled")
+        self.take = bind("take")
+        self.before = bind("before")
+        self.dispatched = bind("dispatched")
+        self.read = bind("read")
+        self.on_step_end = bind("on_step_end")
+        self.settled = bind("settled")
         self._failed = bind("failed")
         self._resumed = bind("resumed")
         self._held = bind("held")
@@ -179,40 +180,6 @@ class Actions:
     def on_fit_start(self, step: TrainStep, history: History) -> None:
         for hook in self._on_fit_start:
             hook(step, history)
-
-    def pulled(self, batch: Any) -> None:
-        for hook in self._pulled:
-            hook(batch)
-
-    def take(self, item: Item) -> Item | None:
-        for hook in self._take:
-            taken = hook(item)
-            if taken is None:
-                return None
-            item = taken
-        return item
-
-    def before(self, state: TrainState, item: Item) -> bool:
-        check = False
-        for hook in self._before:
-            check = hook(state, item) or check
-        return check
-
-    def dispatched(self, pending: Pending) -> None:
-        for hook in self._dispatched:
-            hook(pending)
-
-    def read(self, table: HealthTable) -> None:
-        for hook in self._read:
-            hook(table)
-
-    def on_step_end(self, table: HealthTable) -> None:
-        for hook in self._on_step_end:
-            hook(table)
-
-    def settled(self, pending: Pending, table: HealthTable) -> None:
-        for hook in self._settled:
-            hook(pending, table)
 
     def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         """The error amended by each part, or the first ``Resume`` one returns."""

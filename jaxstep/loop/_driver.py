@@ -29,10 +29,10 @@ from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History
 from jaxstep.loop._history import Recorder
 from jaxstep.loop._options import FitOptions
+from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Recovered
-from jaxstep.loop._recover import Resume
 from jaxstep.loop._stopping import attach
 from jaxstep.loop._stopping import untrained_batches
 from jaxstep.step import TrainStep
@@ -141,7 +141,8 @@ class Loop:
             of the step before it); ``error.state`` holds the state before it.
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
-        self.actions.pulled(batch)
+        for pulled in self.actions.pulled:
+            pulled(batch)
         self.queue.append(Item(batch, self.pulled))
         self.pulled += 1
         self._run_queue()
@@ -157,12 +158,16 @@ class Loop:
     def _advance(self, item: Item) -> None:
         """:meth:`advance` for one queued batch."""
         actions, pending = self.actions, self.pending
-        taken = actions.take(item)
-        if taken is None:  # fewer rows than devices at hand: all carried on
-            return
-        self.held = item = taken
+        for take in actions.take:
+            taken = take(item)
+            if taken is None:  # fewer rows than devices at hand: all carried on
+                return
+            item = taken
+        self.held = item
         presplit = self.options.presplit and item.first is None  # carried rows come joined
-        check = actions.before(self.state, item)  # a checkpoint step: check replicas
+        check = False
+        for before in actions.before:  # a checkpoint step: check replicas
+            check = before(self.state, item) or check
         try:
             self.state, out = actions.run(self.state, item, self.number, check, presplit)
             self.last = out
@@ -180,7 +185,8 @@ class Loop:
         self.number = number + 1
         rows = self.step._internals.rows_per_device
         new = self.pending = Pending(out, item.batch, number, rows, item)
-        actions.dispatched(new)
+        for dispatched in actions.dispatched:
+            dispatched(new)
         self.unconfirmed.append(new)
         if pending is not None:
             self.settle(pending, [item])
@@ -215,9 +221,14 @@ class Loop:
                 raise self._hung(lost, [pending, *pulled]) from err
             raise lost from err
         self.record.settled(pending, table)
-        self._read(pending, table)
-        self.actions.on_step_end(table)
-        self.actions.settled(pending, table)
+        self.read[pending.number] = table  # until its settling completes
+        actions = self.actions
+        for read in actions.read:
+            read(table)
+        for step_end in actions.on_step_end:
+            step_end(table)
+        for settled in actions.settled:
+            settled(pending, table)
         if table.failed and table.halted:
             error = failure_error(step, table, pending.rows, self.state, self.history)
             outcome = self.actions.failed(pending, error)
@@ -228,12 +239,6 @@ class Loop:
         self.read.pop(pending.number, None)
         if self.unconfirmed and self.unconfirmed[0] is pending:
             self.unconfirmed.pop(0)
-
-    def _read(self, pending: Pending, table: HealthTable) -> None:
-        """A table read (once per step: kept in :attr:`read` until its settling
-        completes), for the actions that keep what a step left (the checkpoints)."""
-        self.read[pending.number] = table
-        self.actions.read(table)
 
     def _resume(self, pending: Pending, resume: Resume) -> NoReturn:
         """Goes on from a recovery of ``pending``'s failure: ``resume.items`` first, then
@@ -320,7 +325,9 @@ class Loop:
             if table is None:
                 table = self.step.table(pending.out)
                 self.record.add(pending, table)
-                self._read(pending, table)
+                self.read[pending.number] = table
+                for read in self.actions.read:
+                    read(table)
             if failed is None and table.failed and table.halted:
                 first = self.step.failures(table, pending.rows)[0]
                 failed = f"step {table.step} failed too (device {first.device_id}: {first.reason})"

@@ -352,7 +352,10 @@ class Recorder:
     def settled(self, pending: Pending, table: HealthTable) -> None:
         """A step settled: recorded with the examples per second since the one before."""
         now = time.perf_counter()
-        self.add(pending, table, self.devices * pending.rows / max(now - self.since, 1e-9))
+        aux = pending.out.aux
+        metrics = {} if aux is None else scalar_aux(aux, self.devices)
+        rate = self.devices * pending.rows / max(now - self.since, 1e-9)
+        self.history.append(table, metrics, rate, pending.rows, self.columns)
         self.since = now
 
     def add(

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from typing import NamedTuple
 
 import numpy as np
 
@@ -33,19 +32,20 @@ from jaxstep.checkpoint import append_quarantine
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
-from jaxstep.core import TrainState
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
 from jaxstep.loop._carry import after_leaving
-from jaxstep.loop._carry import merge_spans
 from jaxstep.loop._diagnose import Diagnosis
 from jaxstep.loop._diagnose import diagnose
 from jaxstep.loop._failure import majority_position
 from jaxstep.loop._history import History
 from jaxstep.loop._history import Recovery as RecoveryRecord
 from jaxstep.loop._options import Recover
-from jaxstep.loop._pending import Item
+from jaxstep.loop._outcome import Resume
+from jaxstep.loop._outcome import ids_of
+from jaxstep.loop._outcome import item_of
+from jaxstep.loop._outcome import state_of
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._restart import exit_for_restart
 from jaxstep.loop._rollback import Rollback
@@ -54,17 +54,6 @@ from jaxstep.loop._rows import in_words
 from jaxstep.step import TrainStep
 
 log = logging.getLogger("jaxstep")
-
-
-class Resume(NamedTuple):
-    """What a recovery hands the loop to go on with: the loop trains ``items`` from
-    ``state`` (its step number the next dispatched), then the batches in flight after
-    the failing one, then the rest; ``record`` is recorded once it has."""
-
-    state: TrainState
-    items: list[Item]
-    record: RecoveryRecord
-    carry: Carry | Cut | None = None  # the carry from now on (a device left), or as it was
 
 
 class Recovery:
@@ -96,7 +85,7 @@ class Recovery:
         self.carry = carry  # the loop's, as this recovery last left it
         self.presplit = presplit
         self.rows = Rows(step, checkpoints.source.start, presplit)
-        self.rollback = Rollback(step, checkpoints, options.rollback_batches is not None)
+        self.rollback = Rollback(step, checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
         self.retried: dict[int, int] = {}
         self.since = len(history.recoveries)  # records of earlier fit calls
@@ -147,7 +136,7 @@ class Recovery:
         if status & Status.DIVERGED:
             return self._diverged(pending, error)
         if status & Status.LOSS_SPIKE:
-            return self._spike(pending, error)
+            return self._fresh(self.rollback.spike(pending, error))
         found = self._verdict(pending, error)
         error = error.with_diagnosis(found)
         if found.verdict == "transient":
@@ -195,12 +184,12 @@ class Recovery:
 
     def _verdict(self, pending: Pending, error: TrainingWorkerError) -> Diagnosis:
         batch = pending.batch
-        if self.presplit and _item(pending).first is None:
+        if self.presplit and item_of(pending).first is None:
             batch = self.step.join(batch)  # the replay takes the global batch
         return diagnose(self.step, error, batch)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
-        item = _item(pending)
+        item = item_of(pending)
         done = self.retried.get(item.seq, 0)
         if done >= self.options.retries:
             return error.with_note(
@@ -212,28 +201,28 @@ class Recovery:
             error.step,
             "transient",
             "retried",
-            _ids(error),
+            ids_of(error),
             batch=self.rows.batch(item),
             detail="the same batch again from the last good state",
         )
-        return Resume(_state(error), [item], record)
+        return Resume(state_of(error), [item], record)
 
     def _quarantine(
         self, pending: Pending, error: TrainingWorkerError, found: Diagnosis
     ) -> TrainingWorkerError | Resume:
-        item = _item(pending)
+        item = item_of(pending)
         if not self.options.quarantine:
             return error.with_note("not recovered: Recover(quarantine=False)")
         if item.drop:
             return error.with_note(
                 "not recovered: the step failed again with the failing chunks left out"
             )
-        devices = found.devices or _ids(error)
+        devices = found.devices or ids_of(error)
         sources = self.rows.sources(item, found.examples)
         # Every device failed: a collective in the model (cross-device BatchNorm)
         # carried the bad rows into every chunk, so the rerun leaving the failing
         # chunks out of the mean is skipped whole (state.step counts it): say so.
-        spread = len(_ids(error)) >= len(self.step.devices)
+        spread = len(ids_of(error)) >= len(self.step.devices)
         skipped: tuple[int, ...] = ()
         if spread:
             skipped, lost = in_words(self.rows.spans(item))
@@ -267,7 +256,7 @@ class Recovery:
                     batch_size=self.rows.size(item),
                     device_ids=devices,
                 )
-        return Resume(_state(error), [item._replace(drop=True)], record)
+        return Resume(state_of(error), [item._replace(drop=True)], record)
 
     def _exclude(
         self, pending: Pending, error: TrainingWorkerError, found: Diagnosis
@@ -276,7 +265,7 @@ class Recovery:
             return error.with_note("not recovered: Recover(exclude_devices=False)")
         step = self.step
         # the devices the replay blamed: not those a collective in the model infected
-        ids = found.devices or _ids(error)
+        ids = found.devices or ids_of(error)
         if len(ids) >= len(step.devices):
             return error.with_note("not recovered: every device failed")
         before = list(step.devices)
@@ -300,99 +289,44 @@ class Recovery:
                 f"; process(es) {gone} no longer train their chunk(s) of each batch "
                 "(a process cannot hand its rows to another): listed in history.left_over"
             )
-        item = _item(pending)
+        item = item_of(pending)
         record = RecoveryRecord(
             error.step, "device", "excluded", ids, batch=self.rows.batch(item), detail=detail
         )
         return Resume(state, [item], record, self.carry)
 
-    def _spike(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
-        k = self.options.rollback_batches
-        if k is None:
-            return error.with_note("not recovered: a loss spike needs Recover(rollback_batches=k)")
-        back = self.rollback.since(pending, error)
-        if isinstance(back, TrainingWorkerError):
-            return back
-        c, since = back
-        skip = [item for n, item in since if n > pending.number - k]
-        again = [item for n, item in since if n <= pending.number - k]
-        detail = (
-            f"restored the checkpoint of step {c}; {len(again)} batch(es) since it trained again"
-        )
-        if any(item.spans is not None for item in skip):  # steps of rows carried
-            skipped, rows = in_words(
-                merge_spans([span for item in skip for span in self.rows.spans(item)])
-            )
-            detail += f"; a device gone, the steps skipped held rows of several batches: {rows}"
-        else:
-            skipped = tuple(b for item in skip if (b := self.rows.batch(item)) is not None)
-        record = RecoveryRecord(
-            error.step,
-            "spike",
-            "rolled back",
-            _ids(error),
-            skipped_batches=skipped,
-            batch=self.rows.batch(_item(pending)),
-            detail=detail,
-        )
-        return self._roll_back(c, again, record)
-
     def _diverged(
         self, pending: Pending, error: TrainingWorkerError
     ) -> TrainingWorkerError | Resume:
-        back = self.rollback.since(pending, error)
-        if not isinstance(back, TrainingWorkerError):
-            c, since = back
-            record = RecoveryRecord(
-                error.step,
-                "diverged",
-                "rolled back",
-                _ids(error),
-                batch=self.rows.batch(_item(pending)),
-                detail=f"restored the checkpoint of step {c}; {len(since)} batch(es) since it "
-                "trained again",
-            )
-            return self._roll_back(c, [item for _, item in since], record)
+        back = self._fresh(self.rollback.diverged(pending, error))
+        if isinstance(back, Resume):
+            return back
         if not error.state_is_good or majority_position(self.step, error.failures) is None:
             return back
         record = RecoveryRecord(
             error.step,
             "diverged",
             "repaired",
-            _ids(error),
-            batch=self.rows.batch(_item(pending)),
+            ids_of(error),
+            batch=self.rows.batch(item_of(pending)),
             detail="the state rebuilt from a replica that agrees with the majority, "
             "the step run again",
         )
-        return Resume(_state(error), [_item(pending)], record)
+        return Resume(state_of(error), [item_of(pending)], record)
 
     # -- shared --------------------------------------------------------------------
 
-    def _roll_back(self, number: int, items: list[Item], record: RecoveryRecord) -> Resume:
-        """Goes on from the checkpoint of step ``number`` with ``items``: each batch
-        trained again is a fresh attempt, its retries counted from zero again (the
-        budget, ``max_recoveries``, still bounds them all)."""
-        state = self.rollback.restore(number)
-        for item in items:
-            self.retried.pop(item.seq, None)
-        return Resume(state, items, record)
+    def _fresh(self, outcome: TrainingWorkerError | Resume) -> TrainingWorkerError | Resume:
+        """A rollback's outcome: each batch trained again is a fresh attempt, its
+        retries counted from zero again (the budget, ``max_recoveries``, still bounds
+        them all)."""
+        if isinstance(outcome, Resume):
+            for item in outcome.items:
+                self.retried.pop(item.seq, None)
+        return outcome
 
     def _record(self, record: RecoveryRecord) -> None:
         self.history.recoveries.append(record)
         level = logging.INFO if self.callbacks.show_recoveries else logging.WARNING
         log.log(level, "jaxstep recovered a failure: %s", record)
         self.callbacks.on_recovery(record)
-
-
-def _item(pending: Pending) -> Item:
-    assert pending.item is not None  # every step fit dispatches comes from its queue
-    return pending.item
-
-
-def _state(error: TrainingWorkerError) -> TrainState:
-    assert error.state is not None  # a failed step (not a hang) has its last good state
-    return error.state
-
-
-def _ids(error: TrainingWorkerError) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(f.device_id for f in error.failures))
