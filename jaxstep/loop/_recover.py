@@ -11,7 +11,9 @@ and acted on, within a budget:
 - a diverged replica -> repaired from the majority, or rolled back;
 - a hang -> the emergency save, then the process exits for ``launch --restarts``.
 
-Each action is a :class:`~jaxstep.loop.Recovery` in ``History.recoveries``.
+Each action is a :class:`~jaxstep.loop.Recovery` in ``History.recoveries``. The
+recovery is one of the loop's actions: it returns what the loop should do (a
+:class:`~jaxstep.loop._outcome.Resume`) and never touches the loop.
 
 With several processes every process takes the same action at the same step: the
 failure and the replays are read from global health tables, the offending examples are
