@@ -4,6 +4,7 @@ them (docs/checkpoints.md)."""
 
 from jaxstep.checkpoint._emergency import Emergency as Emergency
 from jaxstep.checkpoint._emergency import read_emergency as read_emergency
+from jaxstep.checkpoint._options import CheckpointOptions as CheckpointOptions
 from jaxstep.checkpoint._quarantine import append_quarantine as append_quarantine
 from jaxstep.checkpoint._quarantine import read_quarantine as read_quarantine
 from jaxstep.checkpoint._saver import FitCheckpoints as FitCheckpoints
@@ -11,6 +12,7 @@ from jaxstep.checkpoint._store import Store as Store
 from jaxstep.checkpoint._store import restore as restore
 
 __all__ = [
+    "CheckpointOptions",
     "Emergency",
     "FitCheckpoints",
     "Store",

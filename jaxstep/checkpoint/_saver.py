@@ -1,25 +1,23 @@
 """What :func:`jaxstep.fit` does so that a failure loses nothing: a copy of the state at
 each checkpoint step, written from a worker thread once that step's replica check has
-passed (so every checkpoint is verified); on a failure, ``error.batches`` and an
-emergency save of the last good state, the failing batch and the error report.
+passed (so every checkpoint is verified); on a failure, an emergency save of the last
+good state, the failing batch and the error report; on an early stop, the state.
 
-Hooks, in fit's order: :meth:`FitCheckpoints.begin` (validate, resume),
-:meth:`FitCheckpoints.before` (each dispatch), :meth:`FitCheckpoints.settled` (each
-health table read), :meth:`FitCheckpoints.failed`, :meth:`FitCheckpoints.close`.
+In fit's order: :meth:`FitCheckpoints.begin` (resume, open the data), then
+:meth:`~FitCheckpoints.before` (each dispatch), :meth:`~FitCheckpoints.settled` (each
+health table read), :meth:`~FitCheckpoints.failed` or :meth:`~FitCheckpoints.stopped`,
+and :meth:`~FitCheckpoints.close` (the loop's checkpoint action calls them).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
-import os
 import socket
 import time
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -28,16 +26,15 @@ import numpy as np
 
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint import _emergency as emergency
+from jaxstep.checkpoint import _resume
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
+from jaxstep.checkpoint._options import CheckpointOptions
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._position import Source
 from jaxstep.checkpoint._position import is_callable_source
 from jaxstep.checkpoint._store import FORMAT
 from jaxstep.checkpoint._store import Store
-from jaxstep.checkpoint._store import as_path
-from jaxstep.checkpoint._store import conform
-from jaxstep.checkpoint._store import load
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
@@ -45,7 +42,6 @@ from jaxstep.core import TrainState
 from jaxstep.step import driving
 
 if TYPE_CHECKING:
-    from jaxstep.checkpoint._store import Loaded
     from jaxstep.step import TrainStep
 
 log = logging.getLogger("jaxstep")
@@ -119,60 +115,53 @@ class FitCheckpoints:
         step: TrainStep,
         state: TrainState,
         batches: Any,
-        *,
-        checkpoint_dir: str | os.PathLike[str] | None,
-        checkpoint_every: int | None,
-        keep: int | None,
-        resume: bool,
+        options: CheckpointOptions | None = None,
+        **keywords: Any,
     ) -> tuple[TrainState, Source, FitCheckpoints]:
-        """Validates the arguments, restores the latest verified checkpoint when
-        ``resume``, and opens ``batches`` at the data position.
+        """Restores the latest verified checkpoint when ``options.resume``, and opens
+        ``batches`` at the data position (``keywords``: the options, when ``options`` is
+        not given).
 
         Returns:
           (the state to train from, the batches to pull, the run).
         """
-        _validate(step, checkpoint_dir, checkpoint_every, keep, resume)
-        if not resume:  # on resume the state only gives the structure
-            step.check_state(state)
-        position, resuming = None, False
-        if resume:
-            assert checkpoint_dir is not None
-            loaded = load(checkpoint_dir) if _has_checkpoint(checkpoint_dir) else None
-            coordination.agree_on_restore(
-                checkpoint_dir, None if loaded is None else loaded.meta["step"], step.devices
+        if options is None:
+            options = CheckpointOptions(**keywords)
+        directory, every = options.checkpoint_dir, options.checkpoint_every
+        among = coordination.processes(step.devices)
+        if directory is not None and jax.process_count() > 1 and 0 not in among:
+            raise ValueError(
+                f"checkpoint_dir with a step on the devices of process(es) {among} only: "
+                "process 0 writes the checkpoints (orbax writes host arrays from process 0 "
+                "alone), so the step's devices must include process 0's (the default, "
+                "jax.devices())"
             )
-            if loaded is not None:
-                _check_positions(loaded, step.devices)
-                state = step.place_state(conform(step, loaded, template=state))
-                position, resuming = loaded.position, True
-                log.info("resumed from %s (data position %s)", loaded.path, position)
-            else:
-                warnings.warn(
-                    f"resume=True but {str(checkpoint_dir)!r} holds no checkpoint yet: "
-                    "training from the given state",
-                    stacklevel=3,
-                )
+        position = None
+        if options.resume:  # the state passed only gives the structure
+            assert directory is not None
+            state, position = _resume.latest(step, state, directory)
+        else:
+            step.check_state(state)
+        resuming = position is not None
         first = int(np.asarray(state.step).reshape(-1)[0])
         if position is None:
             position = Position(first if is_callable_source(batches) else 0, "")
-        source = Source(
-            batches, position, resuming=resuming, checkpointing=checkpoint_every is not None
-        )
+        source = Source(batches, position, resuming=resuming, checkpointing=every is not None)
         store = None
-        if checkpoint_dir is not None:
-            store = Store(checkpoint_dir, keep=keep, create=True)
+        if directory is not None:
+            store = Store(directory, keep=options.keep, create=True)
             # (On resume, steps after the restored one were passed over as unreadable or
             # unverified: they are never restored, and never overwritten.)
             ahead = [n for n in store.steps() if n > first]
-            if ahead and checkpoint_every is not None and not resuming:
+            if ahead and every is not None and not resuming:
                 store.close()
                 raise ValueError(
-                    f"{str(checkpoint_dir)!r} holds checkpoints of steps {ahead}, ahead of "
+                    f"{str(directory)!r} holds checkpoints of steps {ahead}, ahead of "
                     f"this state (step {first}): they come from another run, and "
                     "resume=True would pick them. Use a new checkpoint_dir, delete them, or "
                     "pass resume=True to go on from the latest"
                 )
-        return state, source, cls(step, store, checkpoint_every, source, first)
+        return state, source, cls(step, store, every, source, first)
 
     def before(self, state: TrainState, index: int | None = None, rows: int = 0) -> bool:
         """Called with each state just before it is dispatched (and donated). Returns
@@ -292,16 +281,12 @@ class FitCheckpoints:
         concurrent.futures.wait(self._futures, timeout=timeout)
 
     def failed(
-        self,
-        error: TrainingWorkerError,
-        batches: Sequence[Any],
-        first: tuple[int, int] | None = None,
+        self, error: TrainingWorkerError, first: tuple[int, int] | None = None
     ) -> TrainingWorkerError:
-        """The error with ``batches`` (the failing batch first), and, with a checkpoint
-        directory, the emergency save and the latest verified checkpoint named.
-        ``first``: the data position of the first of ``batches`` (the source's count
-        before its batch, rows into it; default: they are the last ones pulled)."""
-        error = error.replace(batches=list(batches))
+        """The error (``error.batches``: the failing batch first) with the emergency
+        save, and the latest verified checkpoint named. ``first``: the data position of
+        the first of ``error.batches`` (the source's count before its batch, rows into
+        it; default: they are the last ones pulled). Closes the run."""
         if self.store is None:
             return error
         self.drain(_DRAIN_TIMEOUT)
@@ -394,76 +379,6 @@ class FitCheckpoints:
             self._pool.shutdown(wait=all(f.done() for f in self._futures))
         if self.store is not None:
             self.store.close()
-
-
-def _validate(
-    step: TrainStep,
-    directory: str | os.PathLike[str] | None,
-    every: int | None,
-    keep: int | None,
-    resume: bool,
-) -> None:
-    if every is not None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"checkpoint_every must be an int >= 1 or None, got {every!r}")
-        if directory is None:
-            raise ValueError(f"checkpoint_every={every} needs checkpoint_dir=... to write to")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
-    if resume and directory is None:
-        raise ValueError("resume=True needs checkpoint_dir=... to resume from")
-    if directory is not None:
-        _check_directory(directory)
-    among = coordination.processes(step.devices)
-    if directory is not None and jax.process_count() > 1 and 0 not in among:
-        raise ValueError(
-            f"checkpoint_dir with a step on the devices of process(es) {among} only: process "
-            "0 writes the checkpoints (orbax writes host arrays from process 0 alone), so "
-            "the step's devices must include process 0's (the default, jax.devices())"
-        )
-
-
-def _check_directory(directory: str | os.PathLike[str]) -> None:
-    """A local checkpoint_dir must be (or become) a writable directory: a checkpoint
-    write that fails only logs, so a run would otherwise end with no checkpoint."""
-    path = as_path(directory)
-    if not isinstance(path, Path):
-        return  # a URL (gs://...): orbax reports its own errors
-    shown = repr(str(directory))
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"checkpoint_dir {shown} is a file; pass a directory (created if missing)")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(
-            f"checkpoint_dir {shown} cannot be created ({err.strerror}: {err.filename}); "
-            "pass a directory you can write to"
-        ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"checkpoint_dir {shown} is not writable; pass a directory you can write to"
-        )
-
-
-def _check_positions(loaded: Loaded, devices: Sequence[jax.Device]) -> None:
-    """A checkpoint of another process count resumes only when its data positions do
-    not depend on the process (a callable source: the position is the step)."""
-    saved = loaded.meta.get("data_by_process")
-    count = len(coordination.processes(devices))
-    if saved is None or len(saved) == count:
-        return
-    if len({json.dumps(v, sort_keys=True) for v in saved.values()}) > 1:
-        raise ValueError(
-            f"checkpoint {loaded.path} was written by {len(saved)} processes, each at its "
-            f"own data position ({saved}), and this run has {count}: the positions cannot "
-            f"be mapped. Resume it with {len(saved)} processes, or feed batches from a "
-            "callable source (batch = source(step)), whose position is the step"
-        )
-
-
-def _has_checkpoint(directory: str | os.PathLike[str]) -> bool:
-    path = as_path(directory)
-    return path.is_dir() and any(p.name.isdigit() for p in path.iterdir())
 
 
 def _report_failed_write(future: concurrent.futures.Future[None]) -> None:

@@ -1,6 +1,7 @@
 """The vocabulary every layer speaks: the training state, the health table and its
 status flags, the error, the processes of a run, argument validation, and the types the
-layers share (pytrees, ``BackendName``, ``Policy``). Imports nothing else of jaxstep."""
+layers share (pytrees, the modes: ``BackendName``, ``Policy``, ``Verdict``, ...). Imports
+nothing else of jaxstep."""
 
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
@@ -23,7 +24,10 @@ from jaxstep.core._types import FaultMode as FaultMode
 from jaxstep.core._types import Params as Params
 from jaxstep.core._types import Policy as Policy
 from jaxstep.core._types import PyTree as PyTree
+from jaxstep.core._types import RecoveryAction as RecoveryAction
+from jaxstep.core._types import ReplayVerdict as ReplayVerdict
 from jaxstep.core._types import SourceKind as SourceKind
+from jaxstep.core._types import Verdict as Verdict
 from jaxstep.core._weighted import WeightedLoss as WeightedLoss
 from jaxstep.core.health import COL as COL
 from jaxstep.core.health import COLUMNS as COLUMNS
@@ -48,12 +52,15 @@ __all__ = [
     "Policy",
     "PyTree",
     "RESTART_EXIT_CODE",
+    "RecoveryAction",
+    "ReplayVerdict",
     "SourceKind",
     "Status",
     "StepInfo",
     "StepOutput",
     "TrainState",
     "TrainingWorkerError",
+    "Verdict",
     "WeightedLoss",
     "failures_from_table",
     "from_host",

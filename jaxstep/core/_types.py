@@ -1,6 +1,7 @@
 """The names the layers type with: pytrees (what a user's params and batches are), the
 modes a step is built with (``backend``, ``on_failure``), an injected fault's kind and
-mode, and how a data source resumes."""
+mode, how a data source resumes, and what a run reports (a recovery's verdict and
+action, a replay's verdict)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ FaultMode: TypeAlias = Literal["device", "transient", "data"]
 #: ``Position.kind``: how ``fit``'s batches resume; ``""`` for a start given as a batch
 #: number, before a source knows its kind.
 SourceKind: TypeAlias = Literal["callable", "checkpointable", "sequence", "iterator", ""]
+#: ``Recovery.verdict``: what ``fit(..., recover=...)`` found a failure to be.
+Verdict: TypeAlias = Literal["transient", "data", "device", "spike", "diverged"]
+#: ``Recovery.action``: what it did about it (in the order a summary counts them).
+RecoveryAction: TypeAlias = Literal["retried", "quarantined", "excluded", "rolled back", "repaired"]
+#: ``Diagnosis.verdict``: what a replay of a failed step found.
+ReplayVerdict: TypeAlias = Literal["data", "device", "transient", "inconclusive"]
 
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
 POLICIES: tuple[Policy, ...] = get_args(Policy)

@@ -1,9 +1,9 @@
 """The training loop: :func:`fit` (dispatch step t, settle step t-1), a short driver
-over :class:`Loop`'s named steps; the :class:`History` it keeps, the :class:`Callbacks`
-fan-out, the step watchdog that names a hung device, and the replay diagnosis of a
-failed step."""
+over :class:`Loop`'s named steps and its actions (checkpoints, the step watchdog that
+names a hung device, recovery, the carry, the callbacks, the replay diagnosis); the
+:class:`History` it keeps, the :class:`Callbacks` fan-out, and the replay diagnosis of
+a failed step."""
 
-from jaxstep.loop._callbacks import Callback as Callback
 from jaxstep.loop._callbacks import Callbacks as Callbacks
 from jaxstep.loop._diagnose import Diagnosis as Diagnosis
 from jaxstep.loop._diagnose import diagnose as diagnose
@@ -12,20 +12,19 @@ from jaxstep.loop._failure import replica_state as replica_state
 from jaxstep.loop._fit import fit as fit
 from jaxstep.loop._history import History as History
 from jaxstep.loop._history import Recovery as Recovery
+from jaxstep.loop._options import FitOptions as FitOptions
+from jaxstep.loop._options import Recover as Recover
 from jaxstep.loop._pending import Item as Item
 from jaxstep.loop._pending import Pending as Pending
-from jaxstep.loop._recover import Recover as Recover
-from jaxstep.loop._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 
 __all__ = [
-    "Callback",
     "Callbacks",
     "Diagnosis",
+    "FitOptions",
     "History",
     "Item",
     "Loop",
     "Pending",
-    "RESTART_EXIT_CODE",
     "Recover",
     "Recovery",
     "diagnose",

@@ -1,5 +1,10 @@
-"""The hooks :func:`jaxstep.fit` calls, and one object that fans each call out to every
-callback that has the hook (CLU's ``MultiWriter``), resolved once per fit call."""
+"""The hooks :func:`jaxstep.fit` calls on a callback, and one object that fans each
+call out to every callback that has the hook (CLU's ``MultiWriter``), resolved once per
+fit call: the loop's callbacks action.
+
+A callback is any object with some of the hooks (docs/fit.md):
+``on_fit_start(step, history)``, ``on_step_end(table)``, ``on_recovery(record)``,
+``on_failure(error)`` and ``on_fit_end(history)``."""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 from typing import Any
-from typing import Protocol
 
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
@@ -20,20 +24,6 @@ if TYPE_CHECKING:
 
 #: The hooks fit calls on a callback, in the order of a run.
 HOOKS = ("on_fit_start", "on_step_end", "on_recovery", "on_failure", "on_fit_end")
-
-
-class Callback(Protocol):
-    """Hooks into :func:`fit`; define the methods you need (all optional)."""
-
-    def on_fit_start(self, step: TrainStep, history: History) -> None: ...
-
-    def on_step_end(self, table: HealthTable) -> None: ...
-
-    def on_recovery(self, record: Recovery) -> None: ...
-
-    def on_failure(self, error: TrainingWorkerError) -> None: ...
-
-    def on_fit_end(self, history: History) -> None: ...
 
 
 class Callbacks:
@@ -52,7 +42,7 @@ class Callbacks:
     1
     """
 
-    __slots__ = ("_end", "_failure", "_recovery", "_start", "_step_end")
+    __slots__ = ("_end", "_failure", "_recovery", "_start", "_step_end", "hooked")
 
     def __init__(self, callbacks: Iterable[object] = ()):
         callbacks = list(callbacks)
@@ -61,6 +51,8 @@ class Callbacks:
         self._recovery = _bound(callbacks, "on_recovery")
         self._failure = _bound(callbacks, "on_failure")
         self._end = _bound(callbacks, "on_fit_end")
+        #: whether any callback has a hook (without one, fit leaves this action out)
+        self.hooked = any(hasattr(cb, h) for cb in callbacks for h in HOOKS)
 
     def on_fit_start(self, step: TrainStep, history: History) -> None:
         for hook in self._start:

@@ -18,21 +18,76 @@ every batch in ``History.left_over``. Every row is trained or listed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxstep import distributed
 from jaxstep.core import validate
 from jaxstep.loop._pending import Item
+from jaxstep.step import TrainStep
+from jaxstep.step import driving
 from jaxstep.step import join_presplit
 
 Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the data
 
 
+# The warnings of finish name fit's caller: fit -> Loop.finish -> Actions.finish -> here.
+_FIT_CALLER = 5
+
+
+def carry_for(
+    step: TrainStep, start: int, skip: int, left_over: list[Span], presplit: bool
+) -> Carry | Cut | None:
+    """The carry a fit call starts with (None: none needed): for a resume inside a batch
+    (``skip`` rows of the first batch trained already), or for a step that lost devices
+    in an earlier fit call. ``start``: the data's count of the first batch pulled."""
+    if skip:
+        return Carry(_unit(step), skip, presplit, start=start, left_over=left_over)
+    origin = driving.origin(step)
+    if origin is None:
+        return None
+    return after_leaving(None, origin, step, start=start, left_over=left_over, presplit=presplit)
+
+
+def after_leaving(
+    carry: Carry | Cut | None,
+    before: Sequence[jax.Device],
+    step: TrainStep,
+    *,
+    start: int,
+    left_over: list[Span],
+    presplit: bool,
+) -> Carry | Cut:
+    """``carry`` (made when None) once the devices of ``before`` that ``step`` no longer
+    has left the run: on several processes each batch's rows of the devices gone are cut
+    (:class:`Cut`); on one, the rows that do not divide by the devices left are carried
+    (:class:`Carry`, its unit that of the devices left)."""
+    if distributed.spans_processes(before):  # rows stay with their process
+        if not isinstance(carry, Cut):
+            here = [d.id for d in before if d.process_index == jax.process_index()]
+            carry = Cut(here, start, left_over, presplit)
+        kept = {d.id for d in step.devices}
+        carry.exclude([d.id for d in before if d.id not in kept])
+        return carry
+    if not isinstance(carry, Carry):
+        carry = Carry(_unit(step), presplit=presplit, start=start, left_over=left_over)
+    carry.unit = _unit(step)
+    return carry
+
+
+def _unit(step: TrainStep) -> int:
+    """The rows a step's batch must divide by: devices x micro-batches."""
+    return len(step.devices) * (step.options.microbatches or 1)
+
+
 class Carry:
-    """The rows carried into the next step, and exactly where each came from.
+    """The rows carried into the next step, and exactly where each came from: an
+    action of the loop (:meth:`take` before each dispatch, :meth:`held` when the loop
+    stops or goes back, :meth:`finish`).
 
     Args:
       unit: the rows a step's size must divide by (devices x micro-batches).
@@ -40,12 +95,25 @@ class Carry:
         inside a batch): they are passed over.
       presplit: batches come ``(n_devices, per_device, ...)``: joined here, ``n_devices``
         read from the batch (laid out for the devices before any left the run).
+      start: the data's count of the first batch fit pulled (``History.left_over``
+        counts batches from the data's first).
+      left_over: where the rows never trained are listed (``History.left_over``).
     """
 
-    def __init__(self, unit: int, skip: int = 0, presplit: bool = False):
+    def __init__(
+        self,
+        unit: int,
+        skip: int = 0,
+        presplit: bool = False,
+        *,
+        start: int = 0,
+        left_over: list[Span] | None = None,
+    ):
         self.unit = unit
         self.skip = skip
         self.presplit = presplit
+        self.start = start
+        self.left_over = [] if left_over is None else left_over
         self.rows: Any = None  # the carried rows (host arrays), or None
         self.spans: list[Span] = []  # where they are in the data, in order
 
@@ -92,11 +160,31 @@ class Carry:
             return None
         return Item(rows, spans[-1][0], first=spans[0][0], offset=spans[0][1], spans=spans)
 
+    def held(self) -> list[Item]:
+        """The carried rows as items to queue again or hand back (:meth:`requeue`)."""
+        item = self.requeue()
+        return [] if item is None else [item]
+
     def left(self) -> tuple[list[Span], Any] | None:
         """The rows carried and not trained, with their spans, or None."""
         if self.rows is None:
             return None
         return list(self.spans), self.rows
+
+    def finish(self) -> None:
+        """The data ended: rows still carried (fewer than a step needs) are listed in
+        ``History.left_over``, with a warning."""
+        left = self.left()
+        if left is None:
+            return
+        spans, rows = left
+        self.left_over.extend((self.start + seq, lo, hi) for seq, lo, hi in spans)
+        warnings.warn(
+            f"{validate.batch(rows, 1)} row(s) carried after a device left the run were "
+            f"not trained: the data ended with fewer rows than the {self.unit} a step "
+            f"needs; they are listed in history.left_over {self.left_over}",
+            stacklevel=_FIT_CALLER,
+        )
 
 
 def merge_spans(spans: list[Span]) -> list[Span]:
@@ -126,7 +214,8 @@ def _split(spans: list[Span], rows: int) -> tuple[list[Span], list[Span]]:
 
 class Cut:
     """Several processes, a device gone: the chunks of each of this process's batches
-    that no device is left to train, cut out and listed (``History.left_over``).
+    that no device is left to train, cut out and listed (``History.left_over``); an
+    action of the loop like :class:`Carry`.
 
     Batches keep the layout of the devices this process held when the first device
     left (``origin``): chunk ``j`` of each is ``origin[j]``'s. A batch keeps its rows per
@@ -191,6 +280,21 @@ class Cut:
         """Nothing carried to queue again."""
         return None
 
+    def held(self) -> list[Item]:
+        """Nothing carried to hand back."""
+        return []
+
     def left(self) -> None:
         """No rows carried."""
         return None
+
+    def finish(self) -> None:
+        """The rows cut by this fit call, in a warning (they are in ``History.left_over``)."""
+        if self.cut:
+            warnings.warn(
+                f"{self.cut} row(s) of this process's batches were not trained: they "
+                "were the chunks of devices that left the run, and with several processes "
+                "a process cannot hand its rows to another; they are listed in "
+                f"history.left_over {self.left_over}",
+                stacklevel=_FIT_CALLER,
+            )

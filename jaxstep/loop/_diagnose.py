@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from jaxstep import distributed
+from jaxstep.core import ReplayVerdict
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.loop._pending import Pending
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
 
@@ -57,7 +59,7 @@ class Diagnosis:
         with them.
     """
 
-    verdict: str
+    verdict: ReplayVerdict
     evidence: tuple[str, ...]
     examples: tuple[int, ...] = ()
     replays: tuple[tuple[int, tuple[int, ...]], ...] = ()
@@ -277,3 +279,19 @@ def _with_grad_leaves(
             "the NaN reached only the layers that own these"
         )
     return dataclasses.replace(found, evidence=(*found.evidence, note), grad_leaves=tuple(bad))
+
+
+class Replay:
+    """The loop's replay action (``fit(diagnose=True)``): a failure that leaves fit
+    carries the verdict of its replay (``error.diagnosis``, and in its message)."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: TrainStep):
+        self.step = step
+
+    def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
+        """``error`` with its diagnosis (a recovery may have replayed it already)."""
+        if error.diagnosis is not None:
+            return error
+        return error.with_diagnosis(diagnose(self.step, error, pending.batch))

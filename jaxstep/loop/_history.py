@@ -1,15 +1,22 @@
-"""The record of a run: one entry per finished step (from its health table)."""
+"""The record of a run: one entry per finished step (from its health table), and the
+:class:`Recorder` that writes each step fit settles into it."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Sequence
 from typing import Any
+from typing import get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxstep.core import HealthTable
+from jaxstep.core import RecoveryAction
+from jaxstep.core import Verdict
+from jaxstep.loop._pending import Pending
 
 # History fields filled from the health tables, decoded when first read.
 _DECODED = frozenset(
@@ -27,9 +34,10 @@ _DECODED = frozenset(
 )
 
 
-#: ``Recovery.verdict`` values, and the ``Recovery.action`` each one leads to.
-VERDICTS = ("transient", "data", "device", "spike", "diverged")
-ACTIONS = ("retried", "quarantined", "excluded", "rolled back", "repaired")
+#: ``Recovery.verdict`` values, and the ``Recovery.action`` values (a record may come
+#: from JSON, where nothing typed it: checked when built).
+VERDICTS: tuple[Verdict, ...] = get_args(Verdict)
+ACTIONS: tuple[RecoveryAction, ...] = get_args(RecoveryAction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +65,8 @@ class Recovery:
     """
 
     step: int
-    verdict: str
-    action: str
+    verdict: Verdict
+    action: RecoveryAction
     device_ids: tuple[int, ...] = ()
     examples: tuple[int, ...] = ()
     skipped_batches: tuple[int, ...] = ()
@@ -309,3 +317,51 @@ def scalar_aux(aux: Any, n: int) -> dict[str, float]:
             name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
             found[name or "aux"] = float(np.mean(np.asarray(x, np.float64)))
     return found
+
+
+class Recorder:
+    """Writes each step one fit call settles into ``history``: its table, the scalar
+    entries of its ``aux``, its examples per second, and, once a device left the run,
+    the columns of ``history.device_ids`` its devices fill."""
+
+    __slots__ = ("columns", "devices", "history", "since")
+
+    def __init__(self, history: History):
+        self.history = history
+        self.devices = 0  # devices of the step
+        self.columns: Any = None  # their positions in history.device_ids (None: all, in order)
+        self.since = 0.0  # when the step before was settled (or the run started)
+
+    def start(self, ids: list[int], origin: list[int] | None) -> None:
+        """The run starts on the devices ``ids``; ``origin``: the devices its step was
+        built with, when some left in an earlier fit call (the history keeps a column
+        for each)."""
+        history = self.history
+        if not (history.device_ids and set(ids) < set(history.device_ids)):
+            # (a history shared with the fit calls before keeps its columns)
+            history.device_ids = ids if origin is None else origin
+        self.now_on(ids)
+
+    def now_on(self, ids: Sequence[int]) -> None:
+        """The step runs on the devices ``ids`` from now on."""
+        self.devices = len(ids)
+        if self.history.device_ids != list(ids):
+            where = {d: i for i, d in enumerate(self.history.device_ids)}
+            self.columns = np.asarray([where[d] for d in ids])
+
+    def settled(self, pending: Pending, table: HealthTable) -> None:
+        """A step settled: recorded with the examples per second since the one before."""
+        now = time.perf_counter()
+        aux = pending.out.aux
+        metrics = {} if aux is None else scalar_aux(aux, self.devices)
+        rate = self.devices * pending.rows / max(now - self.since, 1e-9)
+        self.history.append(table, metrics, rate, pending.rows, self.columns)
+        self.since = now
+
+    def add(
+        self, pending: Pending, table: HealthTable, examples_per_sec: float = float("nan")
+    ) -> None:
+        """``pending``'s step (read, not settled: its rate unknown), recorded."""
+        aux = pending.out.aux
+        metrics = {} if aux is None else scalar_aux(aux, self.devices)
+        self.history.append(table, metrics, examples_per_sec, pending.rows, self.columns)

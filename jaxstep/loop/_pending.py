@@ -41,8 +41,8 @@ class Pending(NamedTuple):
 
 
 class Recovered(Exception):
-    """Raised by a recovery once it has reset the loop (a new state, the batches to
-    train queued again): the loop goes on with the next queued batch."""
+    """Raised by the loop once it has applied a recovery's ``Resume`` (a new state, the
+    batches to train queued again): it goes on with the next queued batch."""
 
 
 def rows_as_given(batch: Any, presplit: bool) -> int | None:

@@ -10,31 +10,23 @@ import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from typing import Any
 
 from jaxstep.core import TrainState
-from jaxstep.loop._carry import Carry
-from jaxstep.loop._carry import Cut
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 
-if TYPE_CHECKING:
-    from jaxstep.loop._driver import Loop
-
 
 def untrained_batches(
-    left: Sequence[Pending | Item | None], carry: Carry | Cut | None
+    left: Sequence[Pending | Item | None],
 ) -> tuple[list[Any], tuple[int, int] | None]:
-    """The batches of ``left`` (steps in flight, the batch held, the queue) and the
-    rows ``carry`` holds, in the order they were pulled, and the data position of the
-    first ``(seq, rows into it)`` (None: unknown); empties the carry."""
+    """The batches of ``left`` (steps in flight, the batch held, the queue, the rows
+    an action holds), in the order they were pulled, and the data position of the first
+    ``(seq, rows into it)`` (None: unknown)."""
     known = [u for u in left if u is not None]
-    carried = None if carry is None else carry.requeue()
-    if carried is not None:
-        known.append(carried)
     order = [u.item if isinstance(u, Pending) else u for u in known]
     if any(item is None for item in order):
         return [u.batch for u in known], None
@@ -83,12 +75,12 @@ def attach(
 
 
 @contextlib.contextmanager
-def deferred_interrupts(loop: Loop) -> Iterator[None]:
-    """A first Ctrl-C (SIGINT) only marks ``loop`` (``loop.interrupted``): its
-    :meth:`~Loop.advance` raises ``KeyboardInterrupt`` once the step in flight is
-    dispatched and the one before it settled, so no state is caught half donated. A
-    second one raises at once. Only in the main thread, and only over Python's own
-    handler (a notebook kernel's or the user's handler is left alone)."""
+def deferred_interrupts(mark: Callable[[], None]) -> Iterator[None]:
+    """A first Ctrl-C (SIGINT) only calls ``mark`` (the loop's ``interrupt``: its
+    ``advance`` raises ``KeyboardInterrupt`` once the step in flight is dispatched and
+    the one before it settled, so no state is caught half donated). A second one raises
+    at once. Only in the main thread, and only over Python's own handler (a notebook
+    kernel's or the user's handler is left alone)."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
@@ -96,10 +88,14 @@ def deferred_interrupts(loop: Loop) -> Iterator[None]:
         yield
         return
 
+    marked = False
+
     def first(signum: int, frame: Any) -> None:
-        if loop.interrupted:
+        nonlocal marked
+        if marked:
             raise KeyboardInterrupt
-        loop.interrupted = True
+        marked = True
+        mark()
         print(
             "jaxstep: stopping after the step in flight (Ctrl-C again to stop at once)",
             file=sys.stderr,

@@ -17,14 +17,19 @@ from jaxstep.core import Status
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.loop._pending import Item
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
 
 
 class StepWatchdog:
-    """Runs each step on a dispatch thread and waits for it with a deadline, so a hung
-    device is named instead of hanging the host (CPU runs steps with host callbacks
-    synchronously, so the wait must not be on the dispatching thread)."""
+    """The loop's runner under ``fit(step_timeout=...)``: runs each step on a dispatch
+    thread and waits for it with a deadline, so a hung device is named instead of
+    hanging the host (CPU runs steps with host callbacks synchronously, so the wait must
+    not be on the dispatching thread). A step has finished when :meth:`run` returns: the
+    loop settles it at once (:attr:`settles_at_once`)."""
+
+    settles_at_once = True
 
     def __init__(self, step: TrainStep, timeout: float):
         self.step = step
@@ -32,24 +37,16 @@ class StepWatchdog:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
 
     def run(
-        self,
-        state: TrainState,
-        batch: Any,
-        expected: int,
-        check_replicas: bool = False,
-        *,
-        presplit: bool = False,
-        drop: bool = False,
+        self, state: TrainState, item: Item, expected: int, check_replicas: bool, presplit: bool
     ) -> tuple[TrainState, StepOutput]:
-        """Runs step ``expected`` (``state``'s) on ``batch`` and returns what the step
-        returns, or raises the ``HUNG`` error naming the devices that did not finish
-        their local part in time. ``drop``: a quarantine's rerun
+        """Runs step ``expected`` (``state``'s) on ``item``'s batch and returns what the
+        step returns, or raises the ``HUNG`` error naming the devices that did not finish
+        their local part in time. ``item.drop``: a quarantine's rerun
         (``driving.rerun_dropping``), watched the same way."""
         step = self.step
-        if presplit:
-            batch = driving.join(step, batch)
+        batch = driving.join(step, item.batch) if presplit else item.batch
         call: Callable[..., tuple[TrainState, StepOutput]]
-        if drop:
+        if item.drop:
             compile_ahead: Callable[..., Any] = functools.partial(driving.compile_dropping, step)
             call = functools.partial(driving.rerun_dropping, step, heartbeat=True)
             # as without a watchdog: the rerun checks replicas on divergence_every's

@@ -1,0 +1,42 @@
+"""What a recovery hands the loop to go on with (:class:`Resume`), and what it reads of
+a failure: the failing step's item, the devices that failed, the last good state."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+from jaxstep.loop._carry import Carry
+from jaxstep.loop._carry import Cut
+from jaxstep.loop._history import Recovery
+from jaxstep.loop._pending import Item
+from jaxstep.loop._pending import Pending
+
+
+class Resume(NamedTuple):
+    """A recovery's outcome: the loop trains ``items`` from ``state`` (its step number
+    the next dispatched), then the batches in flight after the failing one, then the
+    rest; ``record`` is recorded once it has."""
+
+    state: TrainState
+    items: list[Item]
+    record: Recovery
+    carry: Carry | Cut | None = None  # the carry from now on (a device left), or as it was
+
+
+def item_of(pending: Pending) -> Item:
+    """The item the failing step ran."""
+    assert pending.item is not None  # every step fit dispatches comes from its queue
+    return pending.item
+
+
+def ids_of(error: TrainingWorkerError) -> tuple[int, ...]:
+    """The ids of the devices that failed, root cause first, each once."""
+    return tuple(dict.fromkeys(f.device_id for f in error.failures))
+
+
+def state_of(error: TrainingWorkerError) -> TrainState:
+    """The last good state of a failed step (a hang, which has none, is not recovered)."""
+    assert error.state is not None
+    return error.state
