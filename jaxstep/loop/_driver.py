@@ -232,7 +232,11 @@ class Loop:
             settled(pending, table)
         if table.failed and table.halted:
             error = failure_error(step, table, pending.rows, self.state, self.history)
-            outcome = self.actions.failed(pending, error)
+            try:
+                outcome = self.actions.failed(pending, error)
+            except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left
+                hang = hang.with_note(f"while diagnosing: {str(error).splitlines()[0]}")
+                raise self._hung(hang, [pending, *pulled]) from None
             if isinstance(outcome, Resume):
                 self._resume(pending, outcome)
             # Nothing pulled is lost: the failing batch and those after it, untrained.

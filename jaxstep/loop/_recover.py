@@ -79,6 +79,7 @@ class Recovery:
         checkpoints: FitCheckpoints,
         carry: Carry | Cut | None,
         presplit: bool,
+        step_timeout: float | None = None,
     ):
         self.options = options
         self.step = step
@@ -87,6 +88,7 @@ class Recovery:
         self.checkpoints = checkpoints
         self.carry = carry  # the loop's, as this recovery last left it
         self.presplit = presplit
+        self.step_timeout = step_timeout  # the replays are watched as the steps are
         self.rows = Rows(step, checkpoints.source.start, presplit)
         self.rollback = Rollback(step, checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
@@ -189,7 +191,7 @@ class Recovery:
         batch = pending.batch
         if self.presplit and item_of(pending).first is None:
             batch = driving.join(self.step, batch)  # the replay takes the global batch
-        return diagnose(self.step, error, batch)
+        return diagnose(self.step, error, batch, step_timeout=self.step_timeout)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         item = item_of(pending)
