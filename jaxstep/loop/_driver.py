@@ -142,10 +142,12 @@ class Loop:
             of the step before it); ``error.state`` holds the state before it.
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
-        for pulled in self.actions.pulled:
-            pulled(batch)
+        # queued first: a batch an action refuses (Recover(example_id=...) names no
+        # leaf of it) is handed back on the error with the others (err.batches)
         self.queue.append(Item(batch, self.pulled))
         self.pulled += 1
+        for pulled in self.actions.pulled:
+            pulled(batch)
         self._run_queue()
 
     def _run_queue(self) -> None:

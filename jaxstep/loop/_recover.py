@@ -89,7 +89,8 @@ class Recovery:
         self.carry = carry  # the loop's, as this recovery last left it
         self.presplit = presplit
         self.step_timeout = step_timeout  # the replays are watched as the steps are
-        self.rows = Rows(step, checkpoints.source.start, presplit)
+        self.rows = Rows(step, checkpoints.source.start, presplit, options.example_id)
+        self.fit_start = checkpoints.number  # state.step as this fit call starts
         self.rollback = Rollback(step, checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
         self.retried: dict[int, int] = {}
@@ -224,6 +225,7 @@ class Recovery:
             )
         devices = found.devices or ids_of(error)
         sources = self.rows.sources(item, found.examples)
+        ids = self.rows.ids(item, found.examples)  # Recover(example_id=...)
         # Every device failed: a collective in the model (cross-device BatchNorm)
         # carried the bad rows into every chunk, so the rerun leaving the failing
         # chunks out of the mean is skipped whole (state.step counts it): say so.
@@ -249,9 +251,11 @@ class Recovery:
             skipped_batches=skipped,
             batch=self.rows.batch(item),
             detail=detail,
+            example_ids=ids,
         )
         store = self.checkpoints.store
         if store is not None:
+            of_batch = [b for b, _ in self.rows.where(item, found.examples)]
             for batch, rows in sources.items():  # process 0 writes it
                 append_quarantine(
                     store.directory,
@@ -260,6 +264,9 @@ class Recovery:
                     examples=rows,
                     batch_size=self.rows.size(item),
                     device_ids=devices,
+                    fit_start=self.fit_start,
+                    example_id=self.options.example_id,
+                    ids=[i for i, b in zip(ids, of_batch, strict=False) if b == batch],
                 )
         return Resume(state_of(error), [item._replace(drop=True)], record)
 
