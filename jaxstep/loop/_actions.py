@@ -88,7 +88,7 @@ def actions(
             presplit=options.presplit,
             step_timeout=options.step_timeout,
         ),
-        Replay(step, options.step_timeout) if options.diagnose else None,
+        Replay(step, options.step_timeout, options.presplit) if options.diagnose else None,
     )
     return [part for part in found if part is not None]
 

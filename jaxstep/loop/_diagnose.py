@@ -309,11 +309,12 @@ class Replay:
     carries the verdict of its replay (``error.diagnosis``, and in its message). The
     replays are watched as the steps are (``step_timeout``)."""
 
-    __slots__ = ("step", "step_timeout")
+    __slots__ = ("presplit", "step", "step_timeout")
 
-    def __init__(self, step: TrainStep, step_timeout: float | None = None):
+    def __init__(self, step: TrainStep, step_timeout: float | None = None, presplit: bool = False):
         self.step = step
         self.step_timeout = step_timeout
+        self.presplit = presplit  # fit(presplit=True): the replay takes the batch joined
 
     def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
         """``error`` with its diagnosis (a recovery may have replayed it already).
@@ -324,5 +325,8 @@ class Replay:
         """
         if error.diagnosis is not None:
             return error
-        found = diagnose(self.step, error, pending.batch, step_timeout=self.step_timeout)
+        batch = pending.batch
+        if self.presplit and (pending.item is None or pending.item.first is None):
+            batch = driving.join(self.step, batch)  # carried rows come joined already
+        found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
         return error.with_diagnosis(found)
