@@ -92,11 +92,11 @@ class FitCheckpoints:
         # one (the writer) writes (see jaxstep.coordination).
         self.processes = coordination.processes(step.devices)
         self.writer = coordination.is_writer()
-        self._key = coordination.new_run() if len(self.processes) > 1 else None
+        many = len(self.processes) > 1
+        self._positions = coordination.Positions(self.processes) if many else None
         self._snap: _Snapshot | None = None
         self._done = set(store.steps()) if store is not None else set()
         self._futures: list[concurrent.futures.Future[None]] = []
-        self._asked = 0  # latest_verified calls, the same count on every process
         self._closed = False
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-checkpoint")
@@ -177,9 +177,9 @@ class FitCheckpoints:
             return check
         # The position before the batch of this step (by default the one pulled last).
         position = self.source.position(self.source.count - 1 if index is None else index, rows)
-        if self._key is not None:  # published before the step runs: the writer reads
-            # it once the step's collective finished, so it is there by then
-            coordination.publish(f"{self._key}{number}", position.to_json())
+        if self._positions is not None:  # published before the step runs: the writer
+            # reads it once the step's collective finished, so it is there by then
+            self._positions.publish(number, position.to_json())
             if not self.writer:
                 return True
         stacked, devices = driving.stacked(self.step), tuple(self.step.devices)
@@ -200,11 +200,14 @@ class FitCheckpoints:
     def settled(self, table: HealthTable) -> None:
         """Called with each step's health table: a snapshot whose replica check passed
         goes to the writer thread."""
+        verified = not np.any(np.asarray(table.status) & _UNVERIFIED)
+        if self._positions is not None and self._positions.settled(table.step, verified):
+            self._done.add(table.step)  # written: not published again (a rollback to it)
         snap = self._snap
         if snap is None or table.step != snap.number:
             return
         self._snap = None
-        if np.any(np.asarray(table.status) & _UNVERIFIED):
+        if not verified:
             return  # its replicas disagree (or hold non-finite values): never saved
         assert self._pool is not None
         self._done.add(snap.number)
@@ -216,13 +219,9 @@ class FitCheckpoints:
         assert self.store is not None
         leaves = jax.device_get(snap.leaves)
         meta = self._meta(snap.number, snap.devices, verified=True)
-        if self._key is not None:  # every process's own data position
-            key = f"{self._key}{snap.number}"
-            meta["data_by_process"] = {
-                str(p): pos
-                for p, pos in coordination.gather(key, self.processes, _GATHER_TIMEOUT).items()
-            }
-            coordination.forget(key, self.processes)
+        if self._positions is not None:  # every process's own data position
+            found = self._positions.gather(snap.number, _GATHER_TIMEOUT)
+            meta["data_by_process"] = {str(p): pos for p, pos in found.items()}
         meta.update(
             data=snap.position.to_json(),
             exact_resume=self.source.exact,
@@ -270,11 +269,9 @@ class FitCheckpoints:
             self.drain(_DRAIN_TIMEOUT)
             return store.latest_verified()
 
-        if self._key is None:
+        if self._positions is None:
             return written()
-        self._asked += 1
-        key = f"{self._key}latest/{self._asked}"
-        return coordination.from_writer(key, written, _DRAIN_TIMEOUT + _GATHER_TIMEOUT)
+        return self._positions.latest(written, _DRAIN_TIMEOUT + _GATHER_TIMEOUT)
 
     def drain(self, timeout: float | None = None) -> None:
         """Waits for the queued writes."""
@@ -375,8 +372,11 @@ class FitCheckpoints:
             return
         self._closed = True
         self.drain(_DRAIN_TIMEOUT)
+        finished = all(f.done() for f in self._futures)
         if self._pool is not None:
-            self._pool.shutdown(wait=all(f.done() for f in self._futures))
+            self._pool.shutdown(wait=finished)
+        if self._positions is not None and finished:  # else a write may still gather
+            self._positions.close()
         if self.store is not None:
             self.store.close()
 

@@ -86,8 +86,9 @@ def actions(
             checkpoints=checkpoints,
             carry=carry,
             presplit=options.presplit,
+            step_timeout=options.step_timeout,
         ),
-        Replay(step) if options.diagnose else None,
+        Replay(step, options.step_timeout, options.presplit) if options.diagnose else None,
     )
     return [part for part in found if part is not None]
 

@@ -22,6 +22,7 @@ from jaxstep.core import ReplayVerdict
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._watchdog import StepWatchdog
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
 
@@ -83,7 +84,13 @@ class Diagnosis:
         return text
 
 
-def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnosis:
+def diagnose(
+    step: TrainStep,
+    error: TrainingWorkerError,
+    batch: Any,
+    *,
+    step_timeout: float | None = None,
+) -> Diagnosis:
     """Replays the failed step of ``error`` on ``batch`` from ``error.state``.
 
     With several processes, every process calls it (the replays are steps of every
@@ -94,9 +101,15 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
       error: its error; ``error.state`` is the last good state (left untouched).
       batch: the batch of the failed step, as the step took it (with several
         processes: this process's rows).
+      step_timeout: seconds each replay may take, as ``fit(step_timeout=...)``'s
+        steps (``fit`` passes its own): a device that stalls in a replay is named in a
+        ``HUNG`` error instead of hanging the host. None: not watched.
 
     Returns:
       A :class:`Diagnosis`.
+
+    Raises:
+      TrainingWorkerError: a replay hung (``Status.HUNG``), or a peer process was lost.
     """
     if error.state is None:
         raise ValueError(
@@ -122,14 +135,24 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
     if root is not None:
         failed = tuple(sorted(position[f.device_id] for f in error.failures if root in f.status))
 
+    state = error.state
+    watchdog = None if step_timeout is None else StepWatchdog(step, step_timeout)
+
     def run(rotation: int) -> tuple[int, ...]:
-        _, out = driving.replay(step, error.state, batch, rotation=rotation)
+        if watchdog is None:
+            _, out = driving.replay(step, state, batch, rotation=rotation)
+        else:
+            _, out = watchdog.replay(state, batch, rotation, error.step)
         status = step.table(out).status
         hit = status != 0 if root is None else (status & int(root)) != 0
         return tuple(int(i) for i in np.flatnonzero(hit))
 
-    same = run(0)
-    found = _verdict(step, error, batch, failed, same, run)
+    try:
+        same = run(0)
+        found = _verdict(step, error, batch, failed, same, run)
+    finally:
+        if watchdog is not None:
+            watchdog.close()
     if same and root == Status.GRAD_NONFINITE:
         found = _with_grad_leaves(found, step, error, batch, failed[0] if failed else same[0])
     return found
@@ -283,15 +306,27 @@ def _with_grad_leaves(
 
 class Replay:
     """The loop's replay action (``fit(diagnose=True)``): a failure that leaves fit
-    carries the verdict of its replay (``error.diagnosis``, and in its message)."""
+    carries the verdict of its replay (``error.diagnosis``, and in its message). The
+    replays are watched as the steps are (``step_timeout``)."""
 
-    __slots__ = ("step",)
+    __slots__ = ("presplit", "step", "step_timeout")
 
-    def __init__(self, step: TrainStep):
+    def __init__(self, step: TrainStep, step_timeout: float | None = None, presplit: bool = False):
         self.step = step
+        self.step_timeout = step_timeout
+        self.presplit = presplit  # fit(presplit=True): the replay takes the batch joined
 
     def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
-        """``error`` with its diagnosis (a recovery may have replayed it already)."""
+        """``error`` with its diagnosis (a recovery may have replayed it already).
+
+        Raises:
+          TrainingWorkerError: a replay hung, or a peer process was lost (the loop
+            reports it as a hang).
+        """
         if error.diagnosis is not None:
             return error
-        return error.with_diagnosis(diagnose(self.step, error, pending.batch))
+        batch = pending.batch
+        if self.presplit and (pending.item is None or pending.item.first is None):
+            batch = driving.join(self.step, batch)  # carried rows come joined already
+        found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+        return error.with_diagnosis(found)

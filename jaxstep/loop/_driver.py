@@ -142,10 +142,12 @@ class Loop:
             of the step before it); ``error.state`` holds the state before it.
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
-        for pulled in self.actions.pulled:
-            pulled(batch)
+        # queued first: a batch an action refuses (Recover(example_id=...) names no
+        # leaf of it) is handed back on the error with the others (err.batches)
         self.queue.append(Item(batch, self.pulled))
         self.pulled += 1
+        for pulled in self.actions.pulled:
+            pulled(batch)
         self._run_queue()
 
     def _run_queue(self) -> None:
@@ -232,7 +234,11 @@ class Loop:
             settled(pending, table)
         if table.failed and table.halted:
             error = failure_error(step, table, pending.rows, self.state, self.history)
-            outcome = self.actions.failed(pending, error)
+            try:
+                outcome = self.actions.failed(pending, error)
+            except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left
+                hang = hang.with_note(f"while diagnosing: {str(error).splitlines()[0]}")
+                raise self._hung(hang, [pending, *pulled]) from None
             if isinstance(outcome, Resume):
                 self._resume(pending, outcome)
             # Nothing pulled is lost: the failing batch and those after it, untrained.

@@ -35,6 +35,13 @@ class Recover:
         other batches since the checkpoint again. None: a spike is not recovered.
       max_recoveries: the most actions one fit call takes; the next failure raises
         :class:`~jaxstep.TrainingWorkerError` as without ``recover``, listing them.
+      example_id: the batch leaf that identifies each example (``"id"`` for
+        ``batch["id"]``, or a path as ``jax.tree_util.keystr`` writes it,
+        ``"['meta']['id']"``): an integer array with one value per example, which
+        ``loss_fn`` leaves alone. A quarantine records the values of the offending
+        examples (``Recovery.example_ids``, the quarantine file's ``ids``), which
+        still name them once the data is shuffled: :func:`read_quarantine`'s ``ids``
+        are what the data pipeline filters on next epoch. Checked on the first batch.
     """
 
     retries: int = 1
@@ -42,6 +49,7 @@ class Recover:
     exclude_devices: bool = True
     rollback_batches: int | None = None
     max_recoveries: int = 10
+    example_id: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("retries", "max_recoveries"):
@@ -53,6 +61,12 @@ class Recover:
                 raise TypeError(
                     f"Recover({name}=...) must be True or False, got {getattr(self, name)!r}"
                 )
+        leaf = self.example_id
+        if leaf is not None and (not isinstance(leaf, str) or not leaf):
+            raise TypeError(
+                f"Recover(example_id=...) must be the name of a batch leaf (a str, e.g. "
+                f"'id' for batch['id']) or None, got {leaf!r}"
+            )
         k = self.rollback_batches
         if k is not None and _not_count(k, 1):
             raise ValueError(

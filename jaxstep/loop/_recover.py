@@ -79,6 +79,7 @@ class Recovery:
         checkpoints: FitCheckpoints,
         carry: Carry | Cut | None,
         presplit: bool,
+        step_timeout: float | None = None,
     ):
         self.options = options
         self.step = step
@@ -87,7 +88,9 @@ class Recovery:
         self.checkpoints = checkpoints
         self.carry = carry  # the loop's, as this recovery last left it
         self.presplit = presplit
-        self.rows = Rows(step, checkpoints.source.start, presplit)
+        self.step_timeout = step_timeout  # the replays are watched as the steps are
+        self.rows = Rows(step, checkpoints.source.start, presplit, options.example_id)
+        self.fit_start = checkpoints.number  # state.step as this fit call starts
         self.rollback = Rollback(step, checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
         self.retried: dict[int, int] = {}
@@ -189,7 +192,7 @@ class Recovery:
         batch = pending.batch
         if self.presplit and item_of(pending).first is None:
             batch = driving.join(self.step, batch)  # the replay takes the global batch
-        return diagnose(self.step, error, batch)
+        return diagnose(self.step, error, batch, step_timeout=self.step_timeout)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         item = item_of(pending)
@@ -222,6 +225,7 @@ class Recovery:
             )
         devices = found.devices or ids_of(error)
         sources = self.rows.sources(item, found.examples)
+        ids = self.rows.ids(item, found.examples)  # Recover(example_id=...)
         # Every device failed: a collective in the model (cross-device BatchNorm)
         # carried the bad rows into every chunk, so the rerun leaving the failing
         # chunks out of the mean is skipped whole (state.step counts it): say so.
@@ -247,9 +251,11 @@ class Recovery:
             skipped_batches=skipped,
             batch=self.rows.batch(item),
             detail=detail,
+            example_ids=ids,
         )
         store = self.checkpoints.store
         if store is not None:
+            of_batch = [b for b, _ in self.rows.where(item, found.examples)]
             for batch, rows in sources.items():  # process 0 writes it
                 append_quarantine(
                     store.directory,
@@ -258,6 +264,9 @@ class Recovery:
                     examples=rows,
                     batch_size=self.rows.size(item),
                     device_ids=devices,
+                    fit_start=self.fit_start,
+                    example_id=self.options.example_id,
+                    ids=[i for i, b in zip(ids, of_batch, strict=False) if b == batch],
                 )
         return Resume(state_of(error), [item._replace(drop=True)], record)
 

@@ -17,6 +17,7 @@ namespace (``from jaxstep.step import driving``), as they do ``core.validate``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,7 @@ def replay(
     *,
     rotation: int = 0,
     order: Sequence[int] | None = None,
+    heartbeat: bool = False,
 ) -> tuple[TrainState, StepOutput]:
     """Runs the step again from ``state`` (not donated) with its chunks moved:
     ``devices[i]`` runs chunk ``order[i]`` of the global batch. By default each
@@ -113,6 +115,9 @@ def replay(
     (:func:`jaxstep.distributed.local_rotation`): with one process, chunk ``(i +
     rotation) % n`` runs on ``devices[i]``. ``batch`` is what the step took (with
     several processes, this process's rows). Used by :func:`jaxstep.diagnose`.
+    ``heartbeat=True`` runs the step's heartbeat variant, as :func:`dispatch` does
+    (compiled on first use, then cached): each device's beat lands in
+    :func:`heartbeats`, so a device that stalls in the replay can be named.
 
     Raises:
       ValueError: ``order`` is not a permutation of the device positions, or (several
@@ -134,7 +139,10 @@ def replay(
     extras = dict(step._extras)
     extras["chunk"] = step._make_extras(chunks)["chunk"]
     placed = step._backend.place_batch(moved)
-    fn = step._compiled[(False, step._checks_replicas(step._step_number(state)))]
+    replicas = step._checks_replicas(step._step_number(state))
+    fn: Any = step._compiled[(False, replicas)]
+    if heartbeat:
+        fn = step.compile(state, batch, heartbeat=True, replicas=replicas)
     new_state, out, _ = fn(copy, placed, extras)
     step._learn(out.info)
     return new_state, out
