@@ -5,6 +5,7 @@ nothing else of jaxstep."""
 
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
+from jaxstep.core._errors import failed_alike as failed_alike
 from jaxstep.core._errors import failures_from_table as failures_from_table
 from jaxstep.core._restart import ENV_RESTART as ENV_RESTART
 from jaxstep.core._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
@@ -62,6 +63,7 @@ __all__ = [
     "TrainingWorkerError",
     "Verdict",
     "WeightedLoss",
+    "failed_alike",
     "failures_from_table",
     "from_host",
     "to_host",

@@ -41,9 +41,17 @@ class TrainingWorkerError(RuntimeError):
     The message starts with ``training worker on device {device_id} failed: `` and the
     fields repeat it for code: ``device_id`` (``jax.Device.id``), ``process_index``,
     ``step``, ``status``, ``reason``, ``leaf``, every failing device of the step in
-    ``failures`` (in the step's device order) and the last good ``state``; ``batches``
-    (the failing batch and those pulled after it, untrained) and ``checkpoint`` (where
-    ``fit``'s emergency save went) when :func:`jaxstep.fit` raised it.
+    ``failures`` (root cause first, then the step's device order) and the last good
+    ``state``; ``batches`` (the failing batch and those pulled after it, untrained) and
+    ``checkpoint`` (where ``fit``'s emergency save went) when :func:`jaxstep.fit` raised
+    it.
+
+    ``alike``: every device of the step failed, several of them first in the chain
+    alike (:func:`failed_alike`), so the step alone cannot tell which started it (a
+    collective in the model, cross-device BatchNorm, carries one device's failure to
+    all; or the cause is the model or the update). The first line then says that the
+    device named is only the first in device order, not a cause found, until a replay
+    (``diagnosis``) finds the devices it started from, which then lead.
     """
 
     def __init__(
@@ -57,6 +65,7 @@ class TrainingWorkerError(RuntimeError):
         state_is_good: bool = True,
         batches: Sequence[Any] = (),
         checkpoint: str | None = None,
+        alike: bool = False,
     ):
         if not failures:
             raise ValueError("TrainingWorkerError needs at least one Failure")
@@ -81,18 +90,20 @@ class TrainingWorkerError(RuntimeError):
         self.batches = list(batches)
         #: Where the emergency save went (None without ``fit(checkpoint_dir=...)``).
         self.checkpoint = checkpoint
+        #: Every device of the step failed alike: the device named is only the first.
+        self.alike = alike
         super().__init__(self._message())
 
     def _message(self) -> str:
         first = self.failures[0]
+        roots = self._diagnosed_roots()
         where = "" if first.microbatch is None else f", micro-batch {first.microbatch}"
         lines = [
             f"training worker on device {first.device_id} failed: {first.reason} "
-            f"at step {first.step}{where} ({_where(first)})"
+            f"at step {first.step}{where} ({_where(first)}){self._alike_words(roots)}"
         ]
         if self.note:
             lines.append(self.note)
-        roots = self._diagnosed_roots()
         for other in self.failures[1:]:
             follows = ""
             if self._spread(other):
@@ -113,7 +124,7 @@ class TrainingWorkerError(RuntimeError):
             lines.append(f"diagnosis: {self.diagnosis}")
         primary = next((s for s, _ in CAUSES if s in first.status), None)
         if primary is not None:
-            rows = f"{first.rows[0]}..{first.rows[1] - 1}" if first.rows else "?"
+            rows = _rows(self._lead() if self.alike and not roots else [first])
             hint = VERDICT_HINTS.get(getattr(self.diagnosis, "verdict", ""))
             if hint is None or primary in (Status.DIVERGED, Status.HUNG):
                 hint = HINTS[primary].format(rows=rows, leaf=first.leaf)
@@ -143,6 +154,34 @@ class TrainingWorkerError(RuntimeError):
             held = "state, failing batch" if self.state is not None else "failing batch"
             lines.append(f"emergency save ({held}, this report): {self.checkpoint}")
         return "\n".join(lines)
+
+    def _lead(self) -> list[Failure]:
+        """The failures first in the chain (the first failure's rank)."""
+        lead = rank(self.failures[0].status)
+        return [f for f in self.failures if rank(f.status) == lead]
+
+    def _alike_words(self, roots: tuple[int, ...]) -> str:
+        """What the first line adds when every device failed alike and no replay found
+        where it started: the device named is only the first, and how to find the cause."""
+        if not self.alike or roots:
+            return ""
+        first, n, k = self.failures[0], len(self.failures), len(self._lead())
+        who = f"all {n} devices of the step failed" + (" alike" if k == n else f", {k} alike")
+        if Status.HUNG in first.status:
+            how = "the Python stacks each process logged show where each device waits"
+        elif self.diagnosis is not None:
+            how = "the replay below could not tell them apart either"
+        elif self.state is None:
+            how = "with no state to replay from, the cause cannot be found here"
+        else:
+            how = (
+                "to find where it started, replay it: jaxstep.diagnose(step, error, batch) on "
+                "the failing batch (from fit: error.batches[0]), or fit(..., diagnose=True)"
+            )
+        return (
+            f"; {who}: device {first.device_id} is only the first in device order, not a "
+            f"cause found ({how})"
+        )
 
     @property
     def root_causes(self) -> tuple[Failure, ...]:
@@ -202,6 +241,7 @@ class TrainingWorkerError(RuntimeError):
             "state_is_good": self.state_is_good,
             "batches": self.batches,
             "checkpoint": self.checkpoint,
+            "alike": self.alike,
         }
         unknown = set(changes) - set(fields)
         if unknown:
@@ -225,8 +265,21 @@ class TrainingWorkerError(RuntimeError):
                 self.state_is_good,
                 batches,
                 self.checkpoint,
+                self.alike,
             ),
         )
+
+
+def failed_alike(failures: Sequence[Failure], devices: int) -> bool:
+    """Whether the step cannot tell which of its devices started ``failures`` (root
+    cause first, as :func:`failures_from_table` orders them): every one of its
+    ``devices`` failed, and more than one failed first in the chain (the same earliest
+    cause). One device's bad rows fail every device alike through a collective in the
+    model; when only some devices fail, each failed on its own rows."""
+    if devices < 2 or len({f.device_id for f in failures}) < devices:
+        return False
+    lead = rank(failures[0].status)
+    return sum(rank(f.status) == lead for f in failures) > 1
 
 
 def _where(failure: Failure) -> str:
@@ -234,8 +287,24 @@ def _where(failure: Failure) -> str:
     return f"process {failure.process_index}{host}"
 
 
+def _rows(failures: Sequence[Failure]) -> str:
+    """The rows of the global batch ``failures`` ran on (``?``: unknown)."""
+    spans = [f.rows for f in failures if f.rows is not None]
+    if not spans:
+        return "?"
+    return f"{min(lo for lo, _ in spans)}..{max(hi for _, hi in spans) - 1}"
+
+
 def _rebuild(
-    failures, state, note, history, diagnosis, state_is_good=True, batches=(), checkpoint=None
+    failures,
+    state,
+    note,
+    history,
+    diagnosis,
+    state_is_good=True,
+    batches=(),
+    checkpoint=None,
+    alike=False,
 ):
     from jaxstep.core._state import from_host
 
@@ -248,6 +317,7 @@ def _rebuild(
         state_is_good=state_is_good,
         batches=[from_host(b) for b in batches],
         checkpoint=checkpoint,
+        alike=alike,
     )
 
 

@@ -87,7 +87,7 @@ def actions(
             carry=carry,
             presplit=options.presplit,
         ),
-        Replay(step) if options.diagnose else None,
+        None if options.diagnose is False else Replay(step, options.diagnose, options.presplit),
     )
     return [part for part in found if part is not None]
 

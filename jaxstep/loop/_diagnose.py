@@ -282,16 +282,36 @@ def _with_grad_leaves(
 
 
 class Replay:
-    """The loop's replay action (``fit(diagnose=True)``): a failure that leaves fit
-    carries the verdict of its replay (``error.diagnosis``, and in its message)."""
+    """The loop's replay action: a failure that leaves fit carries the verdict of its
+    replay (``error.diagnosis``, and in its message). ``every`` (``fit(diagnose=True)``):
+    every failure is replayed; None (the default): only one every device had alike
+    (``error.alike``), where the step alone cannot tell which device's rows started it
+    and the replay can (a failure the replay cannot help, a hang, a diverged replica or
+    a state already bad, is left as it is). ``presplit``: the failing batch came
+    pre-split (joined for the replay)."""
 
-    __slots__ = ("step",)
+    __slots__ = ("every", "presplit", "step")
 
-    def __init__(self, step: TrainStep):
+    def __init__(self, step: TrainStep, every: bool | None = True, presplit: bool = False):
         self.step = step
+        self.every = bool(every)
+        self.presplit = presplit
 
     def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
         """``error`` with its diagnosis (a recovery may have replayed it already)."""
         if error.diagnosis is not None:
             return error
-        return error.with_diagnosis(diagnose(self.step, error, pending.batch))
+        batch = pending.batch
+        if self.presplit and (pending.item is None or pending.item.first is None):
+            batch = driving.join(self.step, batch)  # the replay takes the global batch
+        if self.every:
+            return error.with_diagnosis(diagnose(self.step, error, batch))
+        if not (error.alike and error.state is not None and error.state_is_good):
+            return error
+        if error.status & (Status.DIVERGED | Status.HUNG):
+            return error
+        try:
+            found = diagnose(self.step, error, batch)
+        except Exception as why:  # never let the automatic replay hide the failure
+            return error.with_note(f"the automatic replay of this failure failed: {why!r}")
+        return error.with_diagnosis(found)

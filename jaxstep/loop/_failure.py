@@ -16,6 +16,7 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core import failed_alike
 from jaxstep.loop._history import History
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
@@ -28,6 +29,7 @@ def failure_error(
     state (from ``current``, the halted state as it stands), and a note on how good it
     is. ``rows``: rows per device of the failing batch, as this process passed it."""
     failures = step.failures(table, rows)
+    alike = failed_alike(failures, len(step.devices))
     note = None
     good = majority_position(step, failures)
     if good is not None:
@@ -73,9 +75,14 @@ def failure_error(
                 "committed"
             )
             return TrainingWorkerError(
-                failures, state=state, note=note, history=history, state_is_good=False
+                failures,
+                state=state,
+                note=note,
+                history=history,
+                state_is_good=False,
+                alike=alike,
             )
-    return TrainingWorkerError(failures, state=state, note=note, history=history)
+    return TrainingWorkerError(failures, state=state, note=note, history=history, alike=alike)
 
 
 def majority_position(step: TrainStep, failures: Sequence[Failure]) -> int | None:

@@ -55,6 +55,34 @@ def test_message_and_fields():
     assert "error.batches holds the failing batch and the 1 pulled after it, untrained" in two
 
 
+def _alike(status, reason, n=4, **kw):
+    failures = [Failure(i, 0, 7, status, reason, None, (4 * i, 4 * i + 4)) for i in range(n)]
+    return TrainingWorkerError(failures, alike=jaxstep.core.failed_alike(failures, 4), **kw)
+
+
+def test_every_device_failing_alike_says_the_device_named_is_only_the_first():
+    err = _alike(Status.LOSS_NONFINITE, "non-finite loss", state="s")
+    headline = str(err).splitlines()[0]
+    assert err.alike and err.device_id == 0
+    assert headline.startswith("training worker on device 0 failed: non-finite loss at step 7")
+    assert "all 4 devices of the step failed alike: device 0 is only the first" in headline
+    assert "jaxstep.diagnose(step, error, batch)" in headline
+    assert "rows 0..15 of the global batch" in str(err)  # every device's, not device 0's
+    hung = str(_alike(Status.HUNG, "did not finish its part of the step")).splitlines()[0]
+    assert "only the first in device order" in hung and "Python stacks" in hung
+    # some devices only: each failed on its own rows, the first is a cause
+    assert not _alike(Status.LOSS_NONFINITE, "non-finite loss", n=3).alike
+    # a root cause found earlier in the chain: not alike
+    failures = [
+        Failure(2, 0, 7, Status.INPUT_NONFINITE, "non-finite input", "['x']", (8, 12)),
+        *(Failure(i, 0, 7, Status.LOSS_NONFINITE, "non-finite loss", None) for i in (0, 1, 3)),
+    ]
+    assert not jaxstep.core.failed_alike(failures, 4)
+    plain = _alike(Status.LOSS_NONFINITE, "non-finite loss")
+    back = pickle.loads(pickle.dumps(plain))
+    assert back.alike and str(back) == str(plain)
+
+
 def test_with_note_adds_a_line_under_the_first_and_keeps_every_other_field():
     failure = Failure(3, 0, 7, Status.LOSS_NONFINITE, "non-finite loss", None, (12, 16))
     err = TrainingWorkerError([failure], state="s", batches=["b"], checkpoint="/c")
