@@ -48,12 +48,19 @@ HINTS: dict[Status, str] = {
     ),
     Status.CHECK_FAILED: "your check in aux['checks'] returned False on this device",
     Status.DIVERGED: (
-        "this device's copy of the weights differs from the others: suspect the chip "
-        "(silent data corruption); restart without it from the last checkpoint"
+        "this device's copy of the state differs from the others (silent data corruption). "
+        "One divergence does not tell a bad chip from a one-off corruption, so do not leave "
+        "the device out yet: go on on every device from a copy that agrees with the "
+        "majority (error.state when it was rebuilt from one, else the latest verified "
+        "checkpoint; fit(recover=jaxstep.Recover()) does this itself); if the same device "
+        "diverges again, suspect the chip and leave it out (make_train_step(devices=[...]))"
     ),
     Status.HUNG: (
         "this device did not finish its part of the step: suspect the chip, its link, or "
-        "its host process (see the Python stacks logged by each process)"
+        "its host process (see the Python stacks logged by each process). The step is still "
+        "stuck, so this process cannot train again: restart it (in a notebook, restart the "
+        "kernel) and go on from the latest verified checkpoint with fit(..., "
+        "checkpoint_dir=..., resume=True)"
     ),
     Status.LOSS_SPIKE: "the loss jumped far above its recent range on this device's rows {rows}",
 }

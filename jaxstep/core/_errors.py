@@ -66,6 +66,7 @@ class TrainingWorkerError(RuntimeError):
         batches: Sequence[Any] = (),
         checkpoint: str | None = None,
         alike: bool = False,
+        hint: str | None = None,
     ):
         if not failures:
             raise ValueError("TrainingWorkerError needs at least one Failure")
@@ -92,6 +93,8 @@ class TrainingWorkerError(RuntimeError):
         self.checkpoint = checkpoint
         #: Every device of the step failed alike: the device named is only the first.
         self.alike = alike
+        #: What to try when the status's own hint would mislead (a replay's verdict wins).
+        self.hint = hint
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -128,6 +131,8 @@ class TrainingWorkerError(RuntimeError):
             hint = VERDICT_HINTS.get(getattr(self.diagnosis, "verdict", ""))
             if hint is None or primary in (Status.DIVERGED, Status.HUNG):
                 hint = HINTS[primary].format(rows=rows, leaf=first.leaf)
+            if self.hint is not None and self.diagnosis is None:
+                hint = self.hint.format(rows=rows, leaf=first.leaf)
             lines.append("what to try: " + hint)
         if self.state is not None and self.state_is_good:
             lines.append(
@@ -146,10 +151,17 @@ class TrainingWorkerError(RuntimeError):
                 if after == 0
                 else f"the failing batch and the {after} pulled after it, untrained"
             )
-            lines.append(
-                f"error.batches holds {held}: fit(step, error.state, "
-                "itertools.chain(error.batches, rest)) loses none"
-            )
+            if self.state is None:  # nothing to resume from in this process
+                lines.append(
+                    f"error.batches holds {held}; with no state here (error.state is None), "
+                    "fit(..., checkpoint_dir=..., resume=True) in a restarted process trains "
+                    "them again from the latest verified checkpoint's data position"
+                )
+            else:
+                lines.append(
+                    f"error.batches holds {held}: fit(step, error.state, "
+                    "itertools.chain(error.batches, rest)) loses none"
+                )
         if self.checkpoint is not None:
             held = "state, failing batch" if self.state is not None else "failing batch"
             lines.append(f"emergency save ({held}, this report): {self.checkpoint}")
@@ -169,6 +181,8 @@ class TrainingWorkerError(RuntimeError):
         who = f"all {n} devices of the step failed" + (" alike" if k == n else f", {k} alike")
         if Status.HUNG in first.status:
             how = "the Python stacks each process logged show where each device waits"
+        elif Status.DIVERGED in first.status:
+            how = "no majority of the copies agrees, so none can be called the odd one"
         elif self.diagnosis is not None:
             how = "the replay below could not tell them apart either"
         elif self.state is None:
@@ -242,6 +256,7 @@ class TrainingWorkerError(RuntimeError):
             "batches": self.batches,
             "checkpoint": self.checkpoint,
             "alike": self.alike,
+            "hint": self.hint,
         }
         unknown = set(changes) - set(fields)
         if unknown:
@@ -266,6 +281,7 @@ class TrainingWorkerError(RuntimeError):
                 batches,
                 self.checkpoint,
                 self.alike,
+                self.hint,
             ),
         )
 
@@ -305,6 +321,7 @@ def _rebuild(
     batches=(),
     checkpoint=None,
     alike=False,
+    hint=None,
 ):
     from jaxstep.core._state import from_host
 
@@ -318,6 +335,7 @@ def _rebuild(
         batches=[from_host(b) for b in batches],
         checkpoint=checkpoint,
         alike=alike,
+        hint=hint,
     )
 
 

@@ -227,7 +227,8 @@ def joinable(rows: Any, batch: Any) -> bool:
     the same trailing axes and dtype."""
     a, tree_a = jax.tree.flatten(rows)
     b, tree_b = jax.tree.flatten(batch)
-    return tree_a == tree_b and all(
+    same: bool = tree_a == tree_b  # type: ignore[operator]  # PyTreeDef compares
+    return same and all(
         x.shape[1:] == y.shape[1:] and x.dtype == y.dtype for x, y in zip(a, b, strict=True)
     )
 

@@ -43,7 +43,9 @@ class Diagnosis:
     Attributes:
       verdict: ``"data"`` (fails again and the failure follows the chunk),
         ``"device"`` (fails again and stays on the device), ``"transient"`` (does not
-        fail again) or ``"inconclusive"``.
+        fail again) or ``"inconclusive"``; ``"diverged"`` for a replica whose copy of
+        the state differs (not replayed: no verdict on the chip; the error's hint says
+        what to do).
       evidence: what each replay showed, in words.
       examples: for ``"data"``: indices in the global batch of the examples that fail
         on their own (empty if none does alone), found on every process.
@@ -103,14 +105,20 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
             f"error has no state to replay from (status {error.status!r}); a hung step "
             "cannot be replayed in this process"
         )
-    if error.status & (Status.DIVERGED | Status.HUNG):
-        what = "its copy of the weights differs" if error.status & Status.DIVERGED else "it hung"
+    if error.status & Status.DIVERGED:
+        return Diagnosis(
+            "diverged",
+            (
+                f"device {error.device_id}: its copy of the state differs from the majority's; "
+                "not replayed (a replay would start from a healthy copy and pass), so this "
+                "says nothing of the chip: one divergence does not tell a bad chip from a "
+                "one-off corruption",
+            ),
+        )
+    if error.status & Status.HUNG:
         return Diagnosis(
             "device",
-            (
-                f"device {error.device_id}: {what}; no replay needed (a replay would start from "
-                "a healthy copy and pass)",
-            ),
+            (f"device {error.device_id}: it hung; no replay needed (no state to replay from)",),
         )
     position = {d.id: i for i, d in enumerate(step.devices)}
     failed = tuple(sorted(position[f.device_id] for f in error.failures))

@@ -126,7 +126,11 @@ def test_errors_with_typed_keys_pickle_and_divergence_recovers(backend):
         jaxstep.fit(step, state, batches[1:], diagnose=True)
     err = info.value
     assert err.status == Status.DIVERGED and err.device_id == jax.devices()[2].id
-    assert err.diagnosis.verdict == "device"  # no replay: it would start from a good copy
+    # no replay (it would start from a good copy), and no verdict on the chip: the
+    # message says to go on on every device, and to leave it out only if it diverges again
+    assert err.diagnosis.verdict == "diverged" and not err.diagnosis.devices
+    hint = next(line for line in str(err).splitlines() if line.startswith("what to try"))
+    assert "do not leave the device out yet" in hint and "diverges again" in hint
     back = pickle.loads(pickle.dumps(err))
     assert back.device_id == err.device_id
     key = step.host_state(back.state).rng if backend == "pmap" else back.state.rng
