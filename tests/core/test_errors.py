@@ -49,10 +49,13 @@ def test_message_and_fields():
     with pytest.raises(ValueError):
         TrainingWorkerError([])
     # error.batches: the failing batch alone, or with the ones pulled after it
-    alone = str(TrainingWorkerError(failures, batches=["failing"]))
+    alone = str(TrainingWorkerError(failures, state="s", batches=["failing"]))
     assert "error.batches holds the failing batch, untrained: fit(" in alone
-    two = str(TrainingWorkerError(failures, batches=["failing", "next"]))
+    two = str(TrainingWorkerError(failures, state="s", batches=["failing", "next"]))
     assert "error.batches holds the failing batch and the 1 pulled after it, untrained" in two
+    # no state (a hang): nothing to pass to fit(step, error.state, ...)
+    stateless = str(TrainingWorkerError(failures, batches=["failing"]))
+    assert "error.state" in stateless and "fit(step, error.state" not in stateless
 
 
 def _alike(status, reason, n=4, **kw):
