@@ -132,7 +132,7 @@ class Carry:
         rows is in the data, ``first``/``offset`` where the first is (the data position
         of a checkpoint before it). An item that went through here before (a recovery
         queued it again: ``spans`` set) is joined rows with its spans already. Carried
-        rows of another shape than ``item``'s are listed, not joined (:meth:`_set_aside`).
+        rows of another shape than ``item``'s are listed, not joined (:meth:`_list_carried`).
         Nothing changes when it raises: the loop hands ``item`` back."""
         batch = jax.tree.map(np.asarray, item.batch)
         skip = 0
@@ -147,7 +147,7 @@ class Carry:
             spans = list(item.spans)
         self.skip = 0
         if self.rows is not None and not joinable(self.rows, batch):
-            self._set_aside()
+            self.set_aside += self._list_carried()
         if self.rows is not None:
             batch = jax.tree.map(lambda a, b: np.concatenate([a, b]), self.rows, batch)
             spans = merge_spans(self.spans + spans)
@@ -165,16 +165,17 @@ class Carry:
             spans=tuple(head),
         )
 
-    def _set_aside(self) -> None:
-        """The carried rows cannot join the next batch (another shape), and fewer than
-        ``unit`` make no step: they are listed in ``History.left_over``, in the data's
-        order, so every row before the next batch is trained or listed."""
+    def _list_carried(self) -> int:
+        """The carried rows (fewer than ``unit``: no step of their own) listed in
+        ``History.left_over``, in the data's order, and let go: the next batch has
+        another shape, or the data ended. Returns how many."""
         left = self.left()
-        assert left is not None
+        if left is None:
+            return 0
         spans, rows = left
         self.left_over.extend((self.start + seq, lo, hi) for seq, lo, hi in spans)
-        self.set_aside += validate.batch(rows, 1)
         self.rows, self.spans = None, []
+        return validate.batch(rows, 1)
 
     def requeue(self) -> Item | None:
         """The carried rows as an item to queue again (a recovery resets the loop: they
@@ -199,12 +200,8 @@ class Carry:
     def finish(self) -> None:
         """The data ended: rows still carried (fewer than a step needs) are listed in
         ``History.left_over``; a warning counts them with those listed when a batch of
-        another shape came (:meth:`_set_aside`)."""
-        at_end = 0
-        if self.rows is not None:
-            at_end = validate.batch(self.rows, 1)
-            self._set_aside()
-            self.set_aside -= at_end
+        another shape came (:meth:`_list_carried`)."""
+        at_end = self._list_carried()
         if not (at_end or self.set_aside):
             return
         why = []
