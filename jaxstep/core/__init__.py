@@ -5,9 +5,11 @@ nothing else of jaxstep."""
 
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
+from jaxstep.core._errors import failed_alike as failed_alike
 from jaxstep.core._errors import failures_from_table as failures_from_table
 from jaxstep.core._restart import ENV_RESTART as ENV_RESTART
 from jaxstep.core._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
+from jaxstep.core._restart import under_restarting_launcher as under_restarting_launcher
 from jaxstep.core._state import HostKey as HostKey
 from jaxstep.core._state import LossScaleState as LossScaleState
 from jaxstep.core._state import StepInfo as StepInfo
@@ -62,7 +64,9 @@ __all__ = [
     "TrainingWorkerError",
     "Verdict",
     "WeightedLoss",
+    "failed_alike",
     "failures_from_table",
     "from_host",
     "to_host",
+    "under_restarting_launcher",
 ]

@@ -32,8 +32,9 @@ SourceKind: TypeAlias = Literal["callable", "checkpointable", "sequence", "itera
 Verdict: TypeAlias = Literal["transient", "data", "device", "spike", "diverged"]
 #: ``Recovery.action``: what it did about it (in the order a summary counts them).
 RecoveryAction: TypeAlias = Literal["retried", "quarantined", "excluded", "rolled back", "repaired"]
-#: ``Diagnosis.verdict``: what a replay of a failed step found.
-ReplayVerdict: TypeAlias = Literal["data", "device", "transient", "inconclusive"]
+#: ``Diagnosis.verdict``: what a replay of a failed step found (``"diverged"``: a
+#: replica's copy differs; nothing replayed, and not a verdict on the chip).
+ReplayVerdict: TypeAlias = Literal["data", "device", "transient", "inconclusive", "diverged"]
 
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
 POLICIES: tuple[Policy, ...] = get_args(Policy)

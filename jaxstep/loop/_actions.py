@@ -88,7 +88,9 @@ def actions(
             presplit=options.presplit,
             step_timeout=options.step_timeout,
         ),
-        Replay(step, options.step_timeout, options.presplit) if options.diagnose else None,
+        None
+        if options.diagnose is False
+        else Replay(step, options.diagnose, options.presplit, options.step_timeout),
     )
     return [part for part in found if part is not None]
 

@@ -44,7 +44,9 @@ class Diagnosis:
     Attributes:
       verdict: ``"data"`` (fails again and the failure follows the chunk),
         ``"device"`` (fails again and stays on the device), ``"transient"`` (does not
-        fail again) or ``"inconclusive"``.
+        fail again) or ``"inconclusive"``; ``"diverged"`` for a replica whose copy of
+        the state differs (not replayed: no verdict on the chip; the error's hint says
+        what to do).
       evidence: what each replay showed, in words.
       examples: for ``"data"``: indices in the global batch of the examples that fail
         on their own (empty if none does alone), found on every process.
@@ -116,14 +118,20 @@ def diagnose(
             f"error has no state to replay from (status {error.status!r}); a hung step "
             "cannot be replayed in this process"
         )
-    if error.status & (Status.DIVERGED | Status.HUNG):
-        what = "its copy of the weights differs" if error.status & Status.DIVERGED else "it hung"
+    if error.status & Status.DIVERGED:
+        return Diagnosis(
+            "diverged",
+            (
+                f"device {error.device_id}: its copy of the state differs from the majority's; "
+                "not replayed (a replay would start from a healthy copy and pass), so this "
+                "says nothing of the chip: one divergence does not tell a bad chip from a "
+                "one-off corruption",
+            ),
+        )
+    if error.status & Status.HUNG:
         return Diagnosis(
             "device",
-            (
-                f"device {error.device_id}: {what}; no replay needed (a replay would start from "
-                "a healthy copy and pass)",
-            ),
+            (f"device {error.device_id}: it hung; no replay needed (no state to replay from)",),
         )
     position = {d.id: i for i, d in enumerate(step.devices)}
     failed = tuple(sorted(position[f.device_id] for f in error.failures))
@@ -305,16 +313,28 @@ def _with_grad_leaves(
 
 
 class Replay:
-    """The loop's replay action (``fit(diagnose=True)``): a failure that leaves fit
-    carries the verdict of its replay (``error.diagnosis``, and in its message). The
-    replays are watched as the steps are (``step_timeout``)."""
+    """The loop's replay action: a failure that leaves fit carries the verdict of its
+    replay (``error.diagnosis``, and in its message). ``every`` (``fit(diagnose=True)``):
+    every failure is replayed; None (the default): only one every device had alike
+    (``error.alike``), where the step alone cannot tell which device's rows started it
+    and the replay can (a failure the replay cannot help, a hang, a diverged replica or
+    a state already bad, is left as it is). ``presplit``: the failing batch came
+    pre-split (joined for the replay). The replays are watched as the steps are
+    (``step_timeout``)."""
 
-    __slots__ = ("presplit", "step", "step_timeout")
+    __slots__ = ("every", "presplit", "step", "step_timeout")
 
-    def __init__(self, step: TrainStep, step_timeout: float | None = None, presplit: bool = False):
+    def __init__(
+        self,
+        step: TrainStep,
+        every: bool | None = True,
+        presplit: bool = False,
+        step_timeout: float | None = None,
+    ):
         self.step = step
+        self.every = bool(every)
+        self.presplit = presplit
         self.step_timeout = step_timeout
-        self.presplit = presplit  # fit(presplit=True): the replay takes the batch joined
 
     def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
         """``error`` with its diagnosis (a recovery may have replayed it already).
@@ -327,6 +347,18 @@ class Replay:
             return error
         batch = pending.batch
         if self.presplit and (pending.item is None or pending.item.first is None):
-            batch = driving.join(self.step, batch)  # carried rows come joined already
-        found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+            batch = driving.join(self.step, batch)  # the replay takes the global batch
+        if self.every:
+            found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+            return error.with_diagnosis(found)
+        if not (error.alike and error.state is not None and error.state_is_good):
+            return error
+        if error.status & (Status.DIVERGED | Status.HUNG):
+            return error
+        try:
+            found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+        except TrainingWorkerError:
+            raise  # the replay hung, or a peer process was lost: the loop reports it
+        except Exception as why:  # never let the automatic replay hide the failure
+            return error.with_note(f"the automatic replay of this failure failed: {why!r}")
         return error.with_diagnosis(found)

@@ -161,9 +161,11 @@ class Loop:
     def _advance(self, item: Item) -> None:
         """:meth:`advance` for one queued batch."""
         actions, pending = self.actions, self.pending
+        self.held = item  # a take that raises leaves it untouched: handed back
         for take in actions.take:
             taken = take(item)
             if taken is None:  # fewer rows than devices at hand: all carried on
+                self.held = None
                 return
             item = taken
         self.held = item

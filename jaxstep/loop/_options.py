@@ -84,7 +84,7 @@ class FitOptions:
     num_steps: int | None = None
     history: History | None = None
     callbacks: Any = ()
-    diagnose: bool = False
+    diagnose: bool | None = None
     step_timeout: float | None = None
     checkpoints: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
     presplit: bool = False
@@ -101,6 +101,11 @@ class FitOptions:
         ):
             error = ValueError if isinstance(timeout, (int, float)) else TypeError
             raise error(f"step_timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        if self.diagnose not in (None, True, False):
+            raise TypeError(
+                f"diagnose must be None (replay a failure every device had alike), True "
+                f"(replay every failure) or False (none), got {self.diagnose!r}"
+            )
         if self.history is not None and not isinstance(self.history, History):
             raise TypeError(
                 f"history must be a jaxstep.History or None, got {type(self.history).__name__}; "

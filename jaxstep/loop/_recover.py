@@ -9,7 +9,8 @@ and acted on, within a budget:
 - ``device`` -> training goes on without the device (``step.devices`` shrinks);
 - a loss spike -> back to the last verified checkpoint, the spike's batches skipped;
 - a diverged replica -> repaired from the majority, or rolled back;
-- a hang -> the emergency save, then the process exits for ``launch --restarts``.
+- a hang -> the emergency save, then the process exits for ``launch --restarts`` (under
+  a launcher that restarts it; elsewhere, a notebook say, the error is raised).
 
 Each action is a :class:`~jaxstep.loop.Recovery` in ``History.recoveries``. The
 recovery is one of the loop's actions: it returns what the loop should do (a
@@ -34,6 +35,7 @@ from jaxstep.checkpoint import append_quarantine
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.core import under_restarting_launcher
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
@@ -50,6 +52,8 @@ from jaxstep.loop._outcome import item_of
 from jaxstep.loop._outcome import state_of
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._restart import exit_for_restart
+from jaxstep.loop._restart import is_hang
+from jaxstep.loop._restart import not_restarted
 from jaxstep.loop._rollback import Rollback
 from jaxstep.loop._rows import Rows
 from jaxstep.loop._rows import in_words
@@ -66,7 +70,8 @@ class Recovery:
 
     :meth:`failed` acts on a failed step's verdict: it returns a :class:`Resume` for the
     loop to go on with, or the error to raise, with a note saying why it was not
-    recovered. A hang or a lost peer under ``recover`` exits for a restart (:meth:`hung`).
+    recovered. A hang or a lost peer under ``recover`` exits for a restart (:meth:`hung`)
+    when a launcher will restart the process, and is raised otherwise.
     """
 
     def __init__(
@@ -162,7 +167,10 @@ class Recovery:
     def report(
         self, error: TrainingWorkerError, first: tuple[int, int] | None = None
     ) -> TrainingWorkerError:
-        """``error`` (about to leave fit) with the recoveries made before it listed."""
+        """``error`` (about to leave fit) with the recoveries made before it listed, and
+        for a hang that no launcher restarts, why the process does not exit."""
+        if is_hang(error) and not under_restarting_launcher():
+            error = not_restarted(error)
         if not self.records:
             return error
         lines = [
@@ -173,10 +181,13 @@ class Recovery:
         return error.with_note("\n".join(lines))
 
     def hung(self, error: TrainingWorkerError) -> None:
-        """A hang or a lost peer, reported: nothing of this process can go on, so it
-        exits for its launcher to restart the job from the last verified checkpoint
-        (:func:`exit_for_restart`)."""
-        exit_for_restart(error)
+        """A hang or a lost peer, reported: nothing of this process can go on, so under a
+        launcher that restarts the job it exits for the launcher to restart it from the
+        last verified checkpoint (:func:`exit_for_restart`). Elsewhere (a notebook, a
+        plain script) exiting would lose what the process holds: the loop raises
+        ``error``, whose note says so (:meth:`report`)."""
+        if under_restarting_launcher():
+            exit_for_restart(error)
 
     def finish(self) -> None:
         """At the end of fit: the recoveries made, logged (at WARNING level unless a

@@ -17,6 +17,7 @@ from jaxstep.core import Status
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core import failed_alike
 from jaxstep.loop._pending import Item
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
@@ -146,4 +147,5 @@ def hung(
         "the state lives on the hung device(s) and cannot be read: error.state is None; "
         "restore from the last checkpoint (on CPU, XLA aborts a stuck collective ~40 s in)"
     )
-    return TrainingWorkerError(failures, state=None, note=note)
+    alike = failed_alike(failures, len(step.devices))  # every device waits in the collective
+    return TrainingWorkerError(failures, state=None, note=note, alike=alike)
