@@ -24,8 +24,10 @@ from jaxstep.core._types import FaultMode as FaultMode
 from jaxstep.core._types import Params as Params
 from jaxstep.core._types import Policy as Policy
 from jaxstep.core._types import PyTree as PyTree
+from jaxstep.core._types import SHARD_STATES as SHARD_STATES
 from jaxstep.core._types import RecoveryAction as RecoveryAction
 from jaxstep.core._types import ReplayVerdict as ReplayVerdict
+from jaxstep.core._types import ShardState as ShardState
 from jaxstep.core._types import SourceKind as SourceKind
 from jaxstep.core._types import Verdict as Verdict
 from jaxstep.core._weighted import WeightedLoss as WeightedLoss
@@ -54,6 +56,8 @@ __all__ = [
     "RESTART_EXIT_CODE",
     "RecoveryAction",
     "ReplayVerdict",
+    "SHARD_STATES",
+    "ShardState",
     "SourceKind",
     "Status",
     "StepInfo",
