@@ -30,6 +30,7 @@ from jaxstep.core import health
 from jaxstep.program import _cross_checks as cross_checks
 from jaxstep.program import _drop as drop
 from jaxstep.program._device import DeviceWork
+from jaxstep.program._device import WorkFn
 from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
@@ -158,6 +159,7 @@ def local_part(
     beat: Beat | None,
     replicas: bool,
     sharded: Sequence[bool] | None = None,
+    work_fn: WorkFn | None = None,
 ) -> LocalPart:
     """This device's loss, gradients and health row, before any collective; with
     ``replicas`` its fingerprints too, and with ``beat`` the host told it is done. The
@@ -165,12 +167,11 @@ def local_part(
     device moves its random numbers with it (dropout masks), so a failure that follows
     the chunk is the data's and one that stays is the device's. ``sharded``: which
     leaves of (params, opt_state, model_state) this device holds only a shard of (a
-    sharded layout: no replica to compare; their fingerprints are left out)."""
-    key = None
-    if state.rng is not None:
-        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
+    sharded layout: no replica to compare; their fingerprints are left out);
+    ``work_fn``: what each (micro-)batch runs in place of ``device_work``."""
+    key = chunk_key(state, chunk)
     work, microbatch, check_names = microbatched_work(
-        options, state, batch, key, ctx, options.microbatches
+        options, state, batch, key, ctx, options.microbatches, work_fn
     )
     grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
     status = work.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
@@ -182,17 +183,7 @@ def local_part(
         squares = jnp.where(bad, injected + squares, squares)
         grad_leaf = health.earliest(grad_leaf, injected_leaf)
         status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
-    row: dict[str, Any] = {
-        "input_leaf": work.input_leaf,
-        "grad_leaf": grad_leaf,
-        "param_leaf": -1,
-        "diverged_leaf": -1,
-        "model_state_leaf": work.model_state_leaf,
-        "microbatch": microbatch,
-        "check": health.first_true(work.check_failed),
-        "loss": work.loss,
-        "grad_norm": squares,  # squared: health.to_table takes the root
-    }
+    row = row_of(work, grad_leaf, squares, microbatch)
     prints = None
     if replicas:
         prints, param_leaf = replica_check(state, sharded)
@@ -209,6 +200,30 @@ def local_part(
         status |= zero
     row["status"] = status
     return LocalPart(work, grads, row, prints, check_names)
+
+
+def chunk_key(state: TrainState, chunk: jax.Array) -> jax.Array | None:
+    """The key of this step's chunk ``chunk`` (None: the state holds none)."""
+    if state.rng is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
+
+
+def row_of(
+    work: DeviceWork, grad_leaf: jax.Array, squares: jax.Array, microbatch: jax.Array
+) -> dict[str, Any]:
+    """A device's health row (but its status) from its work."""
+    return {
+        "input_leaf": work.input_leaf,
+        "grad_leaf": grad_leaf,
+        "param_leaf": -1,
+        "diverged_leaf": -1,
+        "model_state_leaf": work.model_state_leaf,
+        "microbatch": microbatch,
+        "check": health.first_true(work.check_failed),
+        "loss": work.loss,
+        "grad_norm": squares,  # squared: health.to_table takes the root
+    }
 
 
 class Reduced(NamedTuple):

@@ -164,12 +164,15 @@ def microbatched_work(
     ctx: Context | None,
     microbatches: int,
     work_fn: WorkFn | None = None,
+    *,
+    scattered: bool = False,
 ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
     """:func:`device_work` over ``microbatches`` equal slices of the chunk in a ``lax.scan``:
     gradients averaged, the model state threaded through, and the health of the
     first failing micro-batch (also returned, or -1). ``work_fn``: what runs on each
-    slice in place of ``device_work`` (``shard_state="params"``: its gradients leave
-    reduce-scattered, so the mean's health is the micro-batches' own)."""
+    slice in place of ``device_work``; ``scattered``: its gradients leave it
+    reduce-scattered (``shard_state="params"``), so the mean's health is the
+    micro-batches' own (their mean squared norm)."""
     work_fn = device_work if work_fn is None else work_fn
     if microbatches == 1:
         work, found = work_fn(options, state, batch, key, state.model_state, ctx)
@@ -199,7 +202,7 @@ def microbatched_work(
     first = health.first_true(each.status != 0)
     pick = jnp.maximum(first, 0)
     at = lambda x: x[pick]  # noqa: E731  the first failing micro-batch's value
-    if work_fn is device_work:
+    if not scattered:
         # the first failing micro-batch's finiteness; the norm is the mean gradient's
         squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
     else:  # reduce-scattered gradients: the micro-batches' mean squared local norm

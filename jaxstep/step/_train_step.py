@@ -35,9 +35,11 @@ from jaxstep.core import validate
 from jaxstep.program import Options
 from jaxstep.program import body
 from jaxstep.program import drop_memory
+from jaxstep.program import sharded_step
 from jaxstep.step import _exclude as exclude
 from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
+from jaxstep.step._backends import Layout
 from jaxstep.step._inputs import Inputs
 from jaxstep.step._inputs import join_presplit
 from jaxstep.step._inputs import local_positions
@@ -73,7 +75,12 @@ class TrainStep:
         caches. Run when the step is built, and again by :meth:`exclude_devices`."""
         self.options = options
         self.devices: list[jax.Device] = list(options.devices)
-        self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name)
+        layout = None
+        if options.shard_state is not None:
+            layout = Layout(options.shard_state, options.shard_min_size)
+        self._backend: Backend = BACKENDS[options.backend](
+            self.devices, options.axis_name, layout
+        )
         self._injector = options.injector
         # Small arrays threaded through every call: the chunk each device holds (a
         # replay moves them; the random keys follow), and the faults' bookkeeping.
@@ -83,11 +90,7 @@ class TrainStep:
         # and with or without the replica check, which runs only every
         # divergence_every-th step so the other steps carry none of its cost.
         self._compiled = {
-            (hb, rc): self._backend.compile(
-                functools.partial(body, options, beat=self._beat if hb else None, replicas=rc),
-                options.donate,
-                self._split,
-            )
+            (hb, rc): self._compile(options, beat=self._beat if hb else None, replicas=rc)
             for hb in (False, True)
             for rc in (False, True)
         }
@@ -105,6 +108,19 @@ class TrainStep:
         self._dropping: TrainStep | None = None
         self._heartbeats.clear()
 
+    def _compile(self, options: Options, *, beat: Any, replicas: bool) -> Any:
+        """One of the step's programs (compiled on first use): the per-device body
+        mapped by the backend, or under ``shard_state`` the sharded step, whose
+        ``shard_map`` is its own."""
+        if options.shard_state is not None:
+            step = functools.partial(sharded_step, options, beat=beat, replicas=replicas)
+            return self._backend.compile_sharded(step, options.donate, self._split)  # type: ignore[attr-defined]
+        return self._backend.compile(
+            functools.partial(body, options, beat=beat, replicas=replicas),
+            options.donate,
+            self._split,
+        )
+
     def __repr__(self) -> str:
         o = self.options
         ids = [d.id for d in self.devices]
@@ -121,6 +137,7 @@ class TrainStep:
             "loss_spike": o.loss_spike,
             "loss_scale": o.loss_scale,
             "verify_update": o.verify_update or None,
+            "shard_state": o.shard_state,
             "faults": len(o.faults) or None,
             "max_consecutive_skips": o.max_consecutive_skips if o.on_failure == "skip" else None,
         }
@@ -154,9 +171,12 @@ class TrainStep:
         if model_state is not None:
             validate.model_state_leaves(model_state, self.options.has_aux)
             model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
-        # Own copies: the step donates its state, and must not delete the caller's arrays.
-        params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-        opt_state = self.options.optimizer.init(params)
+        if self.options.shard_state is None:
+            # Own copies: the step donates its state, and must not delete the caller's arrays.
+            params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+            opt_state = self.options.optimizer.init(params)
+        else:  # placed shard by shard, never whole on one device
+            params, opt_state = self._backend.init_sharded(self.options.optimizer, params)  # type: ignore[attr-defined]
         n = len(self.devices)
         # A new run: the state's names and shape are learned below, the batch's layout from
         # the next batch (not held to an earlier run's, e.g. a pre-split batch first
