@@ -48,23 +48,25 @@ from jaxstep.program._shards import Plan
 GATHERED = "jaxstep_gathered"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def checked_gather(
     shard: jax.Array,
     probe: jax.Array,
     one: jax.Array,
     poison: jax.Array,
+    scale: jax.Array,
     axis: int,
     axis_name: str,
-    masked: bool,
-    injected: bool,
+    flags: tuple[bool, bool, bool],
 ) -> tuple[jax.Array, jax.Array]:
     """``(all_gather(shard), 0 * one)``. Backward: this device's own cotangent of the
-    whole parameter; its sum of squares is ``probe``'s cotangent; it is zeroed when
-    the cotangent of the second output (the drop mask) is 0 (``masked``), and
-    reduce-scattered as ``shard``'s. ``poison``: an injected gradient fault's value
-    (0: none), written into the cotangent before the check (``injected``)."""
-    del probe, poison, masked, injected
+    whole parameter; the sum of squares of it divided by ``scale`` (the loss scale, 1
+    without one: the norm of the unscaled gradient) is ``probe``'s cotangent; it is
+    zeroed when the cotangent of the second output (the drop mask) is 0, and
+    reduce-scattered as ``shard``'s. ``poison``: an injected gradient fault's value (0:
+    none), written into the cotangent before the check. ``flags``: (masked, poisoned,
+    scaled), what the backward does of these (static)."""
+    del probe, poison, scale, flags
     return jax.lax.all_gather(shard, axis_name, axis=axis, tiled=True), one * 0
 
 
@@ -73,31 +75,32 @@ def _gather_fwd(
     probe: jax.Array,
     one: jax.Array,
     poison: jax.Array,
+    scale: jax.Array,
     axis: int,
     axis_name: str,
-    masked: bool,
-    injected: bool,
-) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    out = checked_gather(shard, probe, one, poison, axis, axis_name, masked, injected)
-    return out, poison
+    flags: tuple[bool, bool, bool],
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    out = checked_gather(shard, probe, one, poison, scale, axis, axis_name, flags)
+    return out, (poison, scale)
 
 
 def _gather_bwd(
     axis: int,
     axis_name: str,
-    masked: bool,
-    injected: bool,
-    poison: jax.Array,
+    flags: tuple[bool, bool, bool],
+    residuals: tuple[jax.Array, jax.Array],
     cotangents: tuple[jax.Array, jax.Array],
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    g, keep = cotangents
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    (poison, scale), (g, keep) = residuals, cotangents
+    masked, injected, scaled = flags
     if injected:  # an injected gradient fault is checked like a real one
         g = poisoned(g, poison)
-    squares = jnp.sum(jnp.square(g.astype(jnp.float32)))
+    wide = g.astype(jnp.float32)
+    squares = jnp.sum(jnp.square(wide / scale if scaled else wide))
     if masked:  # a cond, not a multiply (NaN * 0 is NaN): the healthy branch is free
         g = jax.lax.cond(keep > 0, lambda x: x, jnp.zeros_like, g)
     shard = jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True)
-    return shard, squares, jnp.zeros_like(keep), jnp.zeros_like(poison)
+    return shard, squares, jnp.zeros_like(keep), jnp.zeros_like(poison), jnp.zeros_like(scale)
 
 
 checked_gather.defvjp(_gather_fwd, _gather_bwd)
@@ -150,6 +153,10 @@ def gathered_work(
         poisons = [options.injector.leaf_value("grad", names, i, ctx) for i in range(len(shards))]
     validate.rng_for(options.loss_fn, key is not None)  # at trace time only
 
+    scaling = scaler is not None and scale is not None
+    factor = scale.scale if scale is not None and scaling else jnp.ones((), jnp.float32)
+    none = jnp.zeros((), jnp.float32)
+
     def f(shards: list[jax.Array], probes: list[jax.Array], one: jax.Array) -> Any:
         full, sink = list(shards), jnp.zeros((), jnp.float32)
         for k, i in enumerate(held):
@@ -158,11 +165,11 @@ def gathered_work(
                 shards[i],
                 probes[k],
                 one,
-                jnp.zeros((), jnp.float32) if poison is None else poison,
+                none if poison is None else poison,
+                factor,
                 plan.params[i],
                 options.axis_name,
-                masked,
-                poison is not None,
+                (masked, poison is not None, scaling),
             )
             full[i] = checkpoint_name(x, GATHERED)
             sink = sink + z
@@ -191,13 +198,10 @@ def gathered_work(
     local = [i for i, a in enumerate(plan.params) if a is None]
     for i in local:  # the replicated leaves' faults, on their local gradients
         grads[i] = poisoned(grads[i], poisons[i])
-    inverse = None if scaler is None or scale is None else 1 / scale.scale
-    if inverse is not None:
+    if scaling:  # the flags saw the unscaled cotangents already
         grads = scaler.unscale(scale, grads)  # type: ignore[union-attr]
     squares, first_local, _ = health.gradient_health([grads[i] for i in local])
     held_squares = sum(flags, jnp.zeros((), jnp.float32))
-    if inverse is not None:  # the flags saw the scaled cotangents
-        held_squares = held_squares * inverse * inverse
     held_first = health.first_true([~jnp.isfinite(q) for q in flags], held)
     local_first = jnp.where(
         first_local >= 0, jnp.asarray(local or [0], jnp.int32)[jnp.maximum(first_local, 0)], -1

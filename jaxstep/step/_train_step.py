@@ -340,7 +340,9 @@ class TrainStep:
         fires; a transient that fired does not fire again); an explicit
         ``max_dropped`` is lowered to the new count minus one where it must be. The
         compiled programs are compiled again on first use. With several processes,
-        every process calls it with the same ids.
+        every process calls it with the same ids. Under ``shard_state`` the state is
+        sharded again by the same rule over the devices left (a warning names the
+        bytes per device when leaves that were sharded no longer divide).
 
         Args:
           device_ids: the ids of the devices to leave out, from ``step.devices``.
@@ -361,6 +363,7 @@ class TrainStep:
         here = jax.process_index()  # a copy this process holds, of a device that stays
         source = next(i for i in keep if self.devices[i].process_index == here)
         host = exclude.shrink_state(self._backend.read_at(state, source), keep)
+        exclude.warn_resharded(options, host, len(self.devices))
         fired = None
         if self._injector:
             fired = np.asarray(self._backend.read_first(self._extras["fired"]))[kept_faults]
