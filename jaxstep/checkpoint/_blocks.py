@@ -58,7 +58,7 @@ def spread(tree: Any) -> bool:
     return any(_sharded(x) and not x.is_fully_addressable for x in jax.tree.leaves(tree))
 
 
-def to_host(leaves: Sequence[Any]) -> tuple[list[np.ndarray], dict[str, np.ndarray] | None]:
+def to_host(leaves: Sequence[Any]) -> tuple[list[np.ndarray], dict[str, Any] | None]:
     """Numpy of ``leaves`` (:func:`local_copies`, or a state's leaves, keys as key data):
     each whole when this process holds all of it. Otherwise (a leaf sharded across
     processes) an empty placeholder in its place, and this process's blocks of it in
@@ -66,20 +66,23 @@ def to_host(leaves: Sequence[Any]) -> tuple[list[np.ndarray], dict[str, np.ndarr
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
         return [np.asarray(x) for x in jax.device_get(list(leaves))], None
     host: list[np.ndarray] = []
-    blocks: dict[str, np.ndarray] = {}
+    blocks: dict[str, Any] = {}
     for i, x in enumerate(leaves):
         if not _sharded(x):
             host.append(np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x))
             continue
         host.append(np.zeros((0,), x.dtype))
         for k, shard in enumerate(s for s in x.addressable_shards if s.replica_id == 0):
-            bounds = [(s.start or 0, x.shape[d] if s.stop is None else s.stop) for d, s in enumerate(shard.index)]
+            bounds = [
+                (s.start or 0, x.shape[d] if s.stop is None else s.stop)
+                for d, s in enumerate(shard.index)
+            ]
             blocks[f"{i}_{k}"] = np.asarray(shard.data)
             blocks[f"{i}_{k}_at"] = np.asarray(bounds, np.int64).reshape(-1, 2)
     return host, blocks
 
 
-def write(root: Any, number: int, process: int, blocks: dict[str, np.ndarray]) -> None:
+def write(root: Any, number: int, process: int, blocks: dict[str, Any]) -> None:
     """Writes this process's ``blocks`` of step ``number`` under ``root``."""
     where = root / DIRECTORY / str(number)
     where.mkdir(parents=True, exist_ok=True)

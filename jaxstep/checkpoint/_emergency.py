@@ -55,14 +55,14 @@ def save(
     if error.state is not None and multi and blocks.spread(error.state):
         # sharded across processes: each writes its shards, read from the state as it
         # is (no program runs: a lost peer cannot hold it up); restoring needs them all
-        leaves = [_key_data(x) for x in jax.tree.leaves(error.state)]
-        host, mine = blocks.to_host(leaves)
+        state = [_key_data(x) for x in jax.tree.leaves(error.state)]
+        host, mine = blocks.to_host(state)
         if mine is not None:
             blocks.write(path, error.step, me, mine)
         if coordination.is_writer():
             items["state"] = host
             meta["layout"] = Layout.of(error.state).to_json()
-            meta["blocks"] = blocks.describe(leaves, coordination.processes(devices))
+            meta["blocks"] = blocks.describe(state, coordination.processes(devices))
     elif error.state is not None and (not multi or coordination.is_writer()):
         items["state"] = jax.device_get(local_copy(error.state, stacked=stacked))
         meta["layout"] = Layout.of(error.state, stacked=stacked).to_json()

@@ -32,7 +32,6 @@ from jaxstep.checkpoint._options import CheckpointOptions
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._position import Source
 from jaxstep.checkpoint._position import is_callable_source
-from jaxstep.checkpoint._store import FORMAT
 from jaxstep.checkpoint._store import Store
 from jaxstep.checkpoint._store import run_meta
 from jaxstep.core import HealthTable
@@ -230,7 +229,7 @@ class FitCheckpoints:
         if mine is not None:
             blocks.forget_older(self.store.directory, self.store.steps())
 
-    def _parts_in(self, number: int, mine: dict[str, np.ndarray]) -> bool:
+    def _parts_in(self, number: int, mine: dict[str, Any]) -> bool:
         """Writes this process's shards of step ``number`` and says so through the
         store; True on the writer once every process's are in (then it writes the step:
         a step is only listed once whole)."""

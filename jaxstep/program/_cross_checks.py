@@ -40,9 +40,7 @@ def without_shards(leaves: Sequence[jax.Array], sharded: Sequence[bool]) -> list
     """``leaves`` with each one held as a shard (``sharded``) replaced by a zero scalar
     (fingerprint 0): the devices' shards differ by design and have no second copy, so
     a comparison of fingerprints leaves them out (and keeps the leaves' positions)."""
-    return [
-        jnp.zeros((), x.dtype) if s else x for x, s in zip(leaves, sharded, strict=True)
-    ]
+    return [jnp.zeros((), x.dtype) if s else x for x, s in zip(leaves, sharded, strict=True)]
 
 
 def split16(prints: jax.Array) -> jax.Array:

@@ -229,10 +229,7 @@ class Injector:
             tree = jax.tree_util.tree_map_with_path(poison, tree)
         return tree
 
-
-    def leaf_value(
-        self, kind: str, names: Sequence[str], i: int, ctx: Context
-    ) -> jax.Array | None:
+    def leaf_value(self, kind: str, names: Sequence[str], i: int, ctx: Context) -> jax.Array | None:
         """What the faults of ``kind`` write into leaf ``names[i]`` (of a tree whose
         leaves are ``names``) on this device now: a float32 scalar, 0 where none fires,
         or None when no fault names that leaf (``shard_state="params"`` injects a

@@ -137,9 +137,8 @@ def gathered_work(
     reduce-scattered (this device's shard of the sum), each replicated leaf's local;
     its health: the local cotangents'. ``keep``: under ``drop``, 0 leaves this
     device's cotangents out of the sums (None: by what its forward pass tells);
-    ``replicas``: the gathered copies' fingerprints come back too.
-
-    Long because its steps share one trace's locals (the vjp, its aux and probes)."""
+    ``replicas``: the gathered copies' fingerprints come back too. It is long because
+    its steps share one trace's locals (the vjp, its aux and probes)."""
     if ctx is not None:
         batch = options.injector.input(batch, ctx)
     scaler, scale = options.loss_scale, state.loss_scale
@@ -198,8 +197,8 @@ def gathered_work(
     local = [i for i, a in enumerate(plan.params) if a is None]
     for i in local:  # the replicated leaves' faults, on their local gradients
         grads[i] = poisoned(grads[i], poisons[i])
-    if scaling:  # the flags saw the unscaled cotangents already
-        grads = scaler.unscale(scale, grads)  # type: ignore[union-attr]
+    if scaler is not None and scale is not None:  # the flags saw unscaled cotangents
+        grads = scaler.unscale(scale, grads)
     squares, first_local, _ = health.gradient_health([grads[i] for i in local])
     held_squares = sum(flags, jnp.zeros((), jnp.float32))
     held_first = health.first_true([~jnp.isfinite(q) for q in flags], held)
@@ -257,7 +256,9 @@ def local_part(
         state = dataclasses.replace(state, params=params)
     key = stages.chunk_key(state, chunk)
 
-    def work(keep: jax.Array | None, checked: bool) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
+    def work(
+        keep: jax.Array | None, checked: bool
+    ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
         fn = functools.partial(gathered_work, plan=plan, replicas=checked, keep=keep)
         return microbatched_work(
             options, state, batch, key, ctx, options.microbatches, fn, scattered=True

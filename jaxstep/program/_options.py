@@ -97,6 +97,33 @@ class Options:
         """The number of devices."""
         return len(self.device_ids)
 
+    def summary(self) -> str:
+        """The loss's name and the options that differ from the defaults, for a step's
+        ``repr``."""
+        ids = list(self.device_ids)
+        shown = ids if len(ids) <= 8 else [*ids[:4], "...", *ids[-2:]]
+        parts = [
+            f"backend={self.backend!r}",
+            f"devices={len(ids)} {shown} ({self.devices[0].platform})",
+            f"on_failure={self.on_failure!r}",
+            f"axis_name={self.axis_name!r}",
+            f"divergence_every={self.divergence_every}",
+        ]
+        optional = {
+            "microbatches": self.microbatches if self.microbatches != 1 else None,
+            "loss_spike": self.loss_spike,
+            "loss_scale": self.loss_scale,
+            "verify_update": self.verify_update or None,
+            "shard_state": self.shard_state,
+            "faults": len(self.faults) or None,
+            "max_consecutive_skips": (
+                self.max_consecutive_skips if self.on_failure == "skip" else None
+            ),
+        }
+        parts += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
+        name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+        return f"{name}, {', '.join(parts)}"
+
     @property
     def dropped_limit(self) -> int:
         """``on_failure="drop"``: the most devices one step may leave out (default:

@@ -109,8 +109,8 @@ def step(
         out = device_part(options, plan, state, batch, extras, beat=beat, replicas=replicas)
         return out._replace(aux=jax.tree.map(lambda x: x[None], out.aux))
 
-    out_specs = Parted(
-        plan.grad_specs(state.params, axis), P(), P(), P(), P(), P(), P(), dict(extra_specs), P(axis), P()
+    out_specs = Parted._make(
+        [plan.grad_specs(state.params, axis), *[P()] * 6, dict(extra_specs), P(axis), P()]
     )
     mapped = jax.shard_map(
         part,
@@ -168,7 +168,9 @@ def device_part(
 
         def rerun(left_out: jax.Array) -> tuple[PyTree, PyTree]:
             key = stages.chunk_key(state, chunk)
-            again = microbatched_work(options, state, batch, key, ctx, options.microbatches, work_fn)
+            again = microbatched_work(
+                options, state, batch, key, ctx, options.microbatches, work_fn
+            )
             return again[0].grads, again[0].model_state
 
     reduced = reduce(options, plan, state, part, ctx, index, rerun)
@@ -204,6 +206,7 @@ def reduce(
     if options.on_failure == "drop":
         leaves, floats = _left_out(plan, part.work.forward_failed, leaves, floats, scattered)
     grad_sums, floats, gathered = _sums(options, plan, leaves, floats, sent, scattered)
+    assert gathered is not None  # sent rode along
     reduced = stages.received(
         options, part, summed, jax.tree.unflatten(treedef, grad_sums), floats, gathered
     )
@@ -261,7 +264,9 @@ def _sums(
     axis = options.axis_name
     local = [g for g, a in zip(leaves, plan.grads, strict=True) if a is None]
     out = [
-        g if a is None or scattered else jax.lax.psum_scatter(g, axis, scatter_dimension=a, tiled=True)
+        g
+        if a is None or scattered
+        else jax.lax.psum_scatter(g, axis, scatter_dimension=a, tiled=True)
         for g, a in zip(leaves, plan.grads, strict=True)
     ]
     local, floats, gathered = jax.lax.psum((local, floats, sent), axis)

@@ -13,14 +13,13 @@ one device's copy of a state, left on that device."""
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 from typing import Protocol
-
-import types
 
 import jax
 import numpy as np
@@ -57,6 +56,10 @@ class Backend(Protocol):
         self, devices: Sequence[jax.Device], axis_name: str = AXIS, layout: Layout | None = None
     ) -> None: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
+    def compile_sharded(
+        self, step: ShardedBody, donate: bool, split: Mapping[str, bool]
+    ) -> Compiled: ...
+    def init_sharded(self, optimizer: Any, params: PyTree) -> tuple[PyTree, PyTree]: ...
     def compile_state_fn(
         self, fn: Callable[[Any], Any], out_specs: Any = None
     ) -> Callable[[Any], Any]: ...
@@ -193,9 +196,9 @@ class ShardMapBackend:
         )
 
         def named(tree: PyTree, axes: Sequence[int | None]) -> PyTree:
-            leaves, treedef = jax.tree.flatten(tree)
             return jax.tree.unflatten(
-                treedef, [NamedSharding(self.mesh, spec(a, self.axis)) for a in axes]
+                jax.tree.structure(tree),
+                [NamedSharding(self.mesh, spec(a, self.axis)) for a in axes],
             )
 
         params = jax.device_put(params, named(params, plan.params))
@@ -225,7 +228,7 @@ class ShardMapBackend:
         if entry is None or entry[0] is not sharding:
             entry = self._equivalent[key] = (
                 sharding,
-                sharding.is_equivalent_to(self.split, x.ndim) and _auto_mesh(sharding),
+                sharding.is_equivalent_to(self.split, x.ndim) and auto_mesh(sharding),
             )
         return entry[1]
 
@@ -284,7 +287,7 @@ def whole(x: Any, copy: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _auto_mesh(sharding: jax.sharding.Sharding) -> bool:
+def auto_mesh(sharding: jax.sharding.Sharding) -> bool:
     """Whether ``sharding``'s mesh has only ``Auto`` axes. An array placed on a mesh
     with ``Explicit`` axes (``jax.make_mesh``'s default since JAX 0.9, as the
     shard_map tutorial builds it) carries its axis names into the types of what it
@@ -293,103 +296,3 @@ def _auto_mesh(sharding: jax.sharding.Sharding) -> bool:
     mesh = getattr(sharding, "mesh", None)
     types = getattr(mesh, "axis_types", ())
     return all(t == jax.sharding.AxisType.Auto for t in types)
-
-
-def _own_placement(batch: Any, own: NamedSharding) -> Any:
-    """``batch`` with every device array on ``own`` (the step's devices, rows split
-    over its axis): an array placed on the user's mesh (other axis names, ``Explicit``
-    axes) cannot be reshaped under pmap as it is."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not _auto_mesh(x.sharding):
-            return jax.device_put(x, own)
-        return x
-
-    return jax.tree.map(one, batch)
-
-
-class PmapBackend:
-    """The same body under ``jax.pmap``: every state leaf has a leading device axis."""
-
-    name = "pmap"
-    stacked = True
-
-    def __init__(
-        self, devices: Sequence[jax.Device], axis_name: str = AXIS, layout: Layout | None = None
-    ):
-        self.devices = list(devices)
-        self.axis = axis_name
-        self.layout = None  # Options refuses a shard_state under pmap
-        # in_axes=None broadcasts every leaf (typed PRNG keys too) to all devices.
-        self._replicate = jax.pmap(
-            lambda _, x: x, axis_name=axis_name, in_axes=(0, None), devices=self.devices
-        )
-        self._split = jax.pmap(lambda x: x, axis_name=axis_name, devices=self.devices)
-        # built once: a mesh and its sharding cost ~50 us, every batch
-        mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
-        self._own = NamedSharding(mesh, P(axis_name))
-
-    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
-        return jax.pmap(
-            body, axis_name=self.axis, devices=self.devices, donate_argnums=(0,) if donate else ()
-        )
-
-    def compile_state_fn(
-        self, fn: Callable[[Any], Any], out_specs: Any = None
-    ) -> Callable[[Any], Any]:
-        """``fn(state) -> state`` run on every device's copy."""
-        return jax.pmap(fn, axis_name=self.axis, devices=self.devices)
-
-    def plan(self, state: Any) -> Plan | None:
-        return None
-
-    def place_state(self, state: PyTree) -> PyTree:
-        return self._replicate(np.arange(len(self.devices)), state)
-
-    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
-        n = len(self.devices)
-        batch = _own_placement(batch, self._own)
-        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-
-    def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
-        return {
-            k: self._split(np.asarray(v)) if split[k] else self.place_state(v)
-            for k, v in extras.items()
-        }
-
-    def read_table(self, health: jax.Array) -> np.ndarray:
-        return np.asarray(health.addressable_data(0))[0]
-
-    def read_first(self, tree: PyTree) -> PyTree:
-        """Numpy of the first addressable copy of every leaf, without the device axis."""
-        return to_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
-
-    def one_replica(self, tree: PyTree) -> PyTree:
-        """The first addressable device's copy of every leaf, without the device axis,
-        on that device. Read from the shard and put back: ``x[0]`` compiled a program
-        per leaf shape (~2 s per call on a large state); this compiles nothing."""
-
-        def one(x: Any) -> Any:
-            if not isinstance(x, jax.Array):
-                return np.asarray(x)[0]
-            shard = x.addressable_shards[0]
-            # a copy: the shard's buffer goes when a later step donates the state
-            host = to_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
-            return jax.device_put(from_host(host), shard.device)
-
-        return jax.tree.map(one, tree)
-
-    def read_at(self, tree: PyTree, position: int) -> PyTree:
-        """The numpy copy of ``tree`` held by ``devices[position]``, read from that
-        device's shard alone (typed keys as :class:`jaxstep.core.HostKey`)."""
-        device = self.devices[position]
-
-        def read(x: Any) -> np.ndarray:
-            if not isinstance(x, jax.Array):
-                return np.asarray(x)[position]
-            return next(np.asarray(s.data)[0] for s in x.addressable_shards if s.device == device)
-
-        return to_host(read, tree)
-
-
-BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

@@ -169,7 +169,9 @@ def warn_resharded(options: Options, host: TrainState, before: int) -> None:
     now = Plan.of(layout, options.n, size, host)
     lost = [
         name
-        for name, a, b in zip(_names(host), (*was.params, *was.opt), (*now.params, *now.opt), strict=True)
+        for name, a, b in zip(
+            _names(host), (*was.params, *was.opt), (*now.params, *now.opt), strict=True
+        )
         if a is not None and b is None
     ]
     if not lost:

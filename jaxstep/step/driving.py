@@ -97,7 +97,9 @@ def replicas_agree(step: TrainStep, state: TrainState) -> bool:
         def prints(s: TrainState) -> jax.Array:
             leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))
             if held is not None:  # a shard has no second copy to compare
-                leaves = [jnp.zeros((), x.dtype) if h else x for x, h in zip(leaves, held, strict=True)]
+                leaves = [
+                    jnp.zeros((), x.dtype) if h else x for x, h in zip(leaves, held, strict=True)
+                ]
             return jax.lax.all_gather(fingerprint(leaves), axis)
 
         step._fingerprints = step._backend.compile_state_fn(prints, P())

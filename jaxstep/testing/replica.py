@@ -45,7 +45,11 @@ def corrupt_replica(
     x = leaves[k]
     if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"leaf {leaf!r} has dtype {x.dtype}; pick a float leaf")
-    if isinstance(x, jax.Array) and not x.sharding.is_fully_replicated and not driving.stacked(step):
+    if (
+        isinstance(x, jax.Array)
+        and not x.sharding.is_fully_replicated
+        and not driving.stacked(step)
+    ):
         whole = [n for n, y in zip(names, leaves, strict=True) if y.sharding.is_fully_replicated]
         raise ValueError(
             f"leaf {leaf!r} is sharded over the devices (shard_state="
