@@ -182,7 +182,11 @@ def local_part(
         bad = ~jnp.isfinite(injected)
         squares = jnp.where(bad, injected + squares, squares)
         grad_leaf = health.earliest(grad_leaf, injected_leaf)
-        status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
+        flag: Any = int(Status.GRAD_NONFINITE)
+        if options.loss_scale is not None:  # as a real one: an overflow of scaled values
+            overflow = (work.input_leaf < 0) & jnp.isfinite(work.loss)
+            flag = jnp.where(overflow, int(Status.OVERFLOW), flag)
+        status |= jnp.where(bad, flag, 0)
     row = row_of(work, grad_leaf, squares, microbatch)
     prints = None
     if replicas:

@@ -60,10 +60,9 @@ def checked_gather(
     flags: tuple[bool, bool, bool],
 ) -> tuple[jax.Array, jax.Array]:
     """``(all_gather(shard), 0 * one)``. Backward: this device's own cotangent of the
-    whole parameter; the sum of squares of it divided by ``scale`` (the loss scale, 1
-    without one: the norm of the unscaled gradient) is ``probe``'s cotangent; it is
-    zeroed when the cotangent of the second output (the drop mask) is 0, and
-    reduce-scattered as ``shard``'s. ``poison``: an injected gradient fault's value (0:
+    whole parameter, divided by ``scale`` (the loss scale, as ``DynamicLossScale.unscale``
+    does); its sum of squares is ``probe``'s cotangent; it is zeroed when the cotangent
+    of the second output (the drop mask) is 0, and reduce-scattered as ``shard``'s. ``poison``: an injected gradient fault's value (0:
     none), written into the cotangent before the check. ``flags``: (masked, poisoned,
     scaled), what the backward does of these (static)."""
     del probe, poison, scale, flags
@@ -95,8 +94,9 @@ def _gather_bwd(
     masked, injected, scaled = flags
     if injected:  # an injected gradient fault is checked like a real one
         g = poisoned(g, poison)
-    wide = g.astype(jnp.float32)
-    squares = jnp.sum(jnp.square(wide / scale if scaled else wide))
+    if scaled:  # unscaled before the sum, as the replicated step does (no overflow in it)
+        g = (g.astype(jnp.float32) / scale).astype(g.dtype)
+    squares = jnp.sum(jnp.square(g.astype(jnp.float32)))
     if masked:  # a cond, not a multiply (NaN * 0 is NaN): the healthy branch is free
         g = jax.lax.cond(keep > 0, lambda x: x, jnp.zeros_like, g)
     shard = jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True)
@@ -197,8 +197,10 @@ def gathered_work(
     local = [i for i, a in enumerate(plan.params) if a is None]
     for i in local:  # the replicated leaves' faults, on their local gradients
         grads[i] = poisoned(grads[i], poisons[i])
-    if scaler is not None and scale is not None:  # the flags saw unscaled cotangents
-        grads = scaler.unscale(scale, grads)
+    if scaler is not None and scale is not None:  # the held leaves' are unscaled already
+        unscaled = scaler.unscale(scale, [grads[i] for i in local])
+        for i, g in zip(local, unscaled, strict=True):
+            grads[i] = g
     squares, first_local, _ = health.gradient_health([grads[i] for i in local])
     held_squares = sum(flags, jnp.zeros((), jnp.float32))
     held_first = health.first_true([~jnp.isfinite(q) for q in flags], held)
