@@ -9,7 +9,7 @@ only make a read time out (:mod:`jaxstep.checkpoint._coordination`). So each pro
 writes its own blocks (one copy of each shard, ``replica_id == 0``) as plain numpy
 files, ``<root>/blocks/<step>/process_<i>.npz`` (each block with its index in the whole
 array), the writer writes the step once every part is in (the replicated leaves, and an
-empty placeholder for each sharded one), and reading the step assembles the leaves.
+one-element placeholder for each sharded one), and reading the step assembles the leaves.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def spread(tree: Any) -> bool:
 def to_host(leaves: Sequence[Any]) -> tuple[list[np.ndarray], dict[str, Any] | None]:
     """Numpy of ``leaves`` (:func:`local_copies`, or a state's leaves, keys as key data):
     each whole when this process holds all of it. Otherwise (a leaf sharded across
-    processes) an empty placeholder in its place, and this process's blocks of it in
+    processes) a one-element placeholder in its place, and this process's blocks of it in
     the second value (None when there are none), for :func:`write`."""
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
         return [np.asarray(x) for x in jax.device_get(list(leaves))], None
@@ -71,7 +71,7 @@ def to_host(leaves: Sequence[Any]) -> tuple[list[np.ndarray], dict[str, Any] | N
         if not _sharded(x):
             host.append(np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x))
             continue
-        host.append(np.zeros((0,), x.dtype))
+        host.append(np.zeros((1,), x.dtype))  # orbax saves no empty array
         for k, shard in enumerate(s for s in x.addressable_shards if s.replica_id == 0):
             bounds = [
                 (s.start or 0, x.shape[d] if s.stop is None else s.stop)
