@@ -9,9 +9,9 @@ process 1 alone after step 2, jax#11987), ``stall`` (process 1's second device s
 at step 3, ``step_timeout``), ``sharded`` (under ``shard_state="optimizer"``, then
 ``"params"``: the ``nan`` run with checkpoints, its latest checkpoint and emergency save
 restored, and the rest trained from the checkpoint), ``resume`` (resume from the
-checkpoints of an earlier run, train to the end, and process 0 saves the parameters). With a checkpoint
-directory (second argument) the run checkpoints every 2 steps. Each process prints one
-line ``RESULT {json}`` with what it saw.
+checkpoints of an earlier run, train to the end, and process 0 saves the parameters).
+With a checkpoint directory (second argument) the run checkpoints every 2 steps. Each
+process prints one line ``RESULT {json}`` with what it saw.
 """
 
 import os

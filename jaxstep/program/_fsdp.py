@@ -62,9 +62,10 @@ def checked_gather(
     """``(all_gather(shard), 0 * one)``. Backward: this device's own cotangent of the
     whole parameter, divided by ``scale`` (the loss scale, as ``DynamicLossScale.unscale``
     does); its sum of squares is ``probe``'s cotangent; it is zeroed when the cotangent
-    of the second output (the drop mask) is 0, and reduce-scattered as ``shard``'s. ``poison``: an injected gradient fault's value (0:
-    none), written into the cotangent before the check. ``flags``: (masked, poisoned,
-    scaled), what the backward does of these (static)."""
+    of the second output (the drop mask) is 0, and reduce-scattered as ``shard``'s.
+    ``poison``: an injected gradient fault's value (0: none), written into the cotangent
+    before the check. ``flags``: (masked, poisoned, scaled), what the backward does of
+    these (static)."""
     del probe, poison, scale, flags
     return jax.lax.all_gather(shard, axis_name, axis=axis, tiled=True), one * 0
 
