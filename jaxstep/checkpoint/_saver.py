@@ -14,8 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import socket
-import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint import _emergency as emergency
 from jaxstep.checkpoint import _resume
@@ -33,8 +32,8 @@ from jaxstep.checkpoint._options import CheckpointOptions
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._position import Source
 from jaxstep.checkpoint._position import is_callable_source
-from jaxstep.checkpoint._store import FORMAT
 from jaxstep.checkpoint._store import Store
+from jaxstep.checkpoint._store import run_meta
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
@@ -65,16 +64,6 @@ class _Snapshot:
     # rebuilt the step on fewer devices by then (per-device monitor columns included)
     devices: tuple[jax.Device, ...]
     layout: Layout
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version
-
-    try:
-        return version("jaxstep")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 class FitCheckpoints:
@@ -180,7 +169,7 @@ class FitCheckpoints:
         if self._positions is not None:  # published before the step runs: the writer
             # reads it once the step's collective finished, so it is there by then
             self._positions.publish(number, position.to_json())
-            if not self.writer:
+            if not self.writer and not blocks.spread(state):  # (or write its shards)
                 return True
         stacked, devices = driving.stacked(self.step), tuple(self.step.devices)
         self._snap = _Snapshot(
@@ -217,8 +206,12 @@ class FitCheckpoints:
 
     def _write(self, snap: _Snapshot) -> None:
         assert self.store is not None
-        leaves = jax.device_get(snap.leaves)
+        leaves, mine = blocks.to_host(snap.leaves)
+        if mine is not None and not self._parts_in(snap.number, mine):
+            return  # a process that writes its own shards only
         meta = self._meta(snap.number, snap.devices, verified=True)
+        if mine is not None:
+            meta["blocks"] = blocks.describe(snap.leaves, self.processes)
         if self._positions is not None:  # every process's own data position
             found = self._positions.gather(snap.number, _GATHER_TIMEOUT)
             meta["data_by_process"] = {str(p): pos for p, pos in found.items()}
@@ -232,23 +225,27 @@ class FitCheckpoints:
             layout=snap.layout.to_json(),
         )
         self.store.save(snap.number, {"state": leaves, "meta": meta})
+        if mine is not None:
+            blocks.forget_older(self.store.directory, self.store.steps())
+
+    def _parts_in(self, number: int, mine: dict[str, Any]) -> bool:
+        """Writes this process's shards of step ``number`` and says so through the
+        store; True on the writer once every process's are in (then it writes the step:
+        a step is only listed once whole)."""
+        assert self.store is not None and self._positions is not None
+        blocks.write(self.store.directory, number, jax.process_index(), mine)
+        key = f"{self._positions.prefix}blocks/{number}"
+        coordination.publish(key, True)
+        if not self.writer:
+            return False
+        coordination.gather(key, self.processes, _DRAIN_TIMEOUT)
+        coordination.forget(key, self.processes)
+        return True
 
     def _meta(
         self, number: int, devices: Sequence[jax.Device], *, verified: bool
     ) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "step": number,
-            "verified": verified,
-            "devices": len(devices),
-            "device_ids": [int(d.id) for d in devices],
-            "backend": self.step.options.backend,
-            "platform": devices[0].platform,
-            "process_count": jax.process_count(),
-            "host": socket.gethostname(),
-            "jaxstep_version": _version(),
-            "time": time.time(),
-        }
+        return run_meta(number, devices, self.step.options.backend, verified=verified)
 
     def rewind(self, number: int) -> None:
         """The next state :meth:`before` sees is step ``number`` (a recovery went back

@@ -19,6 +19,7 @@ from jaxstep.core._state import from_host as from_host
 from jaxstep.core._state import to_host as to_host
 from jaxstep.core._types import BACKEND_NAMES as BACKEND_NAMES
 from jaxstep.core._types import POLICIES as POLICIES
+from jaxstep.core._types import SHARD_STATES as SHARD_STATES
 from jaxstep.core._types import BackendName as BackendName
 from jaxstep.core._types import Batch as Batch
 from jaxstep.core._types import FaultKind as FaultKind
@@ -28,6 +29,7 @@ from jaxstep.core._types import Policy as Policy
 from jaxstep.core._types import PyTree as PyTree
 from jaxstep.core._types import RecoveryAction as RecoveryAction
 from jaxstep.core._types import ReplayVerdict as ReplayVerdict
+from jaxstep.core._types import ShardState as ShardState
 from jaxstep.core._types import SourceKind as SourceKind
 from jaxstep.core._types import Verdict as Verdict
 from jaxstep.core._weighted import WeightedLoss as WeightedLoss
@@ -56,6 +58,8 @@ __all__ = [
     "RESTART_EXIT_CODE",
     "RecoveryAction",
     "ReplayVerdict",
+    "SHARD_STATES",
+    "ShardState",
     "SourceKind",
     "Status",
     "StepInfo",

@@ -19,6 +19,8 @@ Batch: TypeAlias = PyTree
 
 #: ``make_train_step(backend=...)``.
 BackendName: TypeAlias = Literal["shard_map", "pmap"]
+#: ``make_train_step(shard_state=...)``: what is sharded over the devices (None: nothing).
+ShardState: TypeAlias = Literal["optimizer", "params"]
 #: ``make_train_step(on_failure=...)``.
 Policy: TypeAlias = Literal["raise", "skip", "drop"]
 #: ``Fault(kind=...)``: where an injected fault strikes.
@@ -38,3 +40,4 @@ ReplayVerdict: TypeAlias = Literal["data", "device", "transient", "inconclusive"
 
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
+SHARD_STATES: tuple[ShardState, ...] = get_args(ShardState)

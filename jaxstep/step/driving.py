@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
@@ -29,6 +30,7 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import processes
 from jaxstep.program import fingerprint
+from jaxstep.program import held_shards
 from jaxstep.step import _exclude as exclude
 from jaxstep.step._inputs import local_positions
 from jaxstep.step._train_step import TrainStep
@@ -78,7 +80,9 @@ def first_copy(step: TrainStep, tree: PyTree) -> PyTree:
 def local_copy(step: TrainStep, tree: PyTree, position: int) -> PyTree:
     """The numpy copy of a replicated (or pmap-stacked) ``tree`` held by
     ``step.devices[position]``; typed PRNG keys come as :class:`jaxstep.core.HostKey`
-    (``step.place_state`` takes them back)."""
+    (``step.place_state`` takes them back). A leaf sharded over the devices
+    (``shard_state``) comes whole, gathered from its shards (across processes a
+    collective: every process calls it alike)."""
     return step._backend.read_at(tree, position)
 
 
@@ -88,12 +92,18 @@ def replicas_agree(step: TrainStep, state: TrainState) -> bool:
     device's fingerprint, gathered; compiled on first use)."""
     if step._fingerprints is None:
         axis = step.options.axis_name
+        plan = step._backend.plan(state)
+        held = None if plan is None else held_shards(plan, state)
 
         def prints(s: TrainState) -> jax.Array:
-            mine = fingerprint(jax.tree.leaves((s.params, s.opt_state, s.model_state)))
-            return jax.lax.all_gather(mine, axis)
+            leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))
+            if held is not None:  # a shard has no second copy to compare
+                leaves = [
+                    jnp.zeros((), x.dtype) if h else x for x, h in zip(leaves, held, strict=True)
+                ]
+            return jax.lax.all_gather(fingerprint(leaves), axis)
 
-        step._fingerprints = step._backend.compile_state_fn(prints)
+        step._fingerprints = step._backend.compile_state_fn(prints, P())
     gathered = np.asarray(step._fingerprints(state))
     if step._backend.stacked:
         gathered = gathered[0]
