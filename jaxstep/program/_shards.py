@@ -30,7 +30,7 @@ from jaxstep.core import TrainState
 #: collectives a sharded leaf adds (a reduce-scatter and an all-gather in place of one
 #: all-reduce) cost more than the 7/8 of its update they save: measured alone on 8 CPU
 #: devices, a sharded Adam leaf took 1.2-1.5x the replicated one's time up to 2**14
-#: elements and 0.4-0.6x from 2**16 on (docs/sharding.md). Leaves that small hold
+#: elements and 0.3-0.6x from 2**16 on (docs/sharding.md). Leaves that small hold
 #: little memory (biases, norm scales: 0.1% of GPT-2 small). DeepSpeed's ZeRO-3 keeps
 #: parameters under 1e5 elements whole, big_vision's FSDP those under 4 MiB.
 DEFAULT_SHARD_MIN_SIZE = 2**16
