@@ -237,3 +237,25 @@ def test_replica_checks_where_a_replica_exists(layout):
     name = "['dense1']['kernel']" if layout == "params" else "opt_state[0].mu['dense1']['kernel']"
     with pytest.raises(ValueError, match=r"no replica to corrupt.*The replicated leaves are"):
         corrupt_replica(step, step.init(init_params()), 0, name)
+
+
+def test_a_gathered_copy_that_differs_on_one_device_is_diverged_under_params(monkeypatch):
+    # A bad link or bad memory on device 2: every parameter it gathers arrives one ulp
+    # off. The shards agree (each has one owner); only the gathered copies tell, and the
+    # device whose copy differs from the majority is named, with the leaf.
+    gather = jax.lax.all_gather
+
+    def off_on_device_2(x, axis_name, **kw):
+        full = gather(x, axis_name, **kw)
+        bad = jax.lax.axis_index(axis_name) == 2
+        return jax.numpy.where(bad, jax.numpy.nextafter(full, full + 1), full)
+
+    step = _step("params", divergence_every=1)
+    state = step.init(init_params())
+    monkeypatch.setattr(jax.lax, "all_gather", off_on_device_2)
+    _, out = step(state, make_batches(1)[0])  # traced with the faulty gather
+    monkeypatch.undo()
+    (failure,) = step.failures(step.table(out))
+    assert (failure.device_id, failure.status) == (jax.devices()[2].id, Status.DIVERGED)
+    assert failure.leaf.startswith("params['dense1']")
+    assert failure.step == 0
