@@ -22,7 +22,9 @@ processes and ``jax.distributed`` finds its peers itself (see ``docs/multihost.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,15 +51,31 @@ def free_port() -> int:
     once process 0 has imported JAX: seconds under load), and not handed out by another
     launcher on this host within ``_HELD_S``. In that gap the OS may give a launcher
     started at the same time the same port; its processes would then join this run's
-    coordinator as its tasks ("a different incarnation"), and both runs die."""
+    coordinator as its tasks ("a different incarnation"), and both runs die. Drawn below
+    the kernel's ephemeral range first: there no outgoing connection (the collectives'
+    own sockets, another run's) can be given the port in that gap either."""
     port = 0
-    for _ in range(64):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+    for candidate in [*_below_ephemeral(16), *[0] * 64]:  # then the OS's own choice
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", candidate))
+                port = int(s.getsockname()[1])
+        except OSError:
+            continue  # in use
         if _reserve(port):
             return port
     return port  # every draw reserved (or the folder unusable): the OS's word alone
+
+
+def _below_ephemeral(count: int) -> list[int]:
+    """``count`` random ports under the kernel's ephemeral range (Linux's
+    ``ip_local_port_range``; 32768 where it cannot be read), above 10000."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low <= 10001 + count:
+        return []
+    return random.sample(range(10000, low), count)
 
 
 def _reserve(port: int) -> bool:

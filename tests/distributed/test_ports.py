@@ -3,6 +3,7 @@
 import os
 import socket
 import time
+from pathlib import Path
 
 from jaxstep.distributed import launch
 
@@ -64,3 +65,15 @@ def test_real_ports_are_distinct_and_bindable(tmp_path, monkeypatch):
     assert len(set(ports)) == 20
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_real_ports_are_drawn_where_no_outgoing_connection_is_given_one(tmp_path, monkeypatch):
+    # below the kernel's ephemeral range: the collectives' own sockets, or another run's,
+    # cannot take the port between the draw and the coordinator's bind
+    monkeypatch.setattr(launch, "PORTS", tmp_path / "ports")
+    low = 32768
+    ephemeral = "/proc/sys/net/ipv4/ip_local_port_range"
+    if os.path.exists(ephemeral):
+        low = int(Path(ephemeral).read_text().split()[0])
+    ports = [launch.free_port() for _ in range(5)]
+    assert all(10000 <= p < low for p in ports), (ports, low)
