@@ -55,7 +55,8 @@ def body(
 ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
     """One device's step. ``replicas``: the every-``divergence_every``-th variant that
     also fingerprints this device's copy of the state; ``beat``: call it once the
-    local part is done (before the collective)."""
+    local part is done (before the collective). Returns the extras it changed (not
+    ``chunk``)."""
     index = jax.lax.axis_index(options.axis_name)
     repair = None
     if options.on_failure == "drop" and replicas:  # a diverged replica is repaired first
@@ -89,10 +90,14 @@ def body(
         kept = ~columns["dropped"]
         metrics = {"loss": jnp.sum(jnp.where(kept, losses, 0.0)) / jnp.maximum(jnp.sum(kept), 1)}
     info = StepInfo(checks=part.checks)
+    # Only the extras a step changes go out (the faults' ``fired``): the chunk each
+    # device holds comes in unchanged, and as an output it was a copy kernel and one
+    # more output array on every call.
+    changed = {k: v for k, v in extras.items() if k != "chunk"}
     return (
         new_state,
         StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info),
-        extras,
+        changed,
     )
 
 
