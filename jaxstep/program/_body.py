@@ -243,7 +243,12 @@ def all_reduce(
         # the summed columns, so the verdict needs no reduction over the devices
         drops = state.monitor["drops"][index]
         summed.append(summed[0] & (drops + 1 >= options.max_consecutive_drops))
-    sent = health.onehot_rows(part.row, index, n, summed, jnp.concatenate(extra) if extra else None)
+    row = part.row
+    if options.on_failure != "raise":  # the counters the verdict reads, read here (as above)
+        row = {**row, "consecutive_skips": state.consecutive_skips}
+        if options.on_failure == "drop":  # gathered: every device's drops in a row
+            row["consecutive_drops"] = state.monitor["drops"][index]
+    sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
     grads, floats = part.grads, _floats(part.work.model_state)
     if options.on_failure == "drop":  # a failing device sends zeros: left out of the mean
         grads, floats = drop.leave_out(summed[0], (grads, floats))
@@ -268,6 +273,10 @@ def all_reduce(
         failing=counts[0],
         repeats=counts[6] > 0 if len(summed) > 6 else None,
     )
+    if options.on_failure != "raise":
+        seen = seen._replace(skips=rows[0, COL["consecutive_skips"]].astype(jnp.int32))
+        if options.on_failure == "drop":
+            seen = seen._replace(drops=rows[:, COL["consecutive_drops"]].astype(jnp.int32))
     rest = gathered[:, width:]
     status = rows[:, COL["status"]].astype(jnp.int32)
     return Reduced(grad_sums, model_state, rows, seen, rest, status)
