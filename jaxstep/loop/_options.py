@@ -75,6 +75,7 @@ class FitOptions:
     checkpoints: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
     presplit: bool = False
     recover: Recover | None = None
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         n = self.num_steps
@@ -87,6 +88,12 @@ class FitOptions:
         ):
             error = ValueError if isinstance(timeout, (int, float)) else TypeError
             raise error(f"step_timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        if _not_count(self.prefetch, 0):
+            error = ValueError if isinstance(self.prefetch, int) else TypeError
+            raise error(
+                f"prefetch must be an int >= 0 (batches pulled ahead by a background "
+                f"thread; 0: none, the data pulled on the calling thread), got {self.prefetch!r}"
+            )
         if self.history is not None and not isinstance(self.history, History):
             raise TypeError(
                 f"history must be a jaxstep.History or None, got {type(self.history).__name__}; "

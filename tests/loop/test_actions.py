@@ -15,6 +15,7 @@ from jaxstep.loop._actions import Direct
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._checkpoints import Checkpoints
 from jaxstep.loop._diagnose import Replay
+from jaxstep.loop._prefetch import Prefetch
 from jaxstep.loop._recover import Recovery
 from jaxstep.loop._watchdog import StepWatchdog
 from jaxstep.testing import Fault
@@ -84,8 +85,10 @@ def test_one_callback_object_is_kept_as_a_tuple_of_one():
 
 def test_a_plain_run_has_no_actions_and_dispatches_on_the_calling_thread():
     step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1))
-    loop = _loop(step, FitOptions())
-    assert loop.actions.parts == []
+    assert _loop(step, FitOptions(prefetch=0)).actions.parts == []
+    loop = _loop(step, FitOptions())  # prefetch=2: a thread pulls the batches ahead
+    (prefetch,) = loop.actions.parts
+    assert isinstance(prefetch, Prefetch)
     assert loop.actions.settles_at_once is False
     assert isinstance(loop.actions.run.__self__, Direct)
     assert loop.actions.take == loop.actions.before == loop.actions.settled == ()
@@ -103,7 +106,7 @@ def test_the_actions_a_run_asks_for_come_in_their_documented_order(tmp_path):
     loop = _loop(step, options)
     try:
         kinds = [type(part) for part in loop.actions.parts]
-        assert kinds == [Checkpoints, StepWatchdog, Callbacks, Recovery, Replay]
+        assert kinds == [Prefetch, Checkpoints, StepWatchdog, Callbacks, Recovery, Replay]
         assert loop.actions.settles_at_once is True  # the watchdog runs the dispatch
     finally:
         loop.actions.close()
