@@ -12,6 +12,7 @@ See BENCHMARKS.md.
 
     .venv/bin/python scripts/bench.py --quick
     .venv/bin/python scripts/bench.py --json bench.json --sizes mlp,tiny --rounds 40
+    .venv/bin/python scripts/bench.py --sizes tiny --sharded   # issue 30's figures
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -731,6 +733,11 @@ def main() -> None:
     )
     parser.add_argument("--hlo", help="write every variant's optimized HLO into this folder")
     parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="also the sharded layouts, shard_state='optimizer' and 'params' (issue 30)",
+    )
+    parser.add_argument(
         "--overlap",
         default="sleep,grain",
         help="data sources as slow as a step, for fit's prefetch: sleep, grain, or none",
@@ -783,6 +790,10 @@ def main() -> None:
         res["goals"] = goals(size, res)
         print_size(setup.model, res)
         report["sizes"][size] = res
+    if args.sharded:  # scripts/bench_sharded.py, beside this file
+        import bench_sharded
+
+        report["sharded"] = bench_sharded.run(sys.modules[__name__], args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

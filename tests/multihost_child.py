@@ -6,10 +6,12 @@ Every process builds the same global batches and passes its own rows. MODE:
 ``nan`` (a NaN in the input chunk of process 1's second device at step 3),
 ``kill`` (process 1 SIGKILLs itself after step 2), ``raise`` (a Python error on
 process 1 alone after step 2, jax#11987), ``stall`` (process 1's second device stalls
-at step 3, ``step_timeout``), ``resume`` (resume from the checkpoints of an earlier
-run, train to the end, and process 0 saves the parameters). With a checkpoint
-directory (second argument) the run checkpoints every 2 steps. Each process prints one
-line ``RESULT {json}`` with what it saw.
+at step 3, ``step_timeout``), ``sharded`` (under ``shard_state="optimizer"``, then
+``"params"``: the ``nan`` run with checkpoints, its latest checkpoint and emergency save
+restored, and the rest trained from the checkpoint), ``resume`` (resume from the
+checkpoints of an earlier run, train to the end, and process 0 saves the parameters).
+With a checkpoint directory (second argument) the run checkpoints every 2 steps. Each
+process prints one line ``RESULT {json}`` with what it saw.
 """
 
 import os
@@ -52,8 +54,50 @@ def error_fields(err):
     }
 
 
+def sharded(checkpoint_dir: str, save_params: str) -> None:
+    """``sharded``: each layout's run, its checkpoints restored, the rest trained; process
+    0 saves the parameters of each (whole: host_state gathers every process's shards)."""
+    import numpy as np
+
+    devices = jax.devices()
+    target = child.target(devices)
+    batches = child.local_batches(make_batches(STEPS), devices)
+    seen, saved = {}, {}
+    for layout in ("optimizer", "params"):
+        where = f"{checkpoint_dir}/{layout}"
+
+        def make(faults=(), layout=layout):
+            return jaxstep.make_train_step(
+                loss_fn, optax.adam(1e-2), shard_state=layout, shard_min_size=0,
+                divergence_every=2, faults=faults,
+            )  # fmt: skip
+
+        step = make([Fault("input", device_id=target.id, step=AT)])
+        try:
+            jaxstep.fit(
+                step, step.init(init_params()), batches, checkpoint_dir=where, checkpoint_every=2
+            )
+        except jaxstep.TrainingWorkerError as err:
+            seen[layout] = error_fields(err)
+        clean = make()
+        for name, state in (
+            ("emergency", jaxstep.restore(clean, seen[layout]["checkpoint"])),
+            ("latest", jaxstep.restore(clean, where)),
+            ("resumed", jaxstep.fit(clean, jaxstep.restore(clean, where), batches[2:])),
+        ):
+            params = clean.host_state(state).params  # a collective: both processes
+            flat = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
+            saved.update({f"{layout}/{name}{jax.tree_util.keystr(k)}": v for k, v in flat})
+    if jax.process_index() == 0:
+        np.savez(save_params, **saved)
+    result(target=target.id, errors=seen)
+
+
 @distributed.record
 def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None = None) -> None:
+    if mode == "sharded":
+        assert checkpoint_dir is not None and save_params is not None
+        return sharded(checkpoint_dir, save_params)
     devices = jax.devices()
     target = child.target(devices)
     faults, kwargs = [], {}

@@ -7,24 +7,33 @@ after the other, a clean ``fit`` and three with ``recover=jaxstep.Recover()`` an
 fault on process 1's second device (id 2049 on this JAX) at step 2: ``transient``,
 ``data`` (example 1 of its chunk; checkpoints in ``DIR/data``) and ``device`` (it
 fails every step; checkpoints every 2 steps in ``DIR/device``), each with the reference
-it must match. Then two that go back: ``spike`` (that device's chunk spikes at step 6,
-``Recover(rollback_batches=2)``, checkpoints every 4 steps in ``DIR/spike``) and
-``diverged`` (its replica corrupted by one ulp before step 3, ``divergence_every=1``).
-Each run prints one line ``RESULT {json}`` with what this process saw.
+it must match. Then three that go back: ``spike`` (that device's chunk spikes at step 6,
+``Recover(rollback_batches=2)``, checkpoints every 4 steps in ``DIR/spike``),
+``diverged`` (its replica corrupted by one ulp before step 3, ``divergence_every=1``:
+repaired) and ``rollback`` (its replica of a model-state count moved inside the fit
+call, at step 4: rolled back to the checkpoint of step 4, every 2 steps in
+``DIR/rollback``). Then ``presplit``: the ``data`` run with pre-split batches
+(``fit(presplit=True)``) that carry each example's id (``Recover(example_id="id")``,
+checkpoints in ``DIR/presplit``). Each run prints one line ``RESULT {json}`` with what
+this process saw; last, ``keys``: the keys left in the coordination service's store.
 """
 
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import io_callback
 
 import jaxstep
 from jaxstep import distributed
+from jaxstep.core import processes
 from jaxstep.step import driving
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
@@ -40,6 +49,29 @@ STEPS = 6
 AT = 2
 SPIKE_STEPS, SPIKE_AT, SPIKE_EVERY = 8, 6, 4  # back to 4, batches 5 and 6 skipped
 CORRUPT_AT = 3
+MOVED_AT, ROLLBACK_EVERY = 4, 2  # seen at step 5, back to the checkpoint of step 4
+
+
+class Moves:
+    """A loss with a model state, ``{"count": steps}``, whose copy on
+    ``devices[position]`` moves by one at step ``at``, once: a replica corrupted inside a
+    fit call (the step's update keeps the replicas equal; this comes from outside it)."""
+
+    def __init__(self, position, at):
+        self.position, self.at, self.fired = position, at, False
+        self._lock = threading.Lock()  # the devices call it from their own threads
+
+    def loss(self, params, batch, *, model_state):
+        count = model_state["count"]
+        shape = jax.ShapeDtypeStruct((), jnp.int32)
+        moved = io_callback(self._hit, shape, jax.lax.axis_index("devices"), count)
+        return loss_fn(params, batch), {"model_state": {"count": count + 1 + moved}}
+
+    def _hit(self, position, count):
+        with self._lock:
+            hit = not self.fired and int(position) == self.position and int(count) == self.at
+            self.fired |= hit
+        return np.int32(hit)
 
 
 def params_of(step, state):
@@ -162,6 +194,55 @@ def main(base: str) -> None:
     state = corrupt_replica(step, state, target.id, "params['dense2']['kernel']", ulps=1)
     out = train(step, state, mine[CORRUPT_AT:], recover=recover)
     seen("diverged", *out, target=target.id, replicas_agree=replicas_agree(step, out[1]))
+
+    # The same device's replica moved inside one fit call, with checkpoints: rolled back
+    # (the reference: the same loss, its replica never moved)
+    ms = {"count": jnp.zeros((), jnp.int32)}
+    moves = Moves(devices.index(target), MOVED_AT)
+    options = dict(has_aux=True, divergence_every=1)
+    step = jaxstep.make_train_step(moves.loss, optax.adam(1e-2), **options)
+    out = train(
+        step,
+        step.init(init_params(), model_state=ms),
+        mine,
+        recover=jaxstep.Recover(rollback_batches=1),
+        checkpoint_dir=f"{base}/rollback",
+        checkpoint_every=ROLLBACK_EVERY,
+    )
+    never = Moves(-1, MOVED_AT)
+    clean = jaxstep.make_train_step(never.loss, optax.adam(1e-2), **options)
+    reference = jaxstep.fit(clean, clean.init(init_params(), model_state=ms), mine)
+    seen(
+        "rollback",
+        *out,
+        target=target.id,
+        moved=moves.fired,
+        replicas_agree=replicas_agree(step, out[1]),
+        reference=params_of(clean, reference),
+    )
+
+    # The data run again, pre-split (4, PER_DEVICE, ...) on each process, each example
+    # carrying its id: process 1 holds the bad one's, process 0 learns it
+    with_ids = [dict(b, id=np.arange(len(b["x"])) + 1000 * i) for i, b in enumerate(full)]
+    presplit = [
+        {k: v.reshape(4, PER_DEVICE, *v.shape[1:]) for k, v in b.items()}
+        for b in child.local_batches(with_ids, devices)
+    ]
+    fault = Fault("input", target.id, step=AT, mode="data", example=1)
+    out = run(
+        [fault],
+        presplit,
+        recover=jaxstep.Recover(example_id="id"),
+        checkpoint_dir=f"{base}/presplit",
+        presplit=True,
+    )
+    lines = jaxstep.read_quarantine(f"{base}/presplit").lines
+    seen("presplit", *out, quarantine=[{k: v for k, v in x.items() if k != "time"} for x in lines])
+
+    # Every key a run set in the coordination service's store is gone once read
+    store = processes.client()
+    store.wait_at_barrier("recover_child/end", 60_000)  # every process done with its runs
+    result(run="keys", keys=sorted(k for k, _ in store.key_value_dir_get("jaxstep/")))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ resume every process reads the checkpoint and takes its own position back.
 
 All of it goes through the coordination service's key-value store, never through a
 collective or an orbax barrier: a lost peer can only make a read time out, and so a
-process whose peer died still writes its emergency save and raises.
+process whose peer died still writes its emergency save and raises. Each key is deleted
+once read by every process that reads it (:func:`jaxstep.core.processes.release`, or
+the writer's :func:`forget` of the positions it gathered), and the writer clears a fit
+call's positions at its end (:func:`forget_run`): a long run does not grow the store.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax
 
 from jaxstep.core.processes import KEY
 from jaxstep.core.processes import client as _client
+from jaxstep.core.processes import release
 
 _KEY = f"{KEY}ckpt/"
 _runs = itertools.count()
@@ -48,6 +52,63 @@ def new_run() -> str:
     """A key prefix for one ``fit`` call. Every process calls ``fit`` the same number of
     times in the same order (the steps are collectives), so the counters agree."""
     return f"{_KEY}{next(_runs)}/"
+
+
+class Positions:
+    """One fit call's data positions on several processes (``among``): each process
+    publishes its own for a checkpoint step before it dispatches that step, and the
+    writer gathers them when it writes the checkpoint. Every key is deleted once the
+    writer no longer needs it: gathered, or never to be (the replicas disagreed, a
+    recovery let the step go: swept when the fit call ends). Also the newest verified
+    step, which only the writer knows (:meth:`latest`)."""
+
+    def __init__(self, among: Sequence[int]):
+        self.among = list(among)
+        self.prefix = new_run()
+        # the checkpoint steps published whose tables are not read yet (with
+        # checkpoint_every=1 the next is published before the table of one is read)
+        self.published: set[int] = set()
+        self.asked = 0  # latest calls, the same count on every process
+
+    def publish(self, number: int, position: Any) -> None:
+        """This process's position (JSON) for the checkpoint of step ``number``."""
+        publish(f"{self.prefix}pos/{number}", position)
+        self.published.add(number)
+
+    def gather(self, number: int, timeout_s: float) -> dict[int, Any]:
+        """Every process's position for step ``number`` (the writer), then deleted.
+
+        Raises:
+          TimeoutError: a process published nothing within ``timeout_s`` (lost).
+        """
+        key = f"{self.prefix}pos/{number}"
+        found = gather(key, self.among, timeout_s)
+        forget(key, self.among)
+        return found
+
+    def settled(self, number: int, verified: bool) -> bool:
+        """Step ``number``'s table was read (every process reads the same): whether the
+        checkpoint whose position this process published for it is written (its replicas
+        agreed). The writer deletes the positions of one that is not."""
+        if number not in self.published:
+            return False
+        self.published.discard(number)
+        if not verified and is_writer():
+            forget(f"{self.prefix}pos/{number}", self.among)
+        return verified
+
+    def latest(self, answer: Callable[[], Any], timeout_s: float) -> Any:
+        """``answer()`` (the newest verified step) as the writer finds it, on every
+        process (:func:`from_writer`)."""
+        self.asked += 1
+        return from_writer(f"{self.prefix}latest/{self.asked}", answer, self.among, timeout_s)
+
+    def close(self) -> None:
+        """The fit call ends (its writes done): the writer deletes the positions no write
+        gathered (the other processes publish before each step, so all are in)."""
+        if is_writer():
+            with contextlib.suppress(Exception):
+                _client().key_value_delete(f"{self.prefix}pos")
 
 
 def publish(key: str, value: Any) -> None:
@@ -72,11 +133,11 @@ def gather(key: str, among: Iterable[int], timeout_s: float) -> dict[int, Any]:
     return out
 
 
-def from_writer(key: str, answer: Callable[[], Any], timeout_s: float) -> Any:
-    """``answer()`` as the writer finds it, on every process: the writer calls it and
-    publishes it under ``key``, the others wait for it. For what only the writer
-    knows: which of its writes finished (the others' orbax managers list the steps they
-    saw when they were opened).
+def from_writer(key: str, answer: Callable[[], Any], among: Sequence[int], timeout_s: float) -> Any:
+    """``answer()`` as the writer finds it, on every process of ``among``: the writer
+    calls it and publishes it under ``key``, the others wait for it (the last of them
+    to read it deletes it). For what only the writer knows: which of its writes
+    finished (the others' orbax managers list the steps they saw when they were opened).
 
     Raises:
       TimeoutError: the writer published nothing within ``timeout_s`` (lost).
@@ -85,7 +146,9 @@ def from_writer(key: str, answer: Callable[[], Any], timeout_s: float) -> Any:
         value = answer()
         publish(key, value)
         return value
-    return gather(key, [0], timeout_s)[0]
+    value = gather(key, [0], timeout_s)[0]
+    release(key, len(among) - 1)
+    return value
 
 
 def forget(key: str, among: Iterable[int]) -> None:
@@ -117,6 +180,7 @@ def agree_on_restore(
     key = f"{_KEY}restore/{next(_runs)}"
     publish(key, step)
     seen = gather(key, among, timeout_s)
+    release(key, len(among))
     if len(set(seen.values())) > 1:
         found = ", ".join(f"process {p}: {s if s is not None else 'none'}" for p, s in seen.items())
         raise ValueError(

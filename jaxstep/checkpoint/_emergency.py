@@ -5,7 +5,9 @@ the error report, in ``<checkpoint_dir>/emergency/step_<k>/``; read back with
 With several processes, each writes its own part, ``step_<k>/process_<i>/``: its rows
 of the failing batch, its report and data position. The state is the same on every
 process, so only the lowest-numbered live process writes it; the others' parts say
-where it is (``state_in``), and :func:`jaxstep.restore` follows that. Nothing here
+where it is (``state_in``), and :func:`jaxstep.restore` follows that. A state sharded
+across processes (``shard_state``) has no whole copy on any one: each process writes its
+shards beside it (:mod:`jaxstep.checkpoint._blocks`), and restoring needs them all. Nothing here
 waits for another process: a process whose peer is lost still saves.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
@@ -49,7 +52,18 @@ def save(
     while (path / _part(me) if multi else path).exists():
         path, i = base / f"step_{error.step}-{i}", i + 1
     items: dict[str, Any] = {}
-    if error.state is not None and (not multi or coordination.is_writer()):
+    if error.state is not None and multi and blocks.spread(error.state):
+        # sharded across processes: each writes its shards, read from the state as it
+        # is (no program runs: a lost peer cannot hold it up); restoring needs them all
+        state = [_key_data(x) for x in jax.tree.leaves(error.state)]
+        host, mine = blocks.to_host(state)
+        if mine is not None:
+            blocks.write(path, error.step, me, mine)
+        if coordination.is_writer():
+            items["state"] = host
+            meta["layout"] = Layout.of(error.state).to_json()
+            meta["blocks"] = blocks.describe(state, coordination.processes(devices))
+    elif error.state is not None and (not multi or coordination.is_writer()):
         items["state"] = jax.device_get(local_copy(error.state, stacked=stacked))
         meta["layout"] = Layout.of(error.state, stacked=stacked).to_json()
     batch = jax.tree.map(_local_rows, error.batches[0]) if error.batches else None
@@ -87,6 +101,13 @@ def _write(path: Any, number: int, items: dict[str, Any], meta: dict[str, Any]) 
         store.save(number, {**items, "meta": meta})
     finally:
         store.close()
+
+
+def _key_data(x: Any) -> Any:
+    """A typed PRNG key leaf as its key data (what a checkpoint holds)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x.addressable_data(0))
+    return x
 
 
 def _part(process: int) -> str:

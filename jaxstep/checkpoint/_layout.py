@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.checkpoint import _blocks as blocks
+
 
 def _is_key(x: Any) -> bool:
     return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
@@ -91,6 +93,8 @@ def _copy(leaves: list[jax.Array], stacked: bool) -> list[jax.Array]:
 
 def local_copy(tree: Any, *, stacked: bool) -> list[jax.Array]:
     """A fresh copy of the first local device's replica of every leaf, on that device
-    (PRNG keys as key data; ``stacked``: leaves carry pmap's device axis). Dispatched,
-    not waited for, and unaffected by a later donation of ``tree``."""
-    return _copy([x.addressable_data(0) for x in jax.tree.leaves(tree)], stacked)
+    (PRNG keys as key data; ``stacked``: leaves carry pmap's device axis); a leaf
+    sharded over the devices (``shard_state``) copied whole, as the global array it is
+    (:mod:`jaxstep.checkpoint._blocks`). Dispatched, not waited for, and unaffected by a
+    later donation of ``tree``."""
+    return blocks.local_copies(tree, stacked, _copy)

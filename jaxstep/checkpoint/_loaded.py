@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
 from jaxstep.checkpoint._position import Position
@@ -72,7 +73,7 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
             spec = (want.shapes[i], want.dtypes[i])
             if name not in have and _of_drop(name):  # saved by a run without on_failure="drop"
                 if fresh is None:
-                    fresh = jax.device_get(local_copy(template, stacked=driving.stacked(step)))
+                    fresh = _fresh(step, template)
                 out.append(fresh[i])
                 continue
             if name not in have:
@@ -80,7 +81,7 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
                 continue
             if have[name] != spec and name.startswith(".monitor"):
                 if fresh is None:  # per-device windows: they restart on a new device count
-                    fresh = jax.device_get(local_copy(template, stacked=driving.stacked(step)))
+                    fresh = _fresh(step, template)
                     warnings.warn(
                         f"the checkpoint's monitor windows are for another device count; "
                         f"they restart here ({len(step.devices)} devices)",
@@ -140,6 +141,12 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
                 host, monitor={**host.monitor, "spike": jax.device_get(spike.init(n))}
             )
     return _drop_fields(step, host)
+
+
+def _fresh(step: TrainStep, template: TrainState) -> list[Any]:
+    """The template's leaves on the host (its monitor and drop fields are what is
+    used: a leaf sharded across processes comes as a placeholder)."""
+    return blocks.to_host(local_copy(template, stacked=driving.stacked(step)))[0]
 
 
 def _of_drop(name: str) -> bool:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import socket
-import time
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -24,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint import _emergency as emergency
 from jaxstep.checkpoint import _resume
@@ -33,8 +32,8 @@ from jaxstep.checkpoint._options import CheckpointOptions
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._position import Source
 from jaxstep.checkpoint._position import is_callable_source
-from jaxstep.checkpoint._store import FORMAT
 from jaxstep.checkpoint._store import Store
+from jaxstep.checkpoint._store import run_meta
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
@@ -67,16 +66,6 @@ class _Snapshot:
     layout: Layout
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version
-
-    try:
-        return version("jaxstep")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 class FitCheckpoints:
     """One fit call's checkpointing. Build it with :meth:`begin`."""
 
@@ -92,11 +81,11 @@ class FitCheckpoints:
         # one (the writer) writes (see jaxstep.coordination).
         self.processes = coordination.processes(step.devices)
         self.writer = coordination.is_writer()
-        self._key = coordination.new_run() if len(self.processes) > 1 else None
+        many = len(self.processes) > 1
+        self._positions = coordination.Positions(self.processes) if many else None
         self._snap: _Snapshot | None = None
         self._done = set(store.steps()) if store is not None else set()
         self._futures: list[concurrent.futures.Future[None]] = []
-        self._asked = 0  # latest_verified calls, the same count on every process
         self._closed = False
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-checkpoint")
@@ -177,10 +166,10 @@ class FitCheckpoints:
             return check
         # The position before the batch of this step (by default the one pulled last).
         position = self.source.position(self.source.count - 1 if index is None else index, rows)
-        if self._key is not None:  # published before the step runs: the writer reads
-            # it once the step's collective finished, so it is there by then
-            coordination.publish(f"{self._key}{number}", position.to_json())
-            if not self.writer:
+        if self._positions is not None:  # published before the step runs: the writer
+            # reads it once the step's collective finished, so it is there by then
+            self._positions.publish(number, position.to_json())
+            if not self.writer and not blocks.spread(state):  # (or write its shards)
                 return True
         stacked, devices = driving.stacked(self.step), tuple(self.step.devices)
         self._snap = _Snapshot(
@@ -200,11 +189,14 @@ class FitCheckpoints:
     def settled(self, table: HealthTable) -> None:
         """Called with each step's health table: a snapshot whose replica check passed
         goes to the writer thread."""
+        verified = not np.any(np.asarray(table.status) & _UNVERIFIED)
+        if self._positions is not None and self._positions.settled(table.step, verified):
+            self._done.add(table.step)  # written: not published again (a rollback to it)
         snap = self._snap
         if snap is None or table.step != snap.number:
             return
         self._snap = None
-        if np.any(np.asarray(table.status) & _UNVERIFIED):
+        if not verified:
             return  # its replicas disagree (or hold non-finite values): never saved
         assert self._pool is not None
         self._done.add(snap.number)
@@ -214,15 +206,15 @@ class FitCheckpoints:
 
     def _write(self, snap: _Snapshot) -> None:
         assert self.store is not None
-        leaves = jax.device_get(snap.leaves)
+        leaves, mine = blocks.to_host(snap.leaves)
+        if mine is not None and not self._parts_in(snap.number, mine):
+            return  # a process that writes its own shards only
         meta = self._meta(snap.number, snap.devices, verified=True)
-        if self._key is not None:  # every process's own data position
-            key = f"{self._key}{snap.number}"
-            meta["data_by_process"] = {
-                str(p): pos
-                for p, pos in coordination.gather(key, self.processes, _GATHER_TIMEOUT).items()
-            }
-            coordination.forget(key, self.processes)
+        if mine is not None:
+            meta["blocks"] = blocks.describe(snap.leaves, self.processes)
+        if self._positions is not None:  # every process's own data position
+            found = self._positions.gather(snap.number, _GATHER_TIMEOUT)
+            meta["data_by_process"] = {str(p): pos for p, pos in found.items()}
         meta.update(
             data=snap.position.to_json(),
             exact_resume=self.source.exact,
@@ -233,23 +225,27 @@ class FitCheckpoints:
             layout=snap.layout.to_json(),
         )
         self.store.save(snap.number, {"state": leaves, "meta": meta})
+        if mine is not None:
+            blocks.forget_older(self.store.directory, self.store.steps())
+
+    def _parts_in(self, number: int, mine: dict[str, Any]) -> bool:
+        """Writes this process's shards of step ``number`` and says so through the
+        store; True on the writer once every process's are in (then it writes the step:
+        a step is only listed once whole)."""
+        assert self.store is not None and self._positions is not None
+        blocks.write(self.store.directory, number, jax.process_index(), mine)
+        key = f"{self._positions.prefix}blocks/{number}"
+        coordination.publish(key, True)
+        if not self.writer:
+            return False
+        coordination.gather(key, self.processes, _DRAIN_TIMEOUT)
+        coordination.forget(key, self.processes)
+        return True
 
     def _meta(
         self, number: int, devices: Sequence[jax.Device], *, verified: bool
     ) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "step": number,
-            "verified": verified,
-            "devices": len(devices),
-            "device_ids": [int(d.id) for d in devices],
-            "backend": self.step.options.backend,
-            "platform": devices[0].platform,
-            "process_count": jax.process_count(),
-            "host": socket.gethostname(),
-            "jaxstep_version": _version(),
-            "time": time.time(),
-        }
+        return run_meta(number, devices, self.step.options.backend, verified=verified)
 
     def rewind(self, number: int) -> None:
         """The next state :meth:`before` sees is step ``number`` (a recovery went back
@@ -270,11 +266,9 @@ class FitCheckpoints:
             self.drain(_DRAIN_TIMEOUT)
             return store.latest_verified()
 
-        if self._key is None:
+        if self._positions is None:
             return written()
-        self._asked += 1
-        key = f"{self._key}latest/{self._asked}"
-        return coordination.from_writer(key, written, _DRAIN_TIMEOUT + _GATHER_TIMEOUT)
+        return self._positions.latest(written, _DRAIN_TIMEOUT + _GATHER_TIMEOUT)
 
     def drain(self, timeout: float | None = None) -> None:
         """Waits for the queued writes."""
@@ -375,8 +369,11 @@ class FitCheckpoints:
             return
         self._closed = True
         self.drain(_DRAIN_TIMEOUT)
+        finished = all(f.done() for f in self._futures)
         if self._pool is not None:
-            self._pool.shutdown(wait=all(f.done() for f in self._futures))
+            self._pool.shutdown(wait=finished)
+        if self._positions is not None and finished:  # else a write may still gather
+            self._positions.close()
         if self.store is not None:
             self.store.close()
 

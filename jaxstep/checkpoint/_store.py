@@ -22,13 +22,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
+import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
 
+from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._loaded import Loaded
@@ -63,6 +67,35 @@ def as_path(directory: str | os.PathLike[str]) -> Any:
 
         return epath.Path(text)
     return Path(text).absolute()
+
+
+def run_meta(
+    number: int, devices: Sequence[jax.Device], backend: str, *, verified: bool
+) -> dict[str, Any]:
+    """What a checkpoint of step ``number`` says of the run that wrote it."""
+    return {
+        "format": FORMAT,
+        "step": number,
+        "verified": verified,
+        "devices": len(devices),
+        "device_ids": [int(d.id) for d in devices],
+        "backend": backend,
+        "platform": devices[0].platform,
+        "process_count": jax.process_count(),
+        "host": socket.gethostname(),
+        "jaxstep_version": _version(),
+        "time": time.time(),
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version
+
+    try:
+        return version("jaxstep")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class Store:
@@ -209,6 +242,8 @@ def _load(store: Store, at: int | None) -> Loaded:
                 )
             layout = Layout.from_json(meta["layout"])
             leaves = store.read(number, "state")[1]["state"]
+            if "blocks" in meta:  # sharded across processes: each wrote its shards
+                leaves = blocks.assemble(store.directory, number, meta, leaves)
         except _NoState:
             raise
         except Exception as err:
@@ -257,7 +292,9 @@ def restore(
 ) -> TrainState:
     """Restores the latest verified checkpoint (or step ``at``) onto ``step``'s devices.
 
-    Any device count and either backend: a checkpoint holds one replica of the state.
+    Any device count, either backend and any ``shard_state``: a checkpoint holds one
+    copy of every leaf, whole, whatever the layout that wrote it, and the state comes
+    back laid out as ``step`` lays it out (sharded by its rule, or replicated).
 
     Args:
       step: the :class:`jaxstep.TrainStep` to run the state with.

@@ -118,9 +118,18 @@ def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
         return (
             f"--per-device must be >= 2 (an injected NaN sits in example 1), got {args.per_device}"
         )
+    layout = getattr(args, "shard_state", None)
+    if layout is not None and args.backend != "shard_map":
+        return f"--shard-state {layout} needs --backend shard_map (pmap cannot shard a leaf)"
     inj = args.inject
     if inj is None:
         return None
+    if inj.kind == "corrupt" and layout is not None:
+        return (
+            f"--inject corrupt with --shard-state {layout}: a sharded leaf has one owner and "
+            "no replica to corrupt, and under 'optimizer' the parameters are gathered again "
+            "from their owners at every step; run corrupt without --shard-state"
+        )
     if inj.device_id not in device_ids:
         return f"--inject: device {inj.device_id} is not one of the devices {device_ids}"
     if not 0 <= inj.step < args.steps:
@@ -160,6 +169,8 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         # Replica fingerprints cost a second program to compile: on for "corrupt" only.
         divergence_every=DIVERGENCE_EVERY if inj is not None and inj.kind == "corrupt" else None,
         faults=_faults(inj),
+        shard_state=getattr(args, "shard_state", None),
+        shard_min_size=0,
     )
     # One compiled init, not one small compile per parameter.
     params = jax.jit(model.init)(jax.random.key(args.seed), train.image[:1])["params"]
@@ -171,6 +182,8 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         f"{args.backend}, policy {args.policy!r}, {batch_size} examples a step "
         f"({args.per_device} per device), {args.steps} steps"
     )
+    if step.options.shard_state is not None:
+        print(_held(step, state))
     if inj is not None:
         print(f"injected at step {inj.step} on device {inj.device_id}: {KINDS[inj.kind]}")
         if _recovers(args):
@@ -186,6 +199,20 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     state, error = _train(args, step, state, batches, options)
     report(args, devices, model, step, state, test, history, error, options)
     return EXIT_OK if error is None else EXIT_WORKER_FAILED
+
+
+def _held(step: TrainStep, state: TrainState) -> str:
+    """How much of the state each device holds under ``shard_state``."""
+    import jax
+
+    first = step.devices[0]
+    leaves = jax.tree.leaves(state)
+    held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
+    whole = sum(x.nbytes for x in leaves)
+    return (
+        f"shard_state={step.options.shard_state!r}: each device holds {held / 1024:.0f} KiB of "
+        f"the state's {whole / 1024:.0f} KiB"
+    )
 
 
 def _loss(

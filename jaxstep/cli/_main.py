@@ -115,6 +115,13 @@ def _demo_arguments(demo: argparse.ArgumentParser) -> None:
         "the failing devices' chunks out of the step's mean and repair a diverged replica "
         "(drop)",
     )
+    demo.add_argument(
+        "--shard-state",
+        choices=("optimizer", "params"),
+        help="shard the state over the devices (shard_map only): the optimizer state "
+        "(ZeRO-1) or the parameters too (FSDP); every leaf the rule can shard is sharded "
+        "(shard_min_size=0: the demo's model is small)",
+    )
     demo.add_argument("--steps", type=int, default=150)
     demo.add_argument("--per-device", type=int, default=16, help="examples per device a step")
     demo.add_argument("--seed", type=int, default=0, help="data split, shuffle and init")

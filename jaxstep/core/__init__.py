@@ -5,9 +5,11 @@ nothing else of jaxstep."""
 
 from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
+from jaxstep.core._errors import failed_alike as failed_alike
 from jaxstep.core._errors import failures_from_table as failures_from_table
 from jaxstep.core._restart import ENV_RESTART as ENV_RESTART
 from jaxstep.core._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
+from jaxstep.core._restart import under_restarting_launcher as under_restarting_launcher
 from jaxstep.core._state import HostKey as HostKey
 from jaxstep.core._state import LossScaleState as LossScaleState
 from jaxstep.core._state import StepInfo as StepInfo
@@ -17,6 +19,7 @@ from jaxstep.core._state import from_host as from_host
 from jaxstep.core._state import to_host as to_host
 from jaxstep.core._types import BACKEND_NAMES as BACKEND_NAMES
 from jaxstep.core._types import POLICIES as POLICIES
+from jaxstep.core._types import SHARD_STATES as SHARD_STATES
 from jaxstep.core._types import BackendName as BackendName
 from jaxstep.core._types import Batch as Batch
 from jaxstep.core._types import FaultKind as FaultKind
@@ -26,6 +29,7 @@ from jaxstep.core._types import Policy as Policy
 from jaxstep.core._types import PyTree as PyTree
 from jaxstep.core._types import RecoveryAction as RecoveryAction
 from jaxstep.core._types import ReplayVerdict as ReplayVerdict
+from jaxstep.core._types import ShardState as ShardState
 from jaxstep.core._types import SourceKind as SourceKind
 from jaxstep.core._types import Verdict as Verdict
 from jaxstep.core._weighted import WeightedLoss as WeightedLoss
@@ -54,6 +58,8 @@ __all__ = [
     "RESTART_EXIT_CODE",
     "RecoveryAction",
     "ReplayVerdict",
+    "SHARD_STATES",
+    "ShardState",
     "SourceKind",
     "Status",
     "StepInfo",
@@ -62,7 +68,9 @@ __all__ = [
     "TrainingWorkerError",
     "Verdict",
     "WeightedLoss",
+    "failed_alike",
     "failures_from_table",
     "from_host",
     "to_host",
+    "under_restarting_launcher",
 ]

@@ -11,75 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxstep.core._causes import CAUSES
+from jaxstep.core._causes import HINTS
+from jaxstep.core._causes import VERDICT_HINTS
+from jaxstep.core._causes import describe
+from jaxstep.core._causes import rank
 from jaxstep.core.health import HealthTable
 from jaxstep.core.health import Status
-
-_CAUSES: tuple[tuple[Status, str], ...] = (
-    (Status.INPUT_NONFINITE, "non-finite input"),
-    (Status.LOSS_NONFINITE, "non-finite loss"),
-    (Status.GRAD_NONFINITE, "non-finite gradient"),
-    (Status.MODEL_STATE_NONFINITE, "non-finite model state"),
-    (Status.OVERFLOW, "scaled gradient overflowed at the minimum loss scale"),
-    (Status.PARAM_NONFINITE, "non-finite parameter after the update"),
-    (Status.CHECK_FAILED, "failed check"),
-    (Status.DIVERGED, "replica diverged from the majority"),
-    (Status.HUNG, "device did not finish the step"),
-    (Status.LOSS_SPIKE, "loss spike"),
-)
-
-_HINTS: dict[Status, str] = {
-    Status.INPUT_NONFINITE: (
-        "the batch itself holds NaN or Inf: check the data pipeline for rows {rows} of "
-        "the global batch"
-    ),
-    Status.LOSS_NONFINITE: (
-        "the input was finite but the loss was not: look for log, sqrt or division of "
-        "out-of-range values in loss_fn on rows {rows} of the global batch"
-    ),
-    Status.GRAD_NONFINITE: (
-        "the loss was finite but a gradient was not: look for sqrt/log at 0 or overflow "
-        "in the layer that owns {leaf}, or nearer the output: the leaf named is the first "
-        "non-finite one in the parameters' tree order, and a NaN that arises near the "
-        "output spreads, in the backward pass, to the gradients of every layer below it; "
-        "clipping (optax.clip_by_global_norm) does not help against NaN"
-    ),
-    Status.MODEL_STATE_NONFINITE: (
-        "the new model state (e.g. BatchNorm statistics) of {leaf} was not finite on rows "
-        "{rows} of the global batch: look for extreme inputs or a variance of 0"
-    ),
-    Status.OVERFLOW: (
-        "the fp16 gradients overflow even at DynamicLossScale's minimum_scale: lower "
-        "minimum_scale, keep the overflowing layer in float32, or use bf16 (no scale needed)"
-    ),
-    Status.PARAM_NONFINITE: (
-        "the update overflowed the parameters: lower the learning rate or clip gradients"
-    ),
-    Status.CHECK_FAILED: "your check in aux['checks'] returned False on this device",
-    Status.DIVERGED: (
-        "this device's copy of the weights differs from the others: suspect the chip "
-        "(silent data corruption); restart without it from the last checkpoint"
-    ),
-    Status.HUNG: (
-        "this device did not finish its part of the step: suspect the chip, its link, or "
-        "its host process (see the Python stacks logged by each process)"
-    ),
-    Status.LOSS_SPIKE: "the loss jumped far above its recent range on this device's rows {rows}",
-}
-
-# What to try when a replay's verdict (``fit(diagnose=True)``) says it is not the data:
-# the status hints above are about the data and the model.
-_VERDICT_HINTS: dict[str, str] = {
-    "device": (
-        "the failure stayed on this device when its rows moved to another: suspect the "
-        "chip, not the data; leave it out (make_train_step(devices=...) without it, or "
-        "fit(recover=jaxstep.Recover()), which excludes it) and resume from the last "
-        "checkpoint"
-    ),
-    "transient": (
-        "the step passed when run again from the same state: a transient fault of the "
-        "chip or its link; run it again (fit(recover=jaxstep.Recover()) retries it)"
-    ),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +41,17 @@ class TrainingWorkerError(RuntimeError):
     The message starts with ``training worker on device {device_id} failed: `` and the
     fields repeat it for code: ``device_id`` (``jax.Device.id``), ``process_index``,
     ``step``, ``status``, ``reason``, ``leaf``, every failing device of the step in
-    ``failures`` (in the step's device order) and the last good ``state``; ``batches``
-    (the failing batch and those pulled after it, untrained) and ``checkpoint`` (where
-    ``fit``'s emergency save went) when :func:`jaxstep.fit` raised it.
+    ``failures`` (root cause first, then the step's device order) and the last good
+    ``state``; ``batches`` (the failing batch and those pulled after it, untrained) and
+    ``checkpoint`` (where ``fit``'s emergency save went) when :func:`jaxstep.fit` raised
+    it.
+
+    ``alike``: every device of the step failed, several of them first in the chain
+    alike (:func:`failed_alike`), so the step alone cannot tell which started it (a
+    collective in the model, cross-device BatchNorm, carries one device's failure to
+    all; or the cause is the model or the update). The first line then says that the
+    device named is only the first in device order, not a cause found, until a replay
+    (``diagnosis``) finds the devices it started from, which then lead.
     """
 
     def __init__(
@@ -119,6 +65,8 @@ class TrainingWorkerError(RuntimeError):
         state_is_good: bool = True,
         batches: Sequence[Any] = (),
         checkpoint: str | None = None,
+        alike: bool = False,
+        hint: str | None = None,
     ):
         if not failures:
             raise ValueError("TrainingWorkerError needs at least one Failure")
@@ -143,18 +91,22 @@ class TrainingWorkerError(RuntimeError):
         self.batches = list(batches)
         #: Where the emergency save went (None without ``fit(checkpoint_dir=...)``).
         self.checkpoint = checkpoint
+        #: Every device of the step failed alike: the device named is only the first.
+        self.alike = alike
+        #: What to try when the status's own hint would mislead (a replay's verdict wins).
+        self.hint = hint
         super().__init__(self._message())
 
     def _message(self) -> str:
         first = self.failures[0]
+        roots = self._diagnosed_roots()
         where = "" if first.microbatch is None else f", micro-batch {first.microbatch}"
         lines = [
             f"training worker on device {first.device_id} failed: {first.reason} "
-            f"at step {first.step}{where} ({_where(first)})"
+            f"at step {first.step}{where} ({_where(first)}){self._alike_words(roots)}"
         ]
         if self.note:
             lines.append(self.note)
-        roots = self._diagnosed_roots()
         for other in self.failures[1:]:
             follows = ""
             if self._spread(other):
@@ -173,12 +125,14 @@ class TrainingWorkerError(RuntimeError):
             )
         if self.diagnosis is not None:
             lines.append(f"diagnosis: {self.diagnosis}")
-        primary = next((s for s, _ in _CAUSES if s in first.status), None)
+        primary = next((s for s, _ in CAUSES if s in first.status), None)
         if primary is not None:
-            rows = f"{first.rows[0]}..{first.rows[1] - 1}" if first.rows else "?"
-            hint = _VERDICT_HINTS.get(getattr(self.diagnosis, "verdict", ""))
+            rows = _rows(self._lead() if self.alike and not roots else [first])
+            hint = VERDICT_HINTS.get(getattr(self.diagnosis, "verdict", ""))
             if hint is None or primary in (Status.DIVERGED, Status.HUNG):
-                hint = _HINTS[primary].format(rows=rows, leaf=first.leaf)
+                hint = HINTS[primary].format(rows=rows, leaf=first.leaf)
+            if self.hint is not None and self.diagnosis is None:
+                hint = self.hint.format(rows=rows, leaf=first.leaf)
             lines.append("what to try: " + hint)
         if self.state is not None and self.state_is_good:
             lines.append(
@@ -197,14 +151,51 @@ class TrainingWorkerError(RuntimeError):
                 if after == 0
                 else f"the failing batch and the {after} pulled after it, untrained"
             )
-            lines.append(
-                f"error.batches holds {held}: fit(step, error.state, "
-                "itertools.chain(error.batches, rest)) loses none"
-            )
+            if self.state is None:  # nothing to resume from in this process
+                lines.append(
+                    f"error.batches holds {held}; with no state here (error.state is None), "
+                    "fit(..., checkpoint_dir=..., resume=True) in a restarted process trains "
+                    "them again from the latest verified checkpoint's data position"
+                )
+            else:
+                lines.append(
+                    f"error.batches holds {held}: fit(step, error.state, "
+                    "itertools.chain(error.batches, rest)) loses none"
+                )
         if self.checkpoint is not None:
             held = "state, failing batch" if self.state is not None else "failing batch"
             lines.append(f"emergency save ({held}, this report): {self.checkpoint}")
         return "\n".join(lines)
+
+    def _lead(self) -> list[Failure]:
+        """The failures first in the chain (the first failure's rank)."""
+        lead = rank(self.failures[0].status)
+        return [f for f in self.failures if rank(f.status) == lead]
+
+    def _alike_words(self, roots: tuple[int, ...]) -> str:
+        """What the first line adds when every device failed alike and no replay found
+        where it started: the device named is only the first, and how to find the cause."""
+        if not self.alike or roots:
+            return ""
+        first, n, k = self.failures[0], len(self.failures), len(self._lead())
+        who = f"all {n} devices of the step failed" + (" alike" if k == n else f", {k} alike")
+        if Status.HUNG in first.status:
+            how = "the Python stacks each process logged show where each device waits"
+        elif Status.DIVERGED in first.status:
+            how = "no majority of the copies agrees, so none can be called the odd one"
+        elif self.diagnosis is not None:
+            how = "the replay below could not tell them apart either"
+        elif self.state is None:
+            how = "with no state to replay from, the cause cannot be found here"
+        else:
+            how = (
+                "to find where it started, replay it: jaxstep.diagnose(step, error, batch) on "
+                "the failing batch (from fit: error.batches[0]), or fit(..., diagnose=True)"
+            )
+        return (
+            f"; {who}: device {first.device_id} is only the first in device order, not a "
+            f"cause found ({how})"
+        )
 
     @property
     def root_causes(self) -> tuple[Failure, ...]:
@@ -264,6 +255,8 @@ class TrainingWorkerError(RuntimeError):
             "state_is_good": self.state_is_good,
             "batches": self.batches,
             "checkpoint": self.checkpoint,
+            "alike": self.alike,
+            "hint": self.hint,
         }
         unknown = set(changes) - set(fields)
         if unknown:
@@ -287,8 +280,22 @@ class TrainingWorkerError(RuntimeError):
                 self.state_is_good,
                 batches,
                 self.checkpoint,
+                self.alike,
+                self.hint,
             ),
         )
+
+
+def failed_alike(failures: Sequence[Failure], devices: int) -> bool:
+    """Whether the step cannot tell which of its devices started ``failures`` (root
+    cause first, as :func:`failures_from_table` orders them): every one of its
+    ``devices`` failed, and more than one failed first in the chain (the same earliest
+    cause). One device's bad rows fail every device alike through a collective in the
+    model; when only some devices fail, each failed on its own rows."""
+    if devices < 2 or len({f.device_id for f in failures}) < devices:
+        return False
+    lead = rank(failures[0].status)
+    return sum(rank(f.status) == lead for f in failures) > 1
 
 
 def _where(failure: Failure) -> str:
@@ -296,8 +303,25 @@ def _where(failure: Failure) -> str:
     return f"process {failure.process_index}{host}"
 
 
+def _rows(failures: Sequence[Failure]) -> str:
+    """The rows of the global batch ``failures`` ran on (``?``: unknown)."""
+    spans = [f.rows for f in failures if f.rows is not None]
+    if not spans:
+        return "?"
+    return f"{min(lo for lo, _ in spans)}..{max(hi for _, hi in spans) - 1}"
+
+
 def _rebuild(
-    failures, state, note, history, diagnosis, state_is_good=True, batches=(), checkpoint=None
+    failures,
+    state,
+    note,
+    history,
+    diagnosis,
+    state_is_good=True,
+    batches=(),
+    checkpoint=None,
+    alike=False,
+    hint=None,
 ):
     from jaxstep.core._state import from_host
 
@@ -310,27 +334,9 @@ def _rebuild(
         state_is_good=state_is_good,
         batches=[from_host(b) for b in batches],
         checkpoint=checkpoint,
+        alike=alike,
+        hint=hint,
     )
-
-
-def describe(status: Status, leaves: dict[Status, str], check: str | None) -> str:
-    """Plain words for a status: ``non-finite gradient in ['dense2']['kernel']``."""
-    parts = []
-    for flag, words in _CAUSES:
-        if flag not in status:
-            continue
-        if flag in leaves:
-            words = f"{words} in {leaves[flag]}"
-        elif flag is Status.CHECK_FAILED and check is not None:
-            words = f"failed check {check!r}"
-        parts.append(words)
-    return parts[0] + (f" (with {', '.join(parts[1:])})" if len(parts) > 1 else "")
-
-
-def _rank(status: Status) -> int:
-    """Where a status's first cause sits in the chain input -> loss -> gradient ->
-    model state -> parameters -> the rest: the earliest is the root cause."""
-    return next((i for i, (flag, _) in enumerate(_CAUSES) if flag in status), len(_CAUSES))
 
 
 def failures_from_table(
@@ -384,4 +390,4 @@ def failures_from_table(
                 host=None if hosts is None else hosts(dev.process_index),
             )
         )
-    return sorted(out, key=lambda f: _rank(f.status))  # stable: device order within a rank
+    return sorted(out, key=lambda f: rank(f.status))  # stable: device order within a rank

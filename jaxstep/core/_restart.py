@@ -1,7 +1,11 @@
 """The restart contract between a training process and the launcher that started it:
 a process that cannot go on (a hung step, a lost peer, under ``fit(recover=...)``)
-exits with :data:`RESTART_EXIT_CODE` after its emergency save; the launcher starts the
-job again and tells each process which attempt it is in ``$JAXSTEP_RESTART``."""
+exits with :data:`RESTART_EXIT_CODE` after its emergency save when a launcher started
+it (:func:`under_restarting_launcher`; elsewhere ``fit`` raises the error); the
+launcher starts the job again and tells each process which attempt it is in
+``$JAXSTEP_RESTART``."""
+
+import os
 
 #: EX_TEMPFAIL (sysexits.h): a temporary failure, try again. ``python -m jaxstep.launch
 #: --restarts N`` and ``scripts/tpu_vm/launch.sh --restarts N`` restart the job on it.
@@ -9,3 +13,11 @@ RESTART_EXIT_CODE = 75
 
 #: The environment variable a launcher sets to the attempt: 0 first, 1 after a restart.
 ENV_RESTART = "JAXSTEP_RESTART"
+
+
+def under_restarting_launcher() -> bool:
+    """Whether a launcher that restarts the job on :data:`RESTART_EXIT_CODE` started
+    this process: ``$JAXSTEP_RESTART`` is set (``python -m jaxstep.launch``,
+    ``scripts/tpu_vm/launch.sh``; a launcher of one's own sets it too). Elsewhere (a
+    notebook, a plain script) exiting would only lose what the process holds."""
+    return os.environ.get(ENV_RESTART) is not None

@@ -19,6 +19,8 @@ Batch: TypeAlias = PyTree
 
 #: ``make_train_step(backend=...)``.
 BackendName: TypeAlias = Literal["shard_map", "pmap"]
+#: ``make_train_step(shard_state=...)``: what is sharded over the devices (None: nothing).
+ShardState: TypeAlias = Literal["optimizer", "params"]
 #: ``make_train_step(on_failure=...)``.
 Policy: TypeAlias = Literal["raise", "skip", "drop"]
 #: ``Fault(kind=...)``: where an injected fault strikes.
@@ -32,8 +34,10 @@ SourceKind: TypeAlias = Literal["callable", "checkpointable", "sequence", "itera
 Verdict: TypeAlias = Literal["transient", "data", "device", "spike", "diverged"]
 #: ``Recovery.action``: what it did about it (in the order a summary counts them).
 RecoveryAction: TypeAlias = Literal["retried", "quarantined", "excluded", "rolled back", "repaired"]
-#: ``Diagnosis.verdict``: what a replay of a failed step found.
-ReplayVerdict: TypeAlias = Literal["data", "device", "transient", "inconclusive"]
+#: ``Diagnosis.verdict``: what a replay of a failed step found (``"diverged"``: a
+#: replica's copy differs; nothing replayed, and not a verdict on the chip).
+ReplayVerdict: TypeAlias = Literal["data", "device", "transient", "inconclusive", "diverged"]
 
 BACKEND_NAMES: tuple[BackendName, ...] = get_args(BackendName)
 POLICIES: tuple[Policy, ...] = get_args(Policy)
+SHARD_STATES: tuple[ShardState, ...] = get_args(ShardState)

@@ -145,7 +145,9 @@ def share(
     Every process of ``devices`` calls it, in the same order as its other calls for the
     same processes (a count, the same everywhere, keeps each call's keys apart), as it
     runs the steps of those devices: after a step they all ran, each is there. Without
-    several processes (or ``jax.distributed``): ``{this process: value}``.
+    several processes (or ``jax.distributed``): ``{this process: value}``. The call's
+    keys are deleted once every process has read them (:func:`release`): a long run
+    does not grow the store.
 
     Returns:
       ``{process index: value}`` for every process of ``devices``.
@@ -171,7 +173,23 @@ def share(
                 f"process {p} did not share {name!r} within {timeout_s:g} s ({err}): lost, "
                 "or not running the same step"
             ) from None
+    release(key, len(among))
     return out
+
+
+def release(key: str, readers: int) -> None:
+    """This process is done reading the keys under ``key`` (a folder of the store, one
+    call's): it says so, and the last of the ``readers`` processes to say so deletes the
+    folder (the count with it), so nothing a call set outlives its reads. Best effort:
+    a store that is gone keeps nothing anyway."""
+    store = client()
+    if store is None:
+        return
+    try:
+        if store.key_value_increment(f"{key}/read", 1) >= readers:
+            store.key_value_delete(key)
+    except Exception:  # the store lives in process 0, which may be gone
+        pass
 
 
 def client() -> Any:

@@ -17,6 +17,7 @@ import jax
 
 from jaxstep.core.processes import KEY
 from jaxstep.core.processes import client
+from jaxstep.core.processes import release
 
 log = logging.getLogger("jaxstep")
 
@@ -139,7 +140,8 @@ def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[se
     done = set(local)
     if store is None:
         return done, []
-    store.key_value_set(f"{KEY}beats/{step}/{me}", json.dumps(sorted(local)), True)
+    key = f"{KEY}beats/{step}"
+    store.key_value_set(f"{key}/{me}", json.dumps(sorted(local)), True)
     silent = []
     deadline = time.monotonic() + wait_s
     for p in range(jax.process_count()):
@@ -147,7 +149,9 @@ def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[se
             continue
         left = max(1, int((deadline - time.monotonic()) * 1000))
         try:
-            done |= set(json.loads(store.blocking_key_value_get(f"{KEY}beats/{step}/{p}", left)))
+            done |= set(json.loads(store.blocking_key_value_get(f"{key}/{p}", left)))
         except Exception:
             silent.append(p)
+    # deleted once every process read them (a silent one never does: the run is ending)
+    release(key, jax.process_count())
     return done, silent

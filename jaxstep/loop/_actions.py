@@ -101,8 +101,11 @@ def actions(
             checkpoints=checkpoints,
             carry=carry,
             presplit=options.presplit,
+            step_timeout=options.step_timeout,
         ),
-        Replay(step) if options.diagnose else None,
+        None
+        if options.diagnose is False
+        else Replay(step, options.diagnose, options.presplit, options.step_timeout),
     )
     return [part for part in found if part is not None]
 

@@ -9,6 +9,14 @@ rows are carried, 70 (10 a device): two shapes, each compiled once. Rows still c
 when the data ends (fewer than ``unit``) are never trained: fit lists them in
 ``History.left_over``.
 
+Rows of different shapes are never joined (bucketed sequence lengths: a batch padded to
+24 tokens, the next to 16): a step trains rows of one shape. When the next batch's rows
+have another shape (a leaf's trailing axes or dtype differ) than the rows carried, the
+carried rows (fewer than ``unit``: no step of their own can take them) are listed in
+``History.left_over`` as at the end of the data, and the new batch starts afresh. Rows
+stay in the data's order, so the data position of a checkpoint (the first row not
+trained) stays exact.
+
 With several processes (:class:`Cut`) rows cannot be carried: each process passes its
 own rows, the rows per device must be the same on every process, and no process can
 hand rows to another. So each batch keeps its rows per device; the process that lost a
@@ -116,24 +124,30 @@ class Carry:
         self.left_over = [] if left_over is None else left_over
         self.rows: Any = None  # the carried rows (host arrays), or None
         self.spans: list[Span] = []  # where they are in the data, in order
+        self.set_aside = 0  # rows listed because the next batch had another shape
 
     def take(self, item: Item) -> Item | None:
         """The batch to train now from the rows carried and ``item``'s (None: fewer
         than ``unit`` rows at hand, all carried on). Its ``spans`` say where each of its
         rows is in the data, ``first``/``offset`` where the first is (the data position
         of a checkpoint before it). An item that went through here before (a recovery
-        queued it again: ``spans`` set) is joined rows with its spans already."""
+        queued it again: ``spans`` set) is joined rows with its spans already. Carried
+        rows of another shape than ``item``'s are listed, not joined (:meth:`_list_carried`).
+        Nothing changes when it raises: the loop hands ``item`` back."""
         batch = jax.tree.map(np.asarray, item.batch)
+        skip = 0
         if item.spans is None:
             if self.presplit:  # laid out for the devices before any left: its leading axis
                 batch = join_presplit(batch, len(jax.tree.leaves(batch)[0]))
             size, skip = validate.batch(batch, 1), self.skip
             if skip:  # a resume inside this batch
-                self.skip = 0
                 batch = jax.tree.map(lambda x: x[skip:], batch)
             spans: list[Span] = [(item.seq, skip, size)]
         else:
             spans = list(item.spans)
+        self.skip = 0
+        if self.rows is not None and not joinable(self.rows, batch):
+            self.set_aside += self._list_carried()
         if self.rows is not None:
             batch = jax.tree.map(lambda a, b: np.concatenate([a, b]), self.rows, batch)
             spans = merge_spans(self.spans + spans)
@@ -150,6 +164,18 @@ class Carry:
             offset=head[0][1],
             spans=tuple(head),
         )
+
+    def _list_carried(self) -> int:
+        """The carried rows (fewer than ``unit``: no step of their own) listed in
+        ``History.left_over``, in the data's order, and let go: the next batch has
+        another shape, or the data ended. Returns how many."""
+        left = self.left()
+        if left is None:
+            return 0
+        spans, rows = left
+        self.left_over.extend((self.start + seq, lo, hi) for seq, lo, hi in spans)
+        self.rows, self.spans = None, []
+        return validate.batch(rows, 1)
 
     def requeue(self) -> Item | None:
         """The carried rows as an item to queue again (a recovery resets the loop: they
@@ -173,18 +199,35 @@ class Carry:
 
     def finish(self) -> None:
         """The data ended: rows still carried (fewer than a step needs) are listed in
-        ``History.left_over``, with a warning."""
-        left = self.left()
-        if left is None:
+        ``History.left_over``; a warning counts them with those listed when a batch of
+        another shape came (:meth:`_list_carried`)."""
+        at_end = self._list_carried()
+        if not (at_end or self.set_aside):
             return
-        spans, rows = left
-        self.left_over.extend((self.start + seq, lo, hi) for seq, lo, hi in spans)
+        why = []
+        if self.set_aside:
+            why.append(
+                f"{self.set_aside} when the next batch had rows of another shape (a step "
+                "trains rows of one shape: bucketed lengths are never joined)"
+            )
+        if at_end:
+            why.append(f"{at_end} when the data ended with fewer than the {self.unit} a step needs")
         warnings.warn(
-            f"{validate.batch(rows, 1)} row(s) carried after a device left the run were "
-            f"not trained: the data ended with fewer rows than the {self.unit} a step "
-            f"needs; they are listed in history.left_over {self.left_over}",
+            f"{self.set_aside + at_end} row(s) carried after a device left the run were not "
+            f"trained: {'; '.join(why)}; they are listed in history.left_over {self.left_over}",
             stacklevel=_FIT_CALLER,
         )
+
+
+def joinable(rows: Any, batch: Any) -> bool:
+    """Whether ``rows`` and ``batch`` can be one step's batch: the same tree, each leaf
+    the same trailing axes and dtype."""
+    a, tree_a = jax.tree.flatten(rows)
+    b, tree_b = jax.tree.flatten(batch)
+    same: bool = tree_a == tree_b  # type: ignore[operator]  # PyTreeDef compares
+    return same and all(
+        x.shape[1:] == y.shape[1:] and x.dtype == y.dtype for x, y in zip(a, b, strict=True)
+    )
 
 
 def merge_spans(spans: list[Span]) -> list[Span]:

@@ -22,6 +22,7 @@ from jaxstep.core import ReplayVerdict
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._watchdog import StepWatchdog
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
 
@@ -43,7 +44,9 @@ class Diagnosis:
     Attributes:
       verdict: ``"data"`` (fails again and the failure follows the chunk),
         ``"device"`` (fails again and stays on the device), ``"transient"`` (does not
-        fail again) or ``"inconclusive"``.
+        fail again) or ``"inconclusive"``; ``"diverged"`` for a replica whose copy of
+        the state differs (not replayed: no verdict on the chip; the error's hint says
+        what to do).
       evidence: what each replay showed, in words.
       examples: for ``"data"``: indices in the global batch of the examples that fail
         on their own (empty if none does alone), found on every process.
@@ -83,7 +86,13 @@ class Diagnosis:
         return text
 
 
-def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnosis:
+def diagnose(
+    step: TrainStep,
+    error: TrainingWorkerError,
+    batch: Any,
+    *,
+    step_timeout: float | None = None,
+) -> Diagnosis:
     """Replays the failed step of ``error`` on ``batch`` from ``error.state``.
 
     With several processes, every process calls it (the replays are steps of every
@@ -94,23 +103,35 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
       error: its error; ``error.state`` is the last good state (left untouched).
       batch: the batch of the failed step, as the step took it (with several
         processes: this process's rows).
+      step_timeout: seconds each replay may take, as ``fit(step_timeout=...)``'s
+        steps (``fit`` passes its own): a device that stalls in a replay is named in a
+        ``HUNG`` error instead of hanging the host. None: not watched.
 
     Returns:
       A :class:`Diagnosis`.
+
+    Raises:
+      TrainingWorkerError: a replay hung (``Status.HUNG``), or a peer process was lost.
     """
     if error.state is None:
         raise ValueError(
             f"error has no state to replay from (status {error.status!r}); a hung step "
             "cannot be replayed in this process"
         )
-    if error.status & (Status.DIVERGED | Status.HUNG):
-        what = "its copy of the weights differs" if error.status & Status.DIVERGED else "it hung"
+    if error.status & Status.DIVERGED:
+        return Diagnosis(
+            "diverged",
+            (
+                f"device {error.device_id}: its copy of the state differs from the majority's; "
+                "not replayed (a replay would start from a healthy copy and pass), so this "
+                "says nothing of the chip: one divergence does not tell a bad chip from a "
+                "one-off corruption",
+            ),
+        )
+    if error.status & Status.HUNG:
         return Diagnosis(
             "device",
-            (
-                f"device {error.device_id}: {what}; no replay needed (a replay would start from "
-                "a healthy copy and pass)",
-            ),
+            (f"device {error.device_id}: it hung; no replay needed (no state to replay from)",),
         )
     position = {d.id: i for i, d in enumerate(step.devices)}
     failed = tuple(sorted(position[f.device_id] for f in error.failures))
@@ -122,14 +143,24 @@ def diagnose(step: TrainStep, error: TrainingWorkerError, batch: Any) -> Diagnos
     if root is not None:
         failed = tuple(sorted(position[f.device_id] for f in error.failures if root in f.status))
 
+    state = error.state
+    watchdog = None if step_timeout is None else StepWatchdog(step, step_timeout)
+
     def run(rotation: int) -> tuple[int, ...]:
-        _, out = driving.replay(step, error.state, batch, rotation=rotation)
+        if watchdog is None:
+            _, out = driving.replay(step, state, batch, rotation=rotation)
+        else:
+            _, out = watchdog.replay(state, batch, rotation, error.step)
         status = step.table(out).status
         hit = status != 0 if root is None else (status & int(root)) != 0
         return tuple(int(i) for i in np.flatnonzero(hit))
 
-    same = run(0)
-    found = _verdict(step, error, batch, failed, same, run)
+    try:
+        same = run(0)
+        found = _verdict(step, error, batch, failed, same, run)
+    finally:
+        if watchdog is not None:
+            watchdog.close()
     if same and root == Status.GRAD_NONFINITE:
         found = _with_grad_leaves(found, step, error, batch, failed[0] if failed else same[0])
     return found
@@ -282,16 +313,52 @@ def _with_grad_leaves(
 
 
 class Replay:
-    """The loop's replay action (``fit(diagnose=True)``): a failure that leaves fit
-    carries the verdict of its replay (``error.diagnosis``, and in its message)."""
+    """The loop's replay action: a failure that leaves fit carries the verdict of its
+    replay (``error.diagnosis``, and in its message). ``every`` (``fit(diagnose=True)``):
+    every failure is replayed; None (the default): only one every device had alike
+    (``error.alike``), where the step alone cannot tell which device's rows started it
+    and the replay can (a failure the replay cannot help, a hang, a diverged replica or
+    a state already bad, is left as it is). ``presplit``: the failing batch came
+    pre-split (joined for the replay). The replays are watched as the steps are
+    (``step_timeout``)."""
 
-    __slots__ = ("step",)
+    __slots__ = ("every", "presplit", "step", "step_timeout")
 
-    def __init__(self, step: TrainStep):
+    def __init__(
+        self,
+        step: TrainStep,
+        every: bool | None = True,
+        presplit: bool = False,
+        step_timeout: float | None = None,
+    ):
         self.step = step
+        self.every = bool(every)
+        self.presplit = presplit
+        self.step_timeout = step_timeout
 
     def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError:
-        """``error`` with its diagnosis (a recovery may have replayed it already)."""
+        """``error`` with its diagnosis (a recovery may have replayed it already).
+
+        Raises:
+          TrainingWorkerError: a replay hung, or a peer process was lost (the loop
+            reports it as a hang).
+        """
         if error.diagnosis is not None:
             return error
-        return error.with_diagnosis(diagnose(self.step, error, pending.batch))
+        batch = pending.batch
+        if self.presplit and (pending.item is None or pending.item.first is None):
+            batch = driving.join(self.step, batch)  # the replay takes the global batch
+        if self.every:
+            found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+            return error.with_diagnosis(found)
+        if not (error.alike and error.state is not None and error.state_is_good):
+            return error
+        if error.status & (Status.DIVERGED | Status.HUNG):
+            return error
+        try:
+            found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+        except TrainingWorkerError:
+            raise  # the replay hung, or a peer process was lost: the loop reports it
+        except Exception as why:  # never let the automatic replay hide the failure
+            return error.with_note(f"the automatic replay of this failure failed: {why!r}")
+        return error.with_diagnosis(found)

@@ -155,14 +155,16 @@ class Loop:
             of the step before it); ``error.state`` holds the state before it.
           TrainingWorkerError: a step failed, hung, or lost a peer.
         """
-        for pulled in self.actions.pulled:
-            pulled(batch)
+        # queued first: a batch an action refuses (Recover(example_id=...) names no
+        # leaf of it) is handed back on the error with the others (err.batches)
         self.waited += wait
         item = (
             Item(batch, self.pulled) if placed is None else Item(batch, self.pulled, placed=placed)
         )
         self.queue.append(item)
         self.pulled += 1
+        for pulled in self.actions.pulled:
+            pulled(batch)
         self._run_queue()
 
     def _run_queue(self) -> None:
@@ -176,9 +178,11 @@ class Loop:
     def _advance(self, item: Item) -> None:
         """:meth:`advance` for one queued batch."""
         actions, pending = self.actions, self.pending
+        self.held = item  # a take that raises leaves it untouched: handed back
         for take in actions.take:
             taken = take(item)
             if taken is None:  # fewer rows than devices at hand: all carried on
+                self.held = None
                 return
             item = taken
         self.held = item
@@ -256,7 +260,11 @@ class Loop:
         if raw.item(0, _FAILED) and raw.item(0, _HALTED):
             table = HealthTable.from_array(raw) if table is None else table
             error = failure_error(step, table, pending.rows, self.state, self.history)
-            outcome = self.actions.failed(pending, error)
+            try:
+                outcome = self.actions.failed(pending, error)
+            except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left
+                hang = hang.with_note(f"while diagnosing: {str(error).splitlines()[0]}")
+                raise self._hung(hang, [pending, after]) from None
             if isinstance(outcome, Resume):
                 self._resume(pending, outcome)
             # Nothing pulled is lost: the failing batch and those after it, untrained.

@@ -16,6 +16,7 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core import failed_alike
 from jaxstep.loop._history import History
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
@@ -28,7 +29,8 @@ def failure_error(
     state (from ``current``, the halted state as it stands), and a note on how good it
     is. ``rows``: rows per device of the failing batch, as this process passed it."""
     failures = step.failures(table, rows)
-    note = None
+    alike = failed_alike(failures, len(step.devices))
+    note = hint = None
     good = majority_position(step, failures)
     if good is not None:
         state = replica_state(step, current, good)
@@ -53,10 +55,16 @@ def failure_error(
             limit = step.options.max_consecutive_drops
             note = (
                 f"device {failures[0].device_id} failed {limit} steps in a row "
-                f"(max_consecutive_drops={limit}); its chunks were left out of the mean "
-                "until then. Failing step after step is more often a bad device than bad "
-                "data (fit(..., diagnose=True) tells which): to train without it, pass "
-                "make_train_step(devices=[...]) without it"
+                f"(max_consecutive_drops={limit}), each time on other rows; its chunks were "
+                "left out of the mean until then"
+            )
+            hint = (
+                "failing step after step, on other rows each time, is more often the "
+                "device's own fault than bad data: suspect the chip. A replay tells which "
+                "(fit(..., diagnose=True), or jaxstep.diagnose(step, error, batch) on "
+                "error.batches[0]); to train without it, pass make_train_step(devices=[...]) "
+                "without it, or fit(..., recover=jaxstep.Recover()), which excludes it. If the "
+                "replay says data, check rows {rows} of the global batch"
             )
         elif step.options.on_failure in ("skip", "drop"):
             note = (
@@ -73,9 +81,16 @@ def failure_error(
                 "committed"
             )
             return TrainingWorkerError(
-                failures, state=state, note=note, history=history, state_is_good=False
+                failures,
+                state=state,
+                note=note,
+                history=history,
+                state_is_good=False,
+                alike=alike,
             )
-    return TrainingWorkerError(failures, state=state, note=note, history=history)
+    return TrainingWorkerError(
+        failures, state=state, note=note, history=history, alike=alike, hint=hint
+    )
 
 
 def majority_position(step: TrainStep, failures: Sequence[Failure]) -> int | None:

@@ -30,7 +30,7 @@ def fit(
     num_steps: int | None = None,
     history: History | None = None,
     callbacks: Sequence[Any] = (),
-    diagnose: bool = False,
+    diagnose: bool | None = None,
     step_timeout: float | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int | None = None,

@@ -35,6 +35,13 @@ class Recover:
         other batches since the checkpoint again. None: a spike is not recovered.
       max_recoveries: the most actions one fit call takes; the next failure raises
         :class:`~jaxstep.TrainingWorkerError` as without ``recover``, listing them.
+      example_id: the batch leaf that identifies each example (``"id"`` for
+        ``batch["id"]``, or a path as ``jax.tree_util.keystr`` writes it,
+        ``"['meta']['id']"``): an integer array with one value per example, which
+        ``loss_fn`` leaves alone. A quarantine records the values of the offending
+        examples (``Recovery.example_ids``, the quarantine file's ``ids``), which
+        still name them once the data is shuffled: :func:`read_quarantine`'s ``ids``
+        are what the data pipeline filters on next epoch. Checked on the first batch.
     """
 
     retries: int = 1
@@ -42,6 +49,7 @@ class Recover:
     exclude_devices: bool = True
     rollback_batches: int | None = None
     max_recoveries: int = 10
+    example_id: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("retries", "max_recoveries"):
@@ -53,6 +61,12 @@ class Recover:
                 raise TypeError(
                     f"Recover({name}=...) must be True or False, got {getattr(self, name)!r}"
                 )
+        leaf = self.example_id
+        if leaf is not None and (not isinstance(leaf, str) or not leaf):
+            raise TypeError(
+                f"Recover(example_id=...) must be the name of a batch leaf (a str, e.g. "
+                f"'id' for batch['id']) or None, got {leaf!r}"
+            )
         k = self.rollback_batches
         if k is not None and _not_count(k, 1):
             raise ValueError(
@@ -70,7 +84,7 @@ class FitOptions:
     num_steps: int | None = None
     history: History | None = None
     callbacks: Any = ()
-    diagnose: bool = False
+    diagnose: bool | None = None
     step_timeout: float | None = None
     checkpoints: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
     presplit: bool = False
@@ -88,11 +102,17 @@ class FitOptions:
         ):
             error = ValueError if isinstance(timeout, (int, float)) else TypeError
             raise error(f"step_timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        if self.diagnose not in (None, True, False):
+            raise TypeError(
+                f"diagnose must be None (replay a failure every device had alike), True "
+                f"(replay every failure) or False (none), got {self.diagnose!r}"
+            )
         if _not_count(self.prefetch, 0):
-            error = ValueError if isinstance(self.prefetch, int) else TypeError
-            raise error(
-                f"prefetch must be an int >= 0 (batches pulled ahead by a background "
-                f"thread; 0: none, the data pulled on the calling thread), got {self.prefetch!r}"
+            count = isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool)
+            raise (ValueError if count else TypeError)(
+                f"prefetch must be an int >= 0, the batches a background thread pulls and "
+                f"places ahead of the step, got {self.prefetch!r}; pass prefetch=2 (the "
+                "default) or prefetch=0 to pull each batch on the calling thread"
             )
         if self.history is not None and not isinstance(self.history, History):
             raise TypeError(

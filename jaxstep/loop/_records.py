@@ -38,6 +38,8 @@ class Recovery:
       batch: the failing step's batch, counting the stream's first batch as 0 (None
         when unknown).
       detail: what happened, in words.
+      example_ids: with ``Recover(example_id=...)``: the values of that batch leaf for
+        ``examples``, in their order (what names them in the data, shuffled or not).
     """
 
     step: int
@@ -48,6 +50,7 @@ class Recovery:
     skipped_batches: tuple[int, ...] = ()
     batch: int | None = None
     detail: str = ""
+    example_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -63,6 +66,8 @@ class Recovery:
             text += f"; examples {list(self.examples)}"
         if self.batch is not None:
             text += f" of batch {self.batch}"
+        if self.example_ids:
+            text += f" (ids {list(self.example_ids)})"
         if self.skipped_batches:
             text += f"; skipped batches {list(self.skipped_batches)}"
         if self.detail:
@@ -80,4 +85,5 @@ class Recovery:
             "skipped_batches": list(self.skipped_batches),
             "batch": self.batch,
             "detail": self.detail,
+            "example_ids": list(self.example_ids),
         }

@@ -9,7 +9,8 @@ and acted on, within a budget:
 - ``device`` -> training goes on without the device (``step.devices`` shrinks);
 - a loss spike -> back to the last verified checkpoint, the spike's batches skipped;
 - a diverged replica -> repaired from the majority, or rolled back;
-- a hang -> the emergency save, then the process exits for ``launch --restarts``.
+- a hang -> the emergency save, then the process exits for ``launch --restarts`` (under
+  a launcher that restarts it; elsewhere, a notebook say, the error is raised).
 
 Each action is a :class:`~jaxstep.loop.Recovery` in ``History.recoveries``. The
 recovery is one of the loop's actions: it returns what the loop should do (a
@@ -34,6 +35,7 @@ from jaxstep.checkpoint import append_quarantine
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.core import under_restarting_launcher
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
@@ -50,6 +52,8 @@ from jaxstep.loop._outcome import state_of
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._records import Recovery as RecoveryRecord
 from jaxstep.loop._restart import exit_for_restart
+from jaxstep.loop._restart import is_hang
+from jaxstep.loop._restart import not_restarted
 from jaxstep.loop._rollback import Rollback
 from jaxstep.loop._rows import Rows
 from jaxstep.loop._rows import in_words
@@ -66,7 +70,8 @@ class Recovery:
 
     :meth:`failed` acts on a failed step's verdict: it returns a :class:`Resume` for the
     loop to go on with, or the error to raise, with a note saying why it was not
-    recovered. A hang or a lost peer under ``recover`` exits for a restart (:meth:`hung`).
+    recovered. A hang or a lost peer under ``recover`` exits for a restart (:meth:`hung`)
+    when a launcher will restart the process, and is raised otherwise.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class Recovery:
         checkpoints: FitCheckpoints,
         carry: Carry | Cut | None,
         presplit: bool,
+        step_timeout: float | None = None,
     ):
         self.options = options
         self.step = step
@@ -87,7 +93,9 @@ class Recovery:
         self.checkpoints = checkpoints
         self.carry = carry  # the loop's, as this recovery last left it
         self.presplit = presplit
-        self.rows = Rows(step, checkpoints.source.start, presplit)
+        self.step_timeout = step_timeout  # the replays are watched as the steps are
+        self.rows = Rows(step, checkpoints.source.start, presplit, options.example_id)
+        self.fit_start = checkpoints.number  # state.step as this fit call starts
         self.rollback = Rollback(step, checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
         self.retried: dict[int, int] = {}
@@ -159,7 +167,10 @@ class Recovery:
     def report(
         self, error: TrainingWorkerError, first: tuple[int, int] | None = None
     ) -> TrainingWorkerError:
-        """``error`` (about to leave fit) with the recoveries made before it listed."""
+        """``error`` (about to leave fit) with the recoveries made before it listed, and
+        for a hang that no launcher restarts, why the process does not exit."""
+        if is_hang(error) and not under_restarting_launcher():
+            error = not_restarted(error)
         if not self.records:
             return error
         lines = [
@@ -170,10 +181,13 @@ class Recovery:
         return error.with_note("\n".join(lines))
 
     def hung(self, error: TrainingWorkerError) -> None:
-        """A hang or a lost peer, reported: nothing of this process can go on, so it
-        exits for its launcher to restart the job from the last verified checkpoint
-        (:func:`exit_for_restart`)."""
-        exit_for_restart(error)
+        """A hang or a lost peer, reported: nothing of this process can go on, so under a
+        launcher that restarts the job it exits for the launcher to restart it from the
+        last verified checkpoint (:func:`exit_for_restart`). Elsewhere (a notebook, a
+        plain script) exiting would lose what the process holds: the loop raises
+        ``error``, whose note says so (:meth:`report`)."""
+        if under_restarting_launcher():
+            exit_for_restart(error)
 
     def finish(self) -> None:
         """At the end of fit: the recoveries made, logged (at WARNING level unless a
@@ -189,7 +203,7 @@ class Recovery:
         batch = pending.batch
         if self.presplit and item_of(pending).first is None:
             batch = driving.join(self.step, batch)  # the replay takes the global batch
-        return diagnose(self.step, error, batch)
+        return diagnose(self.step, error, batch, step_timeout=self.step_timeout)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         item = item_of(pending)
@@ -222,6 +236,7 @@ class Recovery:
             )
         devices = found.devices or ids_of(error)
         sources = self.rows.sources(item, found.examples)
+        ids = self.rows.ids(item, found.examples)  # Recover(example_id=...)
         # Every device failed: a collective in the model (cross-device BatchNorm)
         # carried the bad rows into every chunk, so the rerun leaving the failing
         # chunks out of the mean is skipped whole (state.step counts it): say so.
@@ -247,9 +262,11 @@ class Recovery:
             skipped_batches=skipped,
             batch=self.rows.batch(item),
             detail=detail,
+            example_ids=ids,
         )
         store = self.checkpoints.store
         if store is not None:
+            of_batch = [b for b, _ in self.rows.where(item, found.examples)]
             for batch, rows in sources.items():  # process 0 writes it
                 append_quarantine(
                     store.directory,
@@ -258,6 +275,9 @@ class Recovery:
                     examples=rows,
                     batch_size=self.rows.size(item),
                     device_ids=devices,
+                    fit_start=self.fit_start,
+                    example_id=self.options.example_id,
+                    ids=[i for i, b in zip(ids, of_batch, strict=False) if b == batch],
                 )
         return Resume(state_of(error), [item._replace(drop=True)], record)
 

@@ -1,7 +1,10 @@
 """A hang or a lost peer under ``fit(recover=...)``: after the emergency save the
 process says why on stderr and exits with :data:`RESTART_EXIT_CODE`, so that its
 launcher (``python -m jaxstep.launch --restarts N``, ``scripts/tpu_vm/launch.sh
---restarts N``) starts the job again from the last verified checkpoint."""
+--restarts N``) starts the job again from the last verified checkpoint. Only under such
+a launcher (``$JAXSTEP_RESTART`` set: :func:`jaxstep.core.under_restarting_launcher`):
+elsewhere (a notebook's kernel, a plain script) the error is raised, saying why
+(:func:`not_restarted`)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import sys
 from typing import NoReturn
 
 from jaxstep import distributed
+from jaxstep.core import ENV_RESTART
 from jaxstep.core import RESTART_EXIT_CODE
+from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 
 log = logging.getLogger("jaxstep")
@@ -45,3 +50,20 @@ def exit_for_restart(error: TrainingWorkerError) -> NoReturn:
     ]
     print("\n".join(lines), file=sys.stderr, flush=True)
     distributed.leave(RESTART_EXIT_CODE, note="exited")
+
+
+def is_hang(error: TrainingWorkerError) -> bool:
+    """A hung step or a lost peer: no state can be read back (``error.state`` None)."""
+    return error.state is None and Status.HUNG in error.status
+
+
+def not_restarted(error: TrainingWorkerError) -> TrainingWorkerError:
+    """``error`` (a hang under ``recover`` that no launcher restarts) with a note: why
+    the process did not exit for a restart, and that it must be restarted."""
+    return error.with_note(
+        f"not exited for a restart: fit(recover=...) exits with code {RESTART_EXIT_CODE} only "
+        f"under a launcher that restarts the job (${ENV_RESTART} set, as python -m "
+        "jaxstep.launch --restarts N and scripts/tpu_vm/launch.sh do); here the error is "
+        "raised instead, after the emergency save. This process cannot train again: "
+        "restart it (in a notebook, restart the kernel)"
+    )

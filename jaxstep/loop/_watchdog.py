@@ -17,6 +17,7 @@ from jaxstep.core import Status
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core import failed_alike
 from jaxstep.loop._pending import Item
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
@@ -60,10 +61,40 @@ class StepWatchdog:
         for replicas in (False, check_replicas or step.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             compile_ahead(state, batch, heartbeat=True, replicas=replicas)
-        # Only this run's beats count: a step run again (a retry, a rerun, a rollback)
-        # has the step number its earlier run beat with.
-        driving.heartbeats(step).clear()
-        future = self.pool.submit(call, state, batch)
+        return self._watch(functools.partial(call, state, batch), expected)
+
+    def replay(
+        self, state: TrainState, batch: Any, rotation: int, expected: int
+    ) -> tuple[TrainState, StepOutput]:
+        """:func:`driving.replay` of step ``expected`` (``state``'s, not donated) with
+        the chunks rotated by ``rotation``, watched as a step is: its heartbeat variant
+        (compiled ahead), and past the deadline the ``HUNG`` error naming the devices that
+        did not finish their part of the replay (the diagnosis of ``fit(diagnose=True)``
+        and of ``recover``)."""
+        step = self.step
+        for replicas in (False, step.options.divergence_every is not None):
+            step.compile(state, batch, heartbeat=True, replicas=replicas)
+        call = functools.partial(
+            driving.replay, step, state, batch, rotation=rotation, heartbeat=True
+        )
+        return self._watch(call, expected, during=f"the replay that diagnoses step {expected}")
+
+    def close(self) -> None:
+        """Lets the dispatch thread go (it is idle: each run waited for its step)."""
+        self.pool.shutdown(wait=False)
+
+    def _watch(
+        self,
+        call: Callable[[], tuple[TrainState, StepOutput]],
+        expected: int,
+        during: str | None = None,
+    ) -> tuple[TrainState, StepOutput]:
+        """``call()`` on the dispatch thread, waited for until the deadline: what it
+        returns once its health table is ready, or the ``HUNG`` error (or a lost peer's)."""
+        # Only this run's beats count: a step run again (a retry, a rerun, a rollback,
+        # a replay) has the step number its earlier run beat with.
+        driving.heartbeats(self.step).clear()
+        future = self.pool.submit(call)
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
         while not (future.done() and future.result()[1].health.is_ready()):  # type: ignore[attr-defined]
@@ -73,14 +104,20 @@ class StepWatchdog:
                 raise distributed.lost_error(lost, expected, self.step.devices)
             if time.monotonic() > deadline:
                 self.pool.shutdown(wait=False)
-                raise hung(self.step, expected, self.timeout)
+                raise hung(self.step, expected, self.timeout, during)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         return future.result()
 
 
-def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
-    distributed.log_stacks(f"step {expected} did not finish within {timeout:.1f} s")
+def hung(
+    step: TrainStep, expected: int, timeout: float, during: str | None = None
+) -> TrainingWorkerError:
+    """The ``HUNG`` error of step ``expected`` (``during``: in what run of it, e.g. a
+    replay), naming the devices whose heartbeat did not come (every device when all of
+    them reached the collective); the Python stacks go to the log first."""
+    what = f"step {expected}" if during is None else during
+    distributed.log_stacks(f"{what} did not finish within {timeout:.1f} s")
     done = {i for i, beat in dict(driving.heartbeats(step)).items() if beat >= expected}
     many = distributed.spans_processes(step.devices)
     if many:
@@ -92,6 +129,8 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
     if not late:  # every device reached the collective: the hang is in or after it
         late = list(range(len(step.devices)))
         where = "after reaching the first collective (all devices did)"
+    if during is not None:
+        where += f", in {during}"
     failures = [
         Failure(
             device_id=step.devices[i].id,
@@ -108,4 +147,5 @@ def hung(step: TrainStep, expected: int, timeout: float) -> TrainingWorkerError:
         "the state lives on the hung device(s) and cannot be read: error.state is None; "
         "restore from the last checkpoint (on CPU, XLA aborts a stuck collective ~40 s in)"
     )
-    return TrainingWorkerError(failures, state=None, note=note)
+    alike = failed_alike(failures, len(step.devices))  # every device waits in the collective
+    return TrainingWorkerError(failures, state=None, note=note, alike=alike)

@@ -16,19 +16,33 @@ from jaxstep.program._faults import float_leaves as float_leaves
 from jaxstep.program._options import AXIS as AXIS
 from jaxstep.program._options import Options as Options
 from jaxstep.program._scaling import DynamicLossScale as DynamicLossScale
+from jaxstep.program._sharded import held as held_shards
+from jaxstep.program._sharded import step as sharded_step
+from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD_MIN_SIZE
+from jaxstep.program._shards import Plan as Plan
+from jaxstep.program._shards import nbytes_per_device as nbytes_per_device
+from jaxstep.program._shards import shard_axis as shard_axis
+from jaxstep.program._shards import spec as shard_spec
 
 __all__ = [
     "AXIS",
     "DEFAULT_DIVERGENCE_EVERY",
+    "DEFAULT_SHARD_MIN_SIZE",
     "DynamicLossScale",
     "Fault",
     "Injector",
     "LossSpike",
     "Options",
+    "Plan",
     "body",
     "drop_memory",
     "example_failed",
     "fingerprint",
     "float_leaves",
     "grad_leaves_finite",
+    "held_shards",
+    "nbytes_per_device",
+    "shard_axis",
+    "shard_spec",
+    "sharded_step",
 ]

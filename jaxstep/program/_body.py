@@ -10,6 +10,7 @@ devices' rows -> the same verdict on every device and the optimizer update under
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -29,6 +30,7 @@ from jaxstep.core import health
 from jaxstep.program import _cross_checks as cross_checks
 from jaxstep.program import _drop as drop
 from jaxstep.program._device import DeviceWork
+from jaxstep.program._device import WorkFn
 from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
@@ -42,6 +44,7 @@ __all__ = ["Beat", "body"]
 #: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
 #: device finished its local part (``fit(step_timeout=...)``).
 Beat = Callable[[Any, Any, Any], Any]
+_SKIPS, _DROPS = COL["consecutive_skips"], COL["consecutive_drops"]  # counters, gathered
 
 
 def body(
@@ -64,7 +67,7 @@ def body(
     # The chunk of the global batch this device holds: its own position, except in a
     # replay that moves the chunks, where the key and the faults travel with the rows.
     chunk = extras["chunk"].reshape(-1)[0]
-    ctx, token = _fault_context(options, state, batch, extras, index, chunk)
+    ctx, token = fault_context(options, state, batch, extras, index, chunk)
     # 1. input, 2. loss and gradients, 3. local health: all before any collective.
     part = local_part(options, state, batch, ctx, token, index, chunk, beat=beat, replicas=replicas)
     # 4. the first collective, 5. the checks that compare the devices' rows.
@@ -84,24 +87,32 @@ def body(
         ctx,
         index,
     )
-    table = health.to_table(reduced.rows, {**columns, "status": status})
+    table, metrics = outputs(options, reduced.rows, status, columns, losses)
+    info = StepInfo(checks=part.checks)
+    out = StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info)
+    # only the extras a step changes go out (``fired``): an output chunk was a copy kernel
+    return new_state, out, {k: v for k, v in extras.items() if k != "chunk"}
+
+
+def outputs(
+    options: Options,
+    rows: jax.Array,
+    status: jax.Array,
+    columns: dict[str, jax.Array],
+    losses: jax.Array,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The step's health table (the gathered ``rows`` with the verdict's ``columns``
+    and every device's ``status`` written in) and its metrics (the mean loss, under
+    ``drop`` over the chunks the step trained on)."""
+    table = health.to_table(rows, {**columns, "status": status})
     metrics = {"loss": jnp.mean(losses)}
     if options.on_failure == "drop":  # the mean over the chunks the step trained on
         kept = ~columns["dropped"]
         metrics = {"loss": jnp.sum(jnp.where(kept, losses, 0.0)) / jnp.maximum(jnp.sum(kept), 1)}
-    info = StepInfo(checks=part.checks)
-    # Only the extras a step changes go out (the faults' ``fired``): the chunk each
-    # device holds comes in unchanged, and as an output it was a copy kernel and one
-    # more output array on every call.
-    changed = {k: v for k, v in extras.items() if k != "chunk"}
-    return (
-        new_state,
-        StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info),
-        changed,
-    )
+    return table, metrics
 
 
-def _fault_context(
+def fault_context(
     options: Options,
     state: TrainState,
     batch: Batch,
@@ -147,17 +158,20 @@ def local_part(
     *,
     beat: Beat | None,
     replicas: bool,
+    sharded: Sequence[bool] | None = None,
+    work_fn: WorkFn | None = None,
 ) -> LocalPart:
     """This device's loss, gradients and health row, before any collective; with
     ``replicas`` its fingerprints too, and with ``beat`` the host told it is done. The
     key is folded with the step and ``chunk``: a replay that moves a chunk to another
     device moves its random numbers with it (dropout masks), so a failure that follows
-    the chunk is the data's and one that stays is the device's."""
-    key = None
-    if state.rng is not None:
-        key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
+    the chunk is the data's and one that stays is the device's. ``sharded``: which
+    leaves of (params, opt_state, model_state) this device holds only a shard of (a
+    sharded layout: no replica to compare; their fingerprints are left out);
+    ``work_fn``: what each (micro-)batch runs in place of ``device_work``."""
+    key = chunk_key(state, chunk)
     work, microbatch, check_names = microbatched_work(
-        options, state, batch, key, ctx, options.microbatches
+        options, state, batch, key, ctx, options.microbatches, work_fn
     )
     grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
     status = work.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
@@ -168,21 +182,15 @@ def local_part(
         bad = ~jnp.isfinite(injected)
         squares = jnp.where(bad, injected + squares, squares)
         grad_leaf = health.earliest(grad_leaf, injected_leaf)
-        status |= jnp.where(bad, int(Status.GRAD_NONFINITE), 0)
-    row: dict[str, Any] = {
-        "input_leaf": work.input_leaf,
-        "grad_leaf": grad_leaf,
-        "param_leaf": -1,
-        "diverged_leaf": -1,
-        "model_state_leaf": work.model_state_leaf,
-        "microbatch": microbatch,
-        "check": health.first_true(work.check_failed),
-        "loss": work.loss,
-        "grad_norm": squares,  # squared: health.to_table takes the root
-    }
+        flag: Any = int(Status.GRAD_NONFINITE)
+        if options.loss_scale is not None:  # as a real one: an overflow of scaled values
+            overflow = (work.input_leaf < 0) & jnp.isfinite(work.loss)
+            flag = jnp.where(overflow, int(Status.OVERFLOW), flag)
+        status |= jnp.where(bad, flag, 0)
+    row = row_of(work, grad_leaf, squares, microbatch)
     prints = None
     if replicas:
-        prints, param_leaf = replica_check(state)
+        prints, param_leaf = replica_check(state, sharded)
         if options.on_failure == "drop":
             prints = None  # compared before the local part (drop.repair_replicas)
         row["param_leaf"] = param_leaf
@@ -196,6 +204,30 @@ def local_part(
         status |= zero
     row["status"] = status
     return LocalPart(work, grads, row, prints, check_names)
+
+
+def chunk_key(state: TrainState, chunk: jax.Array) -> jax.Array | None:
+    """The key of this step's chunk ``chunk`` (None: the state holds none)."""
+    if state.rng is None:
+        return None
+    return jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
+
+
+def row_of(
+    work: DeviceWork, grad_leaf: jax.Array, squares: jax.Array, microbatch: jax.Array
+) -> dict[str, Any]:
+    """A device's health row (but its status) from its work."""
+    return {
+        "input_leaf": work.input_leaf,
+        "grad_leaf": grad_leaf,
+        "param_leaf": -1,
+        "diverged_leaf": -1,
+        "model_state_leaf": work.model_state_leaf,
+        "microbatch": microbatch,
+        "check": health.first_true(work.check_failed),
+        "loss": work.loss,
+        "grad_norm": squares,  # squared: health.to_table takes the root
+    }
 
 
 class Reduced(NamedTuple):
@@ -220,6 +252,26 @@ def all_reduce(
     count of devices failing or halting so far (summed: the verdict needs no
     reduction over the table), the float model state, the fingerprints and the fault
     flags ride in the gradients' all-reduce."""
+    summed, sent = send(options, state, part, ctx, index)
+    grads, floats = part.grads, floats_of(part.work.model_state)
+    if options.on_failure == "drop":  # a failing device sends zeros: left out of the mean
+        grads, floats = drop.leave_out(summed[0], (grads, floats))
+    # The gradients stay summed here: the division by n happens inside the update,
+    # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
+    grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), options.axis_name)
+    return received(options, part, summed, grad_sums, floats, gathered)
+
+
+def send(
+    options: Options,
+    state: TrainState,
+    part: LocalPart,
+    ctx: Context | None,
+    index: jax.Array,
+) -> tuple[list[jax.Array], jax.Array]:
+    """This device's columns summed over the devices (``summed``) and what it sends
+    of the health table (its one-hot row, the summed columns, its fingerprints' halves
+    and the faults' fire flags)."""
     n, status = options.n, part.row["status"]
     extra = []
     if part.prints is not None:
@@ -243,18 +295,26 @@ def all_reduce(
         # the summed columns, so the verdict needs no reduction over the devices
         drops = state.monitor["drops"][index]
         summed.append(summed[0] & (drops + 1 >= options.max_consecutive_drops))
-    row = part.row
-    if options.on_failure != "raise":  # the counters the verdict reads, read here (as above)
+    row = part.row  # (skip, drop) the counters the verdict reads, gathered here (as above)
+    if options.on_failure != "raise":
         row = {**row, "consecutive_skips": state.consecutive_skips}
-        if options.on_failure == "drop":  # gathered: every device's drops in a row
-            row["consecutive_drops"] = state.monitor["drops"][index]
+    if options.on_failure == "drop":
+        row["consecutive_drops"] = state.monitor["drops"][index]
     sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
-    grads, floats = part.grads, _floats(part.work.model_state)
-    if options.on_failure == "drop":  # a failing device sends zeros: left out of the mean
-        grads, floats = drop.leave_out(summed[0], (grads, floats))
-    # The gradients stay summed here: the division by n happens inside the update,
-    # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
-    grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), options.axis_name)
+    return summed, sent
+
+
+def received(
+    options: Options,
+    part: LocalPart,
+    summed: list[jax.Array],
+    grad_sums: PyTree,
+    floats: list[jax.Array],
+    gathered: jax.Array,
+) -> Reduced:
+    """What the all-reduce gathered, unpacked: the rows, the step-wide facts, the
+    float model state averaged (over the devices kept, under ``drop``)."""
+    n = options.n
     width = len(COLUMNS) + len(summed)
     rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
@@ -263,7 +323,7 @@ def all_reduce(
         floats = [times_share(x, healthy) for x in floats]
     else:
         floats = [x / n for x in floats]
-    model_state = _with_floats(part.work.model_state, floats)
+    model_state = with_floats(part.work.model_state, floats)
     seen = Seen(
         failed=counts[0] > 0,
         overflow=counts[1] > 0,
@@ -272,11 +332,9 @@ def all_reduce(
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
         failing=counts[0],
         repeats=counts[6] > 0 if len(summed) > 6 else None,
+        skips=None if options.on_failure == "raise" else rows[0, _SKIPS].astype(jnp.int32),
+        drops=rows[:, _DROPS].astype(jnp.int32) if options.on_failure == "drop" else None,
     )
-    if options.on_failure != "raise":
-        seen = seen._replace(skips=rows[0, COL["consecutive_skips"]].astype(jnp.int32))
-        if options.on_failure == "drop":
-            seen = seen._replace(drops=rows[:, COL["consecutive_drops"]].astype(jnp.int32))
     rest = gathered[:, width:]
     status = rows[:, COL["status"]].astype(jnp.int32)
     return Reduced(grad_sums, model_state, rows, seen, rest, status)
@@ -317,20 +375,26 @@ def compare_devices(
     return status, seen, columns, extras
 
 
-def _floats(tree: PyTree) -> list[jax.Array]:
+def floats_of(tree: PyTree) -> list[jax.Array]:
     return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
-def _with_floats(tree: PyTree, floats: list[jax.Array]) -> PyTree:
+def with_floats(tree: PyTree, floats: list[jax.Array]) -> PyTree:
     """``tree`` with its float leaves replaced, in order, by ``floats``."""
     it = iter(floats)
     return jax.tree.map(lambda x: next(it) if jnp.issubdtype(x.dtype, jnp.inexact) else x, tree)
 
 
-def replica_check(state: TrainState) -> tuple[jax.Array, jax.Array]:
+def replica_check(
+    state: TrainState, sharded: Sequence[bool] | None = None
+) -> tuple[jax.Array, jax.Array]:
     """This device's fingerprint of its own copy of params, optimizer state and model
     state, and its first non-finite parameter leaf (or -1). In the every-k-steps
-    program only."""
+    program only. ``sharded``: the leaves held as shards (fingerprint 0: a shard has
+    no second copy to compare)."""
     leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
     n_params = len(jax.tree.leaves(state.params))
-    return cross_checks.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+    if sharded is None:
+        return cross_checks.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+    copies = cross_checks.without_shards(leaves, sharded)
+    return cross_checks.fingerprint(copies), health.first_nonfinite(leaves[:n_params])[1]

@@ -36,6 +36,13 @@ def fingerprint(leaves: Sequence[jax.Array]) -> jax.Array:
     return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
 
 
+def without_shards(leaves: Sequence[jax.Array], sharded: Sequence[bool]) -> list[jax.Array]:
+    """``leaves`` with each one held as a shard (``sharded``) replaced by a zero scalar
+    (fingerprint 0): the devices' shards differ by design and have no second copy, so
+    a comparison of fingerprints leaves them out (and keeps the leaves' positions)."""
+    return [jnp.zeros((), x.dtype) if s else x for x, s in zip(leaves, sharded, strict=True)]
+
+
 def split16(prints: jax.Array) -> jax.Array:
     """uint32 fingerprints as float32 halves (exact), to ride in a float all-reduce."""
     return jnp.concatenate(

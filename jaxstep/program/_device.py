@@ -4,6 +4,7 @@ functions of the frozen :class:`~jaxstep.program._options.Options` the step was 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -60,6 +61,25 @@ class DeviceWork(NamedTuple):
     check_failed: jax.Array  # (n_checks,) bool
     loss: jax.Array
     aux: PyTree
+    #: under ``shard_state="params"``, at a replica-check step: the fingerprints of the
+    #: parameters this device gathered, and its first non-finite one (None otherwise)
+    prints: jax.Array | None = None
+    param_leaf: jax.Array | None = None
+
+    @property
+    def forward_failed(self) -> jax.Array:
+        """Whether this device failed in what the forward pass alone tells (input, loss,
+        model state, a user check): known before its gradients are."""
+        return (
+            (self.input_leaf >= 0)
+            | ~jnp.isfinite(self.loss)
+            | (self.model_state_leaf >= 0)
+            | health.any_true(self.check_failed)
+        )
+
+
+#: ``work_fn(options, state, batch, key, model_state, ctx) -> (DeviceWork, check names)``
+WorkFn = Callable[..., tuple["DeviceWork", tuple[str, ...]]]
 
 
 def device_work(
@@ -69,9 +89,14 @@ def device_work(
     key: jax.Array | None,
     model_state: PyTree,
     ctx: Context | None,
+    *,
+    input_apart: bool = False,
 ) -> tuple[DeviceWork, tuple[str, ...]]:
     """Loss, gradients and health of one (micro-)batch on this device, before any
-    collective. Returns the work and the names of the user checks."""
+    collective. Returns the work and the names of the user checks. ``input_apart``:
+    the input is checked in a reduction of its own, not in the gradients' (a sharded
+    layout's ``drop`` leaves a device out by what its forward pass tells, before its
+    gradients are all made)."""
     if ctx is not None:
         batch = options.injector.input(batch, ctx)
     scaler, scale = options.loss_scale, state.loss_scale
@@ -90,30 +115,45 @@ def device_work(
         grads = scaler.unscale(scale, grads)
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
-    # the input is checked in the gradients' reduction: one kernel for both
-    squares, grad_leaf, in_leaf = health.gradient_health(
-        jax.tree.leaves(grads), jax.tree.leaves(batch)
-    )
+    if input_apart:
+        in_leaf = health.first_nonfinite(jax.tree.leaves(batch))[1]
+        squares, grad_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
+    else:  # the input is checked in the gradients' reduction: one kernel for both
+        squares, grad_leaf, in_leaf = health.gradient_health(
+            jax.tree.leaves(grads), jax.tree.leaves(batch)
+        )
     in_bad, grad_bad = in_leaf >= 0, ~jnp.isfinite(squares)
     ms_bad, ms_leaf = health.first_nonfinite(jax.tree.leaves(new_ms))
     check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
-    # With a loss scale, non-finite gradients from a finite input and loss are an
-    # overflow of the scaled values: the scale backs off, nothing failed.
+    status = status_bits(options, in_bad, value, grad_bad, ms_bad, check_failed)
+    work = DeviceWork(
+        grads, new_ms, status, in_leaf, squares, grad_leaf, ms_leaf, check_failed, value, aux
+    )
+    return work, tuple(checks)
+
+
+def status_bits(
+    options: Options,
+    in_bad: jax.Array,
+    value: jax.Array,
+    grad_bad: jax.Array,
+    ms_bad: jax.Array,
+    check_failed: jax.Array,
+) -> jax.Array:
+    """A device's Status bits from its input, loss, gradient, model-state and user
+    checks. With a loss scale, non-finite gradients from a finite input and loss are an
+    overflow of the scaled values: the scale backs off, nothing failed."""
     grad_flag: Any = int(Status.GRAD_NONFINITE)
-    if scaler is not None:
+    if options.loss_scale is not None:
         overflow = ~in_bad & jnp.isfinite(value)
         grad_flag = jnp.where(overflow, int(Status.OVERFLOW), int(Status.GRAD_NONFINITE))
-    status = (
+    return (
         jnp.where(in_bad, int(Status.INPUT_NONFINITE), 0)
         | jnp.where(jnp.isfinite(value), 0, int(Status.LOSS_NONFINITE))
         | jnp.where(grad_bad, grad_flag, 0)
         | jnp.where(ms_bad, int(Status.MODEL_STATE_NONFINITE), 0)
         | jnp.where(health.any_true(check_failed), int(Status.CHECK_FAILED), 0)
     ).astype(jnp.int32)
-    work = DeviceWork(
-        grads, new_ms, status, in_leaf, squares, grad_leaf, ms_leaf, check_failed, value, aux
-    )
-    return work, tuple(checks)
 
 
 def microbatched_work(
@@ -123,12 +163,19 @@ def microbatched_work(
     key: jax.Array | None,
     ctx: Context | None,
     microbatches: int,
+    work_fn: WorkFn | None = None,
+    *,
+    scattered: bool = False,
 ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
     """:func:`device_work` over ``microbatches`` equal slices of the chunk in a ``lax.scan``:
     gradients averaged, the model state threaded through, and the health of the
-    first failing micro-batch (also returned, or -1)."""
+    first failing micro-batch (also returned, or -1). ``work_fn``: what runs on each
+    slice in place of ``device_work``; ``scattered``: its gradients leave it
+    reduce-scattered (``shard_state="params"``), so the mean's health is the
+    micro-batches' own (their mean squared norm)."""
+    work_fn = device_work if work_fn is None else work_fn
     if microbatches == 1:
-        work, found = device_work(options, state, batch, key, state.model_state, ctx)
+        work, found = work_fn(options, state, batch, key, state.model_state, ctx)
         return work, jnp.where(work.status != 0, 0, -1).astype(jnp.int32), found
     rows = jax.tree.leaves(batch)[0].shape[0]
     size = rows // microbatches
@@ -143,7 +190,7 @@ def microbatched_work(
         part, m = xs
         sub = None if key is None else jax.random.fold_in(key, m)
         sub_ctx = None if ctx is None else ctx._replace(rows=m * size + jnp.arange(size))
-        work, names = device_work(options, state, part, sub, model_state, sub_ctx)
+        work, names = work_fn(options, state, part, sub, model_state, sub_ctx)
         total = jax.tree.map(jnp.add, total, work.grads)
         return (total, work.model_state), work._replace(grads=None, model_state=None)
 
@@ -155,19 +202,25 @@ def microbatched_work(
     first = health.first_true(each.status != 0)
     pick = jnp.maximum(first, 0)
     at = lambda x: x[pick]  # noqa: E731  the first failing micro-batch's value
-    # the first failing micro-batch's finiteness; the norm is the mean gradient's
-    squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
+    if not scattered:
+        # the first failing micro-batch's finiteness; the norm is the mean gradient's
+        squares, leaf, _ = health.gradient_health(jax.tree.leaves(grads))
+    else:  # reduce-scattered gradients: the micro-batches' mean squared local norm
+        squares, leaf = jnp.mean(each.grad_squares), jnp.array(-1, jnp.int32)
+    status, input_leaf = at(each.status), at(each.input_leaf)
     work = DeviceWork(
         grads=grads,
         model_state=model_state,
-        status=at(each.status),
-        input_leaf=at(each.input_leaf),
+        status=status,
+        input_leaf=input_leaf,
         grad_squares=jnp.where(jnp.isfinite(at(each.grad_squares)), squares, jnp.inf),
         grad_leaf=health.earliest(at(each.grad_leaf), leaf),
         model_state_leaf=at(each.model_state_leaf),
         check_failed=at(each.check_failed),
         loss=jnp.mean(each.loss),
         aux=jax.tree.map(_mean_or_last, each.aux),
+        prints=None if each.prints is None else each.prints[0],
+        param_leaf=None if each.param_leaf is None else each.param_leaf[0],
     )
     return work, first, names
 

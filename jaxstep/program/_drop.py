@@ -7,6 +7,7 @@ hold none of this."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -45,7 +46,10 @@ class Repair(NamedTuple):
 
 
 def repair_replicas(
-    options: Options, state: TrainState, index: jax.Array
+    options: Options,
+    state: TrainState,
+    index: jax.Array,
+    sharded: Sequence[bool] | None = None,
 ) -> tuple[TrainState, Repair]:
     """Compares every device's fingerprints of its params, optimizer state and model
     state (a small all-reduce, in the every-``divergence_every``-th program only) and,
@@ -53,10 +57,17 @@ def repair_replicas(
     under a ``lax.cond`` on the replicated "any diverged" flag: the copy is paid only
     when a divergence is found. Done before the local part, so the repaired device's
     gradient is computed from the repaired copy and the step is the clean run's. A
-    device repaired before is not repaired again: it diverges with ``DIVERGED``."""
+    device repaired before is not repaired again: it diverges with ``DIVERGED``.
+    ``sharded``: the leaves of (params, opt_state, model_state) held as shards (a
+    sharded layout): they have no second copy, so they are neither compared nor
+    copied."""
     n = options.n
     trees = (state.params, state.opt_state, state.model_state)
-    prints = cross_checks.fingerprint(jax.tree.leaves(trees))
+    if sharded is None:
+        prints = cross_checks.fingerprint(jax.tree.leaves(trees))
+    else:
+        copies = cross_checks.without_shards(jax.tree.leaves(trees), sharded)
+        prints = cross_checks.fingerprint(copies)
     mine = jnp.arange(n)[:, None] == index
     sent = jnp.where(mine, cross_checks.split16(prints)[None, :], 0.0)
     gathered = jax.lax.psum(sent, options.axis_name)
@@ -67,6 +78,13 @@ def repair_replicas(
     source = jnp.argmax(~diverged)
 
     def copy(trees: PyTree) -> PyTree:
+        if sharded is not None:  # a shard stays: it has no majority to copy from
+            leaves, treedef = jax.tree.flatten(trees)
+            leaves = [
+                x if s else _broadcast(x, index == source, options.axis_name)
+                for x, s in zip(leaves, sharded, strict=True)
+            ]
+            return jax.tree.unflatten(treedef, leaves)
         return jax.tree.map(lambda x: _broadcast(x, index == source, options.axis_name), trees)
 
     params, opt_state, model_state = jax.lax.cond(

@@ -229,6 +229,30 @@ class Injector:
             tree = jax.tree_util.tree_map_with_path(poison, tree)
         return tree
 
+    def leaf_value(self, kind: str, names: Sequence[str], i: int, ctx: Context) -> jax.Array | None:
+        """What the faults of ``kind`` write into leaf ``names[i]`` (of a tree whose
+        leaves are ``names``) on this device now: a float32 scalar, 0 where none fires,
+        or None when no fault names that leaf (``shard_state="params"`` injects a
+        gradient fault into one leaf's own cotangent, where :meth:`tree` cannot
+        reach)."""
+        value = None
+        for k, f in self._each(kind):
+            target = f.leaf or names[0]
+            if target not in names:
+                raise ValueError(f"{kind} fault on leaf {f.leaf!r}: the leaves are {list(names)}")
+            if target != names[i]:
+                continue
+            fired = jnp.where(self._active(k, ctx), jnp.float32(f.value), jnp.float32(0))
+            value = fired if value is None else jnp.where(fired != 0, fired, value)
+        return value
+
+
+def poisoned(x: jax.Array, value: jax.Array | None) -> jax.Array:
+    """``x`` with :meth:`Injector.leaf_value`'s ``value`` written in where it fires."""
+    if value is None:
+        return x
+    return jnp.where(value != 0, value.astype(x.dtype), x)
+
 
 def float_leaves(tree: PyTree) -> list[str]:
     """The ``keystr`` names of the float leaves of ``tree``: what an input fault may name."""

@@ -14,8 +14,10 @@ import optax
 
 from jaxstep.core import BACKEND_NAMES
 from jaxstep.core import POLICIES
+from jaxstep.core import SHARD_STATES
 from jaxstep.core import BackendName
 from jaxstep.core import Policy
+from jaxstep.core import ShardState
 from jaxstep.core import processes
 from jaxstep.core import validate
 from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
@@ -23,6 +25,7 @@ from jaxstep.program._cross_checks import LossSpike
 from jaxstep.program._faults import Fault
 from jaxstep.program._faults import Injector
 from jaxstep.program._scaling import DynamicLossScale
+from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE
 
 AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
 
@@ -62,6 +65,8 @@ class Options:
     axis_name: str = AXIS
     microbatches: int = 1
     loss_scale: DynamicLossScale | None = None
+    shard_state: ShardState | None = None
+    shard_min_size: int = DEFAULT_SHARD_MIN_SIZE
     #: the faults resolved against the devices (what the traced program injects)
     injector: Injector = dataclasses.field(init=False, repr=False, compare=False)
     #: ``jax.Device.id`` of each device, in order
@@ -91,6 +96,33 @@ class Options:
     def n(self) -> int:
         """The number of devices."""
         return len(self.device_ids)
+
+    def summary(self) -> str:
+        """The loss's name and the options that differ from the defaults, for a step's
+        ``repr``."""
+        ids = list(self.device_ids)
+        shown = ids if len(ids) <= 8 else [*ids[:4], "...", *ids[-2:]]
+        parts = [
+            f"backend={self.backend!r}",
+            f"devices={len(ids)} {shown} ({self.devices[0].platform})",
+            f"on_failure={self.on_failure!r}",
+            f"axis_name={self.axis_name!r}",
+            f"divergence_every={self.divergence_every}",
+        ]
+        optional = {
+            "microbatches": self.microbatches if self.microbatches != 1 else None,
+            "loss_spike": self.loss_spike,
+            "loss_scale": self.loss_scale,
+            "verify_update": self.verify_update or None,
+            "shard_state": self.shard_state,
+            "faults": len(self.faults) or None,
+            "max_consecutive_skips": (
+                self.max_consecutive_skips if self.on_failure == "skip" else None
+            ),
+        }
+        parts += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
+        name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+        return f"{name}, {', '.join(parts)}"
 
     @property
     def dropped_limit(self) -> int:
@@ -130,6 +162,7 @@ def _check(options: Options) -> None:
             f"loss_scale must be a jaxstep.DynamicLossScale or None, got {o.loss_scale!r}"
         )
     validate.positive_or_none("divergence_every", o.divergence_every)
+    _check_sharding(o)
     if o.loss_spike is not None and not isinstance(o.loss_spike, LossSpike):
         raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {o.loss_spike!r}")
     for f in o.faults:
@@ -140,3 +173,25 @@ def _check(options: Options) -> None:
                 f"{f!r} corrupts the checked new parameters, which only verify_update=True "
                 "checks: build the step with verify_update=True"
             )
+
+
+def _check_sharding(o: Options) -> None:
+    """``shard_state`` and ``shard_min_size``."""
+    if o.shard_state is not None and o.shard_state not in SHARD_STATES:
+        raise ValueError(
+            f"unknown shard_state {o.shard_state!r}; expected None (every device holds the "
+            "whole state), 'optimizer' (ZeRO-1: the optimizer state sharded) or 'params' "
+            "(FSDP: parameters and optimizer state sharded)"
+        )
+    if o.shard_state is not None and o.backend != "shard_map":
+        raise ValueError(
+            f"shard_state={o.shard_state!r} needs backend='shard_map': a pmap step holds "
+            "every state leaf whole on each device and cannot shard one; build the step "
+            "with backend='shard_map' (the default), or with shard_state=None"
+        )
+    size = o.shard_min_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise TypeError(
+            f"shard_min_size must be an int >= 0 (elements: smaller leaves stay "
+            f"replicated), got {size!r}"
+        )

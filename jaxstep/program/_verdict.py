@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,15 @@ from jaxstep.program import _drop as drop
 from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
 
-__all__ = ["ALWAYS_HALT", "Seen", "halting_status", "times_share", "update", "verdict"]
+__all__ = [
+    "ALWAYS_HALT",
+    "Seen",
+    "Sharded",
+    "halting_status",
+    "times_share",
+    "update",
+    "verdict",
+]
 
 # Failures that skipping a step cannot cure: they halt under either policy.
 ALWAYS_HALT = Status.DIVERGED | Status.HUNG
@@ -77,6 +86,18 @@ class Seen(NamedTuple):
         )
 
 
+class Sharded(Protocol):
+    """What :func:`update` needs of a sharded layout (``shard_state``), where it runs
+    after the ``shard_map``, over global arrays: the parameters as the optimizer sees
+    them (their shards: the update runs on each device's shard of the optimizer
+    state) and as the state holds them, and ``verify_update``'s check of each device's
+    own shard of the new parameters."""
+
+    def to_shards(self, params: Params) -> Params: ...
+    def to_state(self, params: Params) -> Params: ...
+    def verify(self, params: Params) -> jax.Array: ...
+
+
 def update(
     options: Options,
     state: TrainState,
@@ -87,7 +108,8 @@ def update(
     grad_sums: PyTree,
     model_state: PyTree,
     ctx: Context | None,
-    index: jax.Array,
+    index: jax.Array | None,
+    shards: Sharded | None = None,
 ) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
     """Decides, then updates. By default everything the verdict needs is known
     before the update, so a ``lax.cond`` skips it on failure: no second pass over
@@ -95,7 +117,8 @@ def update(
     parameters before committing them (one more pass, and a second collective).
     ``grad_sums`` are the gradients summed over the devices (divided here, inside the
     optimizer's pass). Returns the new state, every device's status and the table
-    columns to write."""
+    columns to write. ``shards``: a sharded layout, where this runs outside the
+    ``shard_map`` on global arrays (``ctx`` and ``index`` None)."""
     mean: Callable[[jax.Array], jax.Array] = lambda g: g / options.n  # noqa: E731
     if options.on_failure == "drop":  # the mean over the devices not left out
         # times the reciprocal, not divided: a multiply by a scalar fuses into both of
@@ -106,6 +129,10 @@ def update(
     def apply(operands: tuple[Params, PyTree, PyTree]) -> tuple[Params, PyTree, PyTree]:
         params, opt_state, _ = operands
         grads = jax.tree.map(mean, grad_sums)
+        if shards is not None:  # the optimizer's math on each device's shard
+            params = shards.to_shards(params)
+            updates, opt_state = options.optimizer.update(grads, opt_state, params)
+            return shards.to_state(optax.apply_updates(params, updates)), opt_state, model_state
         updates, opt_state = options.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, model_state
 
@@ -113,10 +140,13 @@ def update(
     columns = dict(columns)
     if options.verify_update:
         new = apply(old)
-        checked = new[0] if ctx is None else options.injector.tree("param", new[0], ctx)
-        leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
-        mine = jnp.arange(options.n) == index
-        leaves = jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
+        if shards is None:
+            checked = new[0] if ctx is None else options.injector.tree("param", new[0], ctx)
+            leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
+            mine = jnp.arange(options.n) == index
+            leaves = jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
+        else:  # each device checks the shard it computed
+            leaves = shards.verify(new[0])
         # After a bad gradient every replica's update is bad too: that is the
         # gradient's fault, so parameters are blamed only when nothing else failed.
         # (Under drop, the failing devices' gradients are not in the update.)

@@ -14,10 +14,12 @@ one device's copy of a state, left on that device."""
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 from typing import Protocol
 
 import jax
@@ -28,14 +30,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
+from jaxstep.core import ShardState
 from jaxstep.core import StepOutput
+from jaxstep.core import TrainState
 from jaxstep.core import from_host
 from jaxstep.core import processes
 from jaxstep.core import to_host
 from jaxstep.program import AXIS
+from jaxstep.program import Plan
+from jaxstep.program import shard_spec as spec
 
 Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
+#: ``step(mesh, extra_specs, state, batch, extras)``: a sharded layout's whole step
+ShardedBody = Callable[..., tuple[Any, Any, Any]]
 
 
 class Backend(Protocol):
@@ -45,9 +53,18 @@ class Backend(Protocol):
     stacked: bool  # state leaves carry a leading device axis
     devices: list[jax.Device]
 
-    def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS) -> None: ...
+    def __init__(
+        self, devices: Sequence[jax.Device], axis_name: str = AXIS, layout: Layout | None = None
+    ) -> None: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
-    def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]: ...
+    def compile_sharded(
+        self, step: ShardedBody, donate: bool, split: Mapping[str, bool]
+    ) -> Compiled: ...
+    def init_sharded(self, optimizer: Any, params: PyTree) -> tuple[PyTree, PyTree]: ...
+    def compile_state_fn(
+        self, fn: Callable[[Any], Any], out_specs: Any = None
+    ) -> Callable[[Any], Any]: ...
+    def plan(self, state: Any) -> Plan | None: ...
     def place_state(self, state: PyTree) -> PyTree: ...
     def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch: ...
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
@@ -57,14 +74,26 @@ class Backend(Protocol):
     def one_replica(self, tree: PyTree) -> PyTree: ...
 
 
+class Layout(NamedTuple):
+    """A step's ``shard_state`` and ``shard_min_size``."""
+
+    shard_state: ShardState
+    min_size: int
+
+
 class ShardMapBackend:
-    """State replicated (``P()``), batch split on its leading axis (``P(axis_name)``)."""
+    """State replicated (``P()``), batch split on its leading axis (``P(axis_name)``);
+    with a ``layout`` (``shard_state``), the state's leaves sharded by the rule
+    (:class:`jaxstep.program.Plan`): global arrays with their logical shapes."""
 
     name = "shard_map"
     stacked = False
 
-    def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS):
+    def __init__(
+        self, devices: Sequence[jax.Device], axis_name: str = AXIS, layout: Layout | None = None
+    ):
         self.devices = list(devices)
+        self.layout = layout
         # Across processes each one passes its own rows: where its devices sit, once.
         self._local = (
             processes.local_positions(self.devices)
@@ -103,14 +132,80 @@ class ShardMapBackend:
         )
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
-    def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``fn(state) -> state`` run on every device's copy."""
-        return jax.jit(
-            jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=P(), check_vma=False)
-        )
+    def compile_sharded(
+        self, step: ShardedBody, donate: bool, split: Mapping[str, bool]
+    ) -> Compiled:
+        """A sharded layout's step (:func:`jaxstep.program.sharded_step`): its own
+        ``shard_map`` inside, the update on global arrays after it."""
+        extra_specs = {k: P(self.axis) if s else P() for k, s in split.items()}
+
+        def run(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
+            return step(self.mesh, extra_specs, state, batch, extras)
+
+        return jax.jit(run, donate_argnums=(0,) if donate else ())
+
+    def compile_state_fn(
+        self, fn: Callable[[Any], Any], out_specs: Any = None
+    ) -> Callable[[Any], Any]:
+        """``fn(state) -> state`` run on every device's copy (a sharded layout: on its
+        shards; ``out_specs``: of a result other than the state)."""
+        if self.layout is None:
+            out = P() if out_specs is None else out_specs
+            return jax.jit(
+                jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=out, check_vma=False)
+            )
+
+        def run(state: Any) -> Any:
+            specs = self._specs(state)
+            out = specs if out_specs is None else out_specs
+            mapped = jax.shard_map(
+                fn, mesh=self.mesh, in_specs=(specs,), out_specs=out, check_vma=False
+            )
+            return mapped(state)
+
+        return jax.jit(run)
+
+    def plan(self, state: Any) -> Plan | None:
+        """Where ``state``'s leaves are sharded (None: replicated, no layout)."""
+        if self.layout is None or not isinstance(state, TrainState):
+            return None
+        return Plan.of(self.layout.shard_state, len(self.devices), self.layout.min_size, state)
+
+    def _specs(self, state: Any) -> Any:
+        plan = self.plan(state)
+        if plan is None:
+            return jax.tree.map(lambda _: P(), state)
+        return plan.specs(state, self.axis)
 
     def place_state(self, state: PyTree) -> PyTree:
-        return jax.device_put(state, self.replicated)
+        if self.layout is None or not isinstance(state, TrainState):
+            return jax.device_put(state, self.replicated)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs(state))
+        return jax.device_put(state, shardings)
+
+    def init_sharded(self, optimizer: Any, params: PyTree) -> tuple[PyTree, PyTree]:
+        """The parameters and the optimizer state of a first state, each leaf placed
+        by the rule; the optimizer state made on the devices, shard by shard (``jit``
+        of ``optimizer.init`` with the rule's shardings: left alone it would return
+        whole leaves on one device)."""
+        shapes = jax.eval_shape(optimizer.init, params)
+        assert self.layout is not None
+        plan = Plan.of(
+            self.layout.shard_state,
+            len(self.devices),
+            self.layout.min_size,
+            types.SimpleNamespace(params=params, opt_state=shapes),
+        )
+
+        def named(tree: PyTree, axes: Sequence[int | None]) -> PyTree:
+            return jax.tree.unflatten(
+                jax.tree.structure(tree),
+                [NamedSharding(self.mesh, spec(a, self.axis)) for a in axes],
+            )
+
+        params = jax.device_put(params, named(params, plan.params))
+        opt_state = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))(params)
+        return params, opt_state
 
     def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
         """``leaves``: ``jax.tree.leaves(batch)``, when the caller has them."""
@@ -135,7 +230,7 @@ class ShardMapBackend:
         if entry is None or entry[0] is not sharding:
             entry = self._equivalent[key] = (
                 sharding,
-                sharding.is_equivalent_to(self.split, x.ndim) and _auto_mesh(sharding),
+                sharding.is_equivalent_to(self.split, x.ndim) and auto_mesh(sharding),
             )
         return entry[1]
 
@@ -149,34 +244,52 @@ class ShardMapBackend:
         return np.asarray(health.addressable_data(0))
 
     def read_first(self, tree: PyTree) -> PyTree:
-        """Numpy of the first addressable copy of every leaf (one read each)."""
-        return to_host(lambda x: np.asarray(x.addressable_data(0)), tree)
+        """Numpy of the first addressable copy of every leaf (one read each; a sharded
+        leaf whole, see :func:`whole`)."""
+        return to_host(lambda x: whole(x, np.asarray(x.addressable_data(0))), tree)
 
     def one_replica(self, tree: PyTree) -> PyTree:
         """The first addressable device's copy of every leaf, on that device: a copy
         (read and put back, as under pmap), so a later step's donation leaves it
-        alone."""
+        alone. A sharded leaf comes whole (gathered through the host)."""
 
         def one(x: Any) -> Any:
             if not isinstance(x, jax.Array):
                 return np.asarray(x)
             data = x.addressable_data(0)
-            host = to_host(lambda d: np.array(np.asarray(d)), data)
+            host = to_host(lambda d: np.array(whole(x, np.asarray(d))), data)
             return jax.device_put(from_host(host), next(iter(data.devices())))
 
         return jax.tree.map(one, tree)
 
     def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as
-        :class:`jaxstep.core.HostKey`)."""
+        :class:`jaxstep.core.HostKey`); a leaf sharded over the devices comes whole
+        (:func:`whole`: it has one copy, gathered from every device)."""
         device = self.devices[position]
         return to_host(
-            lambda x: next(np.asarray(s.data) for s in x.addressable_shards if s.device == device),
+            lambda x: whole(
+                x, next(np.asarray(s.data) for s in x.addressable_shards if s.device == device)
+            ),
             tree,
         )
 
 
-def _auto_mesh(sharding: jax.sharding.Sharding) -> bool:
+def whole(x: Any, copy: np.ndarray) -> np.ndarray:
+    """``x`` as one numpy array: ``copy`` (one device's) when every device holds it
+    whole; a leaf sharded over the devices gathered from their shards (across
+    processes with ``multihost_utils.process_allgather``: a collective, which every
+    process must call alike)."""
+    if not isinstance(x, jax.Array) or x.is_fully_replicated:
+        return copy
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def auto_mesh(sharding: jax.sharding.Sharding) -> bool:
     """Whether ``sharding``'s mesh has only ``Auto`` axes. An array placed on a mesh
     with ``Explicit`` axes (``jax.make_mesh``'s default since JAX 0.9, as the
     shard_map tutorial builds it) carries its axis names into the types of what it
@@ -185,95 +298,3 @@ def _auto_mesh(sharding: jax.sharding.Sharding) -> bool:
     mesh = getattr(sharding, "mesh", None)
     types = getattr(mesh, "axis_types", ())
     return all(t == jax.sharding.AxisType.Auto for t in types)
-
-
-def _own_placement(batch: Any, own: NamedSharding) -> Any:
-    """``batch`` with every device array on ``own`` (the step's devices, rows split
-    over its axis): an array placed on the user's mesh (other axis names, ``Explicit``
-    axes) cannot be reshaped under pmap as it is."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not _auto_mesh(x.sharding):
-            return jax.device_put(x, own)
-        return x
-
-    return jax.tree.map(one, batch)
-
-
-class PmapBackend:
-    """The same body under ``jax.pmap``: every state leaf has a leading device axis."""
-
-    name = "pmap"
-    stacked = True
-
-    def __init__(self, devices: Sequence[jax.Device], axis_name: str = AXIS):
-        self.devices = list(devices)
-        self.axis = axis_name
-        # in_axes=None broadcasts every leaf (typed PRNG keys too) to all devices.
-        self._replicate = jax.pmap(
-            lambda _, x: x, axis_name=axis_name, in_axes=(0, None), devices=self.devices
-        )
-        self._split = jax.pmap(lambda x: x, axis_name=axis_name, devices=self.devices)
-        # built once: a mesh and its sharding cost ~50 us, every batch
-        mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
-        self._own = NamedSharding(mesh, P(axis_name))
-
-    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
-        return jax.pmap(
-            body, axis_name=self.axis, devices=self.devices, donate_argnums=(0,) if donate else ()
-        )
-
-    def compile_state_fn(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``fn(state) -> state`` run on every device's copy."""
-        return jax.pmap(fn, axis_name=self.axis, devices=self.devices)
-
-    def place_state(self, state: PyTree) -> PyTree:
-        return self._replicate(np.arange(len(self.devices)), state)
-
-    def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
-        n = len(self.devices)
-        batch = _own_placement(batch, self._own)
-        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-
-    def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
-        return {
-            k: self._split(np.asarray(v)) if split[k] else self.place_state(v)
-            for k, v in extras.items()
-        }
-
-    def read_table(self, health: jax.Array) -> np.ndarray:
-        return np.asarray(health.addressable_data(0))[0]
-
-    def read_first(self, tree: PyTree) -> PyTree:
-        """Numpy of the first addressable copy of every leaf, without the device axis."""
-        return to_host(lambda x: np.asarray(x.addressable_data(0))[0], tree)
-
-    def one_replica(self, tree: PyTree) -> PyTree:
-        """The first addressable device's copy of every leaf, without the device axis,
-        on that device. Read from the shard and put back: ``x[0]`` compiled a program
-        per leaf shape (~2 s per call on a large state); this compiles nothing."""
-
-        def one(x: Any) -> Any:
-            if not isinstance(x, jax.Array):
-                return np.asarray(x)[0]
-            shard = x.addressable_shards[0]
-            # a copy: the shard's buffer goes when a later step donates the state
-            host = to_host(lambda d: np.array(np.asarray(d)[0]), shard.data)
-            return jax.device_put(from_host(host), shard.device)
-
-        return jax.tree.map(one, tree)
-
-    def read_at(self, tree: PyTree, position: int) -> PyTree:
-        """The numpy copy of ``tree`` held by ``devices[position]``, read from that
-        device's shard alone (typed keys as :class:`jaxstep.core.HostKey`)."""
-        device = self.devices[position]
-
-        def read(x: Any) -> np.ndarray:
-            if not isinstance(x, jax.Array):
-                return np.asarray(x)[position]
-            return next(np.asarray(s.data)[0] for s in x.addressable_shards if s.device == device)
-
-        return to_host(read, tree)
-
-
-BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}

@@ -12,8 +12,10 @@ import optax
 
 from jaxstep.core import BackendName
 from jaxstep.core import Policy
+from jaxstep.core import ShardState
 from jaxstep.program import AXIS
 from jaxstep.program import DEFAULT_DIVERGENCE_EVERY
+from jaxstep.program import DEFAULT_SHARD_MIN_SIZE
 from jaxstep.program import DynamicLossScale
 from jaxstep.program import Fault
 from jaxstep.program import LossSpike
@@ -40,6 +42,8 @@ def make_train_step(
     axis_name: str = AXIS,
     microbatches: int = 1,
     loss_scale: DynamicLossScale | None = None,
+    shard_state: ShardState | None = None,
+    shard_min_size: int = DEFAULT_SHARD_MIN_SIZE,
 ) -> TrainStep:
     """Builds a checked data-parallel training step.
 
@@ -98,6 +102,19 @@ def make_train_step(
         own overflow before the all-reduce; an overflowing step is skipped on every
         device, recorded as ``Status.OVERFLOW`` (not a failure) and the scale backs
         off; at the minimum scale an overflow raises. bf16 needs none.
+      shard_state: what is sharded over the devices (``backend="shard_map"`` only):
+        None (every device holds the whole state); ``"optimizer"`` (ZeRO-1: the
+        optimizer state sharded, the parameters replicated; each device's gradient
+        is checked, then reduce-scattered, each device updates its shard, the new
+        parameters are all-gathered); ``"params"`` (FSDP: parameters and optimizer
+        state sharded; each parameter is gathered for the loss, and the gradient that
+        flows back for it is checked on each device before it is reduce-scattered).
+        Every check keeps its meaning (docs/sharding.md). The state's leaves are
+        global arrays with their logical shapes.
+      shard_min_size: leaves with fewer elements stay replicated (default ``2**16``:
+        below it the extra collectives cost more than the sharded update saves). A
+        leaf is sharded along its largest axis that divides by the device count (the
+        first on ties); one with no such axis stays replicated.
 
     Returns:
       A :class:`TrainStep`: ``state = step.init(params)``, ``state, out = step(state, batch)``.
@@ -133,5 +150,7 @@ def make_train_step(
         axis_name=axis_name,
         microbatches=microbatches,
         loss_scale=loss_scale,
+        shard_state=shard_state,
+        shard_min_size=shard_min_size,
     )
     return TrainStep(options)

@@ -6,6 +6,7 @@ Host code only; nothing here is traced or reads a device."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +14,10 @@ import jax
 import numpy as np
 
 from jaxstep.core import TrainState
+from jaxstep.core.names import keystrs
 from jaxstep.program import Options
+from jaxstep.program import Plan
+from jaxstep.program import nbytes_per_device
 
 #: the per-device arrays of ``state.monitor``: (keys, the axis that runs over the devices)
 PER_DEVICE: tuple[tuple[tuple[str, ...], int], ...] = (
@@ -152,3 +156,42 @@ def out_of_dropping(state: TrainState, *, own: bool) -> TrainState:
         return state
     monitor = {k: v for k, v in state.monitor.items() if k not in ("drops", "repairs")}
     return dataclasses.replace(state, total_drops=None, monitor=monitor)
+
+
+def warn_resharded(options: Options, host: TrainState, before: int) -> None:
+    """Under ``shard_state``: warns when the state sharded again by the rule on the
+    devices of ``options`` (from ``before`` devices) keeps leaves whole that were
+    sharded, naming the bytes per device before and after and what to do."""
+    if options.shard_state is None:
+        return
+    layout, size = options.shard_state, options.shard_min_size
+    was = Plan.of(layout, before, size, host)
+    now = Plan.of(layout, options.n, size, host)
+    lost = [
+        name
+        for name, a, b in zip(
+            _names(host), (*was.params, *was.opt), (*now.params, *now.opt), strict=True
+        )
+        if a is not None and b is None
+    ]
+    if not lost:
+        return
+    old, new = nbytes_per_device(host, was, before), nbytes_per_device(host, now, options.n)
+    shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+    warnings.warn(
+        f"shard_state={layout!r} on {options.n} devices (from {before}): {len(lost)} "
+        f"leaves sharded before no longer divide over {options.n} devices and are now "
+        f"whole on every device ({shown}); the state takes {_mb(new)} per device, "
+        f"{_mb(old)} before. If it does not fit, exclude devices down to a count the "
+        "leaves' axes divide by (e.g. 4 of 8), or restart on such a count from the "
+        "latest checkpoint (jaxstep.restore restores onto any device count)",
+        stacklevel=3,
+    )
+
+
+def _names(host: TrainState) -> list[str]:
+    return keystrs(host.params, "params") + keystrs(host.opt_state, "opt_state")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"

@@ -35,13 +35,18 @@ from jaxstep.core import validate
 from jaxstep.program import Options
 from jaxstep.program import body
 from jaxstep.program import drop_memory
+from jaxstep.program import sharded_step
 from jaxstep.step import _exclude as exclude
-from jaxstep.step._backends import BACKENDS
 from jaxstep.step._backends import Backend
+from jaxstep.step._backends import Layout
+from jaxstep.step._backends import ShardMapBackend
 from jaxstep.step._inputs import Inputs
 from jaxstep.step._inputs import join_presplit
 from jaxstep.step._inputs import local_positions
 from jaxstep.step._passes import Passes
+from jaxstep.step._pmap import PmapBackend
+
+BACKENDS: dict[str, type[Backend]] = {"shard_map": ShardMapBackend, "pmap": PmapBackend}
 
 
 class TrainStep:
@@ -73,7 +78,10 @@ class TrainStep:
         caches. Run when the step is built, and again by :meth:`exclude_devices`."""
         self.options = options
         self.devices: list[jax.Device] = list(options.devices)
-        self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name)
+        layout = None
+        if options.shard_state is not None:
+            layout = Layout(options.shard_state, options.shard_min_size)
+        self._backend: Backend = BACKENDS[options.backend](self.devices, options.axis_name, layout)
         self._injector = options.injector
         # Small arrays threaded through every call: the chunk each device holds (a
         # replay moves them; the random keys follow), and the faults' bookkeeping.
@@ -83,11 +91,7 @@ class TrainStep:
         # and with or without the replica check, which runs only every
         # divergence_every-th step so the other steps carry none of its cost.
         self._compiled = {
-            (hb, rc): self._backend.compile(
-                functools.partial(body, options, beat=self._beat if hb else None, replicas=rc),
-                options.donate,
-                self._split,
-            )
+            (hb, rc): self._compile(options, beat=self._beat if hb else None, replicas=rc)
             for hb in (False, True)
             for rc in (False, True)
         }
@@ -105,28 +109,21 @@ class TrainStep:
         self._dropping: TrainStep | None = None
         self._heartbeats.clear()
 
+    def _compile(self, options: Options, *, beat: Any, replicas: bool) -> Any:
+        """One of the step's programs (compiled on first use): the per-device body
+        mapped by the backend, or under ``shard_state`` the sharded step, whose
+        ``shard_map`` is its own."""
+        if options.shard_state is not None:
+            step = functools.partial(sharded_step, options, beat=beat, replicas=replicas)
+            return self._backend.compile_sharded(step, options.donate, self._split)
+        return self._backend.compile(
+            functools.partial(body, options, beat=beat, replicas=replicas),
+            options.donate,
+            self._split,
+        )
+
     def __repr__(self) -> str:
-        o = self.options
-        ids = [d.id for d in self.devices]
-        shown = ids if len(ids) <= 8 else [*ids[:4], "...", *ids[-2:]]
-        parts = [
-            f"backend={o.backend!r}",
-            f"devices={len(ids)} {shown} ({self.devices[0].platform})",
-            f"on_failure={o.on_failure!r}",
-            f"axis_name={o.axis_name!r}",
-            f"divergence_every={o.divergence_every}",
-        ]
-        optional = {
-            "microbatches": o.microbatches if o.microbatches != 1 else None,
-            "loss_spike": o.loss_spike,
-            "loss_scale": o.loss_scale,
-            "verify_update": o.verify_update or None,
-            "faults": len(o.faults) or None,
-            "max_consecutive_skips": o.max_consecutive_skips if o.on_failure == "skip" else None,
-        }
-        parts += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
-        name = getattr(o.loss_fn, "__name__", type(o.loss_fn).__name__)
-        return f"TrainStep({name}, {', '.join(parts)})"
+        return f"TrainStep({self.options.summary()})"
 
     def init(
         self, params: Params, *, model_state: PyTree = None, rng: jax.Array | None = None
@@ -154,9 +151,12 @@ class TrainStep:
         if model_state is not None:
             validate.model_state_leaves(model_state, self.options.has_aux)
             model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
-        # Own copies: the step donates its state, and must not delete the caller's arrays.
-        params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-        opt_state = self.options.optimizer.init(params)
+        if self.options.shard_state is None:
+            # Own copies: the step donates its state, and must not delete the caller's arrays.
+            params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+            opt_state = self.options.optimizer.init(params)
+        else:  # placed shard by shard, never whole on one device
+            params, opt_state = self._backend.init_sharded(self.options.optimizer, params)
         n = len(self.devices)
         # A new run: the state's names and shape are learned below, the batch's layout from
         # the next batch (not held to an earlier run's, e.g. a pre-split batch first
@@ -277,7 +277,7 @@ class TrainStep:
         if key not in self._aot:
             placed = self._backend.place_batch(batch)
             fn = self._compiled[(heartbeat, replicas)]
-            self._aot[key] = fn.lower(state, placed, self._extras).compile()  # type: ignore[attr-defined]
+            self._aot[key] = fn.lower(state, placed, self._extras).compile()
         return self._aot[key]
 
     def _step_number(self, state: TrainState) -> int:
@@ -322,7 +322,9 @@ class TrainStep:
         fires; a transient that fired does not fire again); an explicit
         ``max_dropped`` is lowered to the new count minus one where it must be. The
         compiled programs are compiled again on first use. With several processes,
-        every process calls it with the same ids.
+        every process calls it with the same ids. Under ``shard_state`` the state is
+        sharded again by the same rule over the devices left (a warning names the
+        bytes per device when leaves that were sharded no longer divide).
 
         Args:
           device_ids: the ids of the devices to leave out, from ``step.devices``.
@@ -343,6 +345,7 @@ class TrainStep:
         here = jax.process_index()  # a copy this process holds, of a device that stays
         source = next(i for i in keep if self.devices[i].process_index == here)
         host = exclude.shrink_state(self._backend.read_at(state, source), keep)
+        exclude.warn_resharded(options, host, len(self.devices))
         fired = None
         if self._injector:
             fired = np.asarray(self._backend.read_first(self._extras["fired"]))[kept_faults]
@@ -372,7 +375,7 @@ class TrainStep:
         """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
         memory analysis)."""
         placed = self._backend.place_batch(batch)
-        return self._compiled[(False, False)].lower(state, placed, self._extras)  # type: ignore[attr-defined]
+        return self._compiled[(False, False)].lower(state, placed, self._extras)
 
     def _make_extras(self, chunks: np.ndarray, fired: np.ndarray | None = None) -> dict[str, Any]:
         values: dict[str, np.ndarray] = {"chunk": np.asarray(chunks, np.int32)}

@@ -19,10 +19,12 @@ namespace (``from jaxstep.step import driving``), as they do ``core.validate``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
@@ -30,6 +32,7 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import processes
 from jaxstep.program import fingerprint
+from jaxstep.program import held_shards
 from jaxstep.step import _exclude as exclude
 from jaxstep.step._inputs import join_presplit
 from jaxstep.step._inputs import local_positions
@@ -114,7 +117,9 @@ def first_copy(step: TrainStep, tree: PyTree) -> PyTree:
 def local_copy(step: TrainStep, tree: PyTree, position: int) -> PyTree:
     """The numpy copy of a replicated (or pmap-stacked) ``tree`` held by
     ``step.devices[position]``; typed PRNG keys come as :class:`jaxstep.core.HostKey`
-    (``step.place_state`` takes them back)."""
+    (``step.place_state`` takes them back). A leaf sharded over the devices
+    (``shard_state``) comes whole, gathered from its shards (across processes a
+    collective: every process calls it alike)."""
     return step._backend.read_at(tree, position)
 
 
@@ -124,12 +129,18 @@ def replicas_agree(step: TrainStep, state: TrainState) -> bool:
     device's fingerprint, gathered; compiled on first use)."""
     if step._fingerprints is None:
         axis = step.options.axis_name
+        plan = step._backend.plan(state)
+        held = None if plan is None else held_shards(plan, state)
 
         def prints(s: TrainState) -> jax.Array:
-            mine = fingerprint(jax.tree.leaves((s.params, s.opt_state, s.model_state)))
-            return jax.lax.all_gather(mine, axis)
+            leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))
+            if held is not None:  # a shard has no second copy to compare
+                leaves = [
+                    jnp.zeros((), x.dtype) if h else x for x, h in zip(leaves, held, strict=True)
+                ]
+            return jax.lax.all_gather(fingerprint(leaves), axis)
 
-        step._fingerprints = step._backend.compile_state_fn(prints)
+        step._fingerprints = step._backend.compile_state_fn(prints, P())
     gathered = np.asarray(step._fingerprints(state))
     if step._backend.stacked:
         gathered = gathered[0]
@@ -143,6 +154,7 @@ def replay(
     *,
     rotation: int = 0,
     order: Sequence[int] | None = None,
+    heartbeat: bool = False,
 ) -> tuple[TrainState, StepOutput]:
     """Runs the step again from ``state`` (not donated) with its chunks moved:
     ``devices[i]`` runs chunk ``order[i]`` of the global batch. By default each
@@ -150,6 +162,9 @@ def replay(
     (:func:`jaxstep.distributed.local_rotation`): with one process, chunk ``(i +
     rotation) % n`` runs on ``devices[i]``. ``batch`` is what the step took (with
     several processes, this process's rows). Used by :func:`jaxstep.diagnose`.
+    ``heartbeat=True`` runs the step's heartbeat variant, as :func:`dispatch` does
+    (compiled on first use, then cached): each device's beat lands in
+    :func:`heartbeats`, so a device that stalls in the replay can be named.
 
     Raises:
       ValueError: ``order`` is not a permutation of the device positions, or (several
@@ -171,7 +186,10 @@ def replay(
     extras = dict(step._extras)
     extras["chunk"] = step._make_extras(chunks)["chunk"]
     placed = step._backend.place_batch(moved)
-    fn = step._compiled[(False, step._checks_replicas(step._step_number(state)))]
+    replicas = step._checks_replicas(step._step_number(state))
+    fn: Any = step._compiled[(False, replicas)]
+    if heartbeat:
+        fn = step.compile(state, batch, heartbeat=True, replicas=replicas)
     new_state, out, _ = fn(copy, placed, extras)
     step._learn(out.info)
     return new_state, out

@@ -29,6 +29,10 @@ def corrupt_replica(
         or a model state leaf (``"model_state['batch_stats']['mean']"``, e.g. BatchNorm
         statistics).
       ulps: how many representable values to move (>= 1).
+
+    Raises:
+      ValueError: an unknown leaf or device, a leaf that is not float, or a leaf held
+        as shards (``shard_state``: a shard has one owner, no replica).
     """
     names = step.names["state"]
     k = state_leaf_index(names, leaf)
@@ -41,6 +45,18 @@ def corrupt_replica(
     x = leaves[k]
     if not np.issubdtype(x.dtype, np.floating):
         raise ValueError(f"leaf {leaf!r} has dtype {x.dtype}; pick a float leaf")
+    if (
+        isinstance(x, jax.Array)
+        and not x.sharding.is_fully_replicated
+        and not driving.stacked(step)
+    ):
+        whole = [n for n, y in zip(names, leaves, strict=True) if y.sharding.is_fully_replicated]
+        raise ValueError(
+            f"leaf {leaf!r} is sharded over the devices (shard_state="
+            f"{step.options.shard_state!r}): each device holds the only copy of its shard, "
+            "so there is no replica to corrupt (and none to compare: a bad shard shows in "
+            f"the checks of what it computes). The replicated leaves are {whole}"
+        )
 
     def nudge(data: np.ndarray) -> np.ndarray:
         data = np.array(data, copy=True)

@@ -47,6 +47,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="fit(recover=jaxstep.Recover()): after a hang or a lost peer, exit with code 75 "
         "for launch.sh --restarts (with --resume and --checkpoint-dir)",
     )
+    p.add_argument(
+        "--shard-state",
+        choices=("optimizer", "params"),
+        help="shard the state over every device of every host: 'optimizer' (ZeRO-1) or "
+        "'params' (FSDP); default: every device holds the whole state",
+    )
     p.add_argument("--fault-step", type=int, default=-1, help="plant a NaN at this step (-1: no)")
     p.add_argument("--fault-device", type=int, default=-1, help="jax.Device.id for --fault-step")
     p.add_argument("--save-params", help="process 0 writes the final parameters here (.npz)")
@@ -105,7 +111,12 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
     # Checkpoints are taken from states whose replicas were compared.
     every = math.gcd(DEFAULT_DIVERGENCE_EVERY, args.checkpoint_every)
     step = jaxstep.make_train_step(
-        loss_fn, optax.adam(args.lr), devices=devices, faults=faults, divergence_every=every
+        loss_fn,
+        optax.adam(args.lr),
+        devices=devices,
+        faults=faults,
+        divergence_every=every,
+        shard_state=getattr(args, "shard_state", None),
     )
     params = model.init(jax.random.key(0), jnp.zeros((1, IMAGE)))["params"]
     return step, step.init(params)
@@ -128,8 +139,9 @@ def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[A
 
     With ``--checkpoint-dir``, ``fit`` writes a verified checkpoint every
     ``--checkpoint-every`` steps (process 0 writes the one replica, every process's data
-    position goes with it) and, on a failure, the emergency save; ``--resume`` goes on
-    from the newest verified checkpoint, every process at its own position.
+    position goes with it; with ``--shard-state`` each process writes its own shards)
+    and, on a failure, the emergency save; ``--resume`` goes on from the newest
+    verified checkpoint, every process at its own position.
     """
     import jax
 
@@ -205,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         step, state = train(args)
         log(f"finished {args.steps} steps")
-        if args.save_params and jax.process_index() == 0:
+        if args.save_params:
+            # every process: with --shard-state the whole parameters are gathered from
+            # every process's shards (a collective)
             params = jax.device_get(step.host_state(state).params)
-            flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in _flatten(params)}
-            np.savez(args.save_params, **flat)
+            if jax.process_index() == 0:
+                flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in _flatten(params)}
+                np.savez(args.save_params, **flat)
 
     run()
     return 0

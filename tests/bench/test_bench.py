@@ -1,7 +1,8 @@
 """scripts/bench.py still runs against the library as it stands: one short round on the
-tiny MLP, in a subprocess (the bench sets its own 8 fake devices). Speed is measured
-there, never asserted here: this checks only that every variant ran and that every
-figure the README and BENCHMARKS.md quote is in the report."""
+tiny MLP and of the sharded layouts' section (``--sharded``), in a subprocess (the
+bench sets its own 8 fake devices). Speed is measured there, never asserted here: this
+checks only that every variant ran and that every figure the README and BENCHMARKS.md
+quote is in the report."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--sizes", "tiny"]
-    cmd += ["--rounds", "1", "--steps", "1", "--warmup", "1", "--fit-steps", "2"]
+    cmd += ["--rounds", "1", "--steps", "1", "--warmup", "1", "--fit-steps", "2", "--sharded"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     run = subprocess.run(
         [*cmd, "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
@@ -57,6 +58,21 @@ def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) ->
     ]
     # the printed report carries the same goals, each marked met or MISSED
     for name, met, value in tiny["goals"]:
+        assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout
+
+    # issue 30's section: the sharded layouts against hand-written ones and replicated
+    sharded = report["sharded"]
+    for name in ("jaxstep replicated", "jaxstep optimizer", "hand ZeRO-1", "jaxstep params"):
+        assert sharded["bytes"][name]["opt_state"] > 0 and sharded["memory"][name] > 0
+        assert sharded["ms_per_step"][name] > 0
+    assert (
+        sharded["bytes"]["jaxstep params"]["params"]
+        < sharded["bytes"]["jaxstep optimizer"]["params"]
+    )
+    assert set(sharded["max_difference_20_adam_steps"]) == {"optimizer", "params"}
+    goals = [name for name, _, _ in sharded["goals"]]
+    assert "issue 30: params: memory <= 0.35x replicated" in goals and len(goals) == 10
+    for name, met, value in sharded["goals"]:
         assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout
 
 

@@ -181,6 +181,7 @@ def test_jsonl_has_a_recovery_line_before_the_step_it_recovered(tmp_path):
         "skipped_batches": [],
         "batch": 2,
         "detail": "",
+        "example_ids": [],
         "message": QUARANTINED_TEXT,
     }
     assert lines[5]["action"] == "excluded" and lines[5]["device_ids"] == [13]

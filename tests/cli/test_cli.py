@@ -31,10 +31,13 @@ def test_demo_trains_on_digits_and_writes_its_metrics(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_demo_names_the_injected_nan_and_its_example(capsys):
+@pytest.mark.parametrize("shard", [[], ["--shard-state", "params"]], ids=["replicated", "params"])
+def test_demo_names_the_injected_nan_and_its_example(shard, capsys):
     device = jax.devices()[3].id
-    code = cli.main(["demo", "--steps", "12", "--inject", f"nan@device={device},step=5"])
+    code = cli.main(["demo", "--steps", "12", "--inject", f"nan@device={device},step=5", *shard])
     out = capsys.readouterr().out
+    if shard:
+        assert "shard_state='params': each device holds" in out
     assert code == cli.EXIT_WORKER_FAILED
     assert f"training worker on device {device} failed: non-finite input in ['image']" in out
     assert "at step 5" in out
@@ -112,6 +115,7 @@ def test_demo_recovers_a_bad_device_by_training_on_without_it(capsys):
         (["demo", "--inject", "nan@dev=1"], "expected KIND@device=D,step=S"),
         (["demo", "--steps", "15", "--inject", "corrupt@device=1,step=11"], "--steps 21 or more"),
         (["demo", "--devices", "64"], "--devices 64"),
+        (["demo", "--backend", "pmap", "--shard-state", "params"], "needs --backend shard_map"),
         (["doctor", "--corrupt", "99"], "--corrupt 99: no such device"),
     ],
 )

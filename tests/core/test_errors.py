@@ -49,10 +49,41 @@ def test_message_and_fields():
     with pytest.raises(ValueError):
         TrainingWorkerError([])
     # error.batches: the failing batch alone, or with the ones pulled after it
-    alone = str(TrainingWorkerError(failures, batches=["failing"]))
+    alone = str(TrainingWorkerError(failures, state="s", batches=["failing"]))
     assert "error.batches holds the failing batch, untrained: fit(" in alone
-    two = str(TrainingWorkerError(failures, batches=["failing", "next"]))
+    two = str(TrainingWorkerError(failures, state="s", batches=["failing", "next"]))
     assert "error.batches holds the failing batch and the 1 pulled after it, untrained" in two
+    # no state (a hang): nothing to pass to fit(step, error.state, ...)
+    stateless = str(TrainingWorkerError(failures, batches=["failing"]))
+    assert "error.state" in stateless and "fit(step, error.state" not in stateless
+
+
+def _alike(status, reason, n=4, **kw):
+    failures = [Failure(i, 0, 7, status, reason, None, (4 * i, 4 * i + 4)) for i in range(n)]
+    return TrainingWorkerError(failures, alike=jaxstep.core.failed_alike(failures, 4), **kw)
+
+
+def test_every_device_failing_alike_says_the_device_named_is_only_the_first():
+    err = _alike(Status.LOSS_NONFINITE, "non-finite loss", state="s")
+    headline = str(err).splitlines()[0]
+    assert err.alike and err.device_id == 0
+    assert headline.startswith("training worker on device 0 failed: non-finite loss at step 7")
+    assert "all 4 devices of the step failed alike: device 0 is only the first" in headline
+    assert "jaxstep.diagnose(step, error, batch)" in headline
+    assert "rows 0..15 of the global batch" in str(err)  # every device's, not device 0's
+    hung = str(_alike(Status.HUNG, "did not finish its part of the step")).splitlines()[0]
+    assert "only the first in device order" in hung and "Python stacks" in hung
+    # some devices only: each failed on its own rows, the first is a cause
+    assert not _alike(Status.LOSS_NONFINITE, "non-finite loss", n=3).alike
+    # a root cause found earlier in the chain: not alike
+    failures = [
+        Failure(2, 0, 7, Status.INPUT_NONFINITE, "non-finite input", "['x']", (8, 12)),
+        *(Failure(i, 0, 7, Status.LOSS_NONFINITE, "non-finite loss", None) for i in (0, 1, 3)),
+    ]
+    assert not jaxstep.core.failed_alike(failures, 4)
+    plain = _alike(Status.LOSS_NONFINITE, "non-finite loss")
+    back = pickle.loads(pickle.dumps(plain))
+    assert back.alike and str(back) == str(plain)
 
 
 def test_with_note_adds_a_line_under_the_first_and_keeps_every_other_field():
@@ -98,7 +129,11 @@ def test_errors_with_typed_keys_pickle_and_divergence_recovers(backend):
         jaxstep.fit(step, state, batches[1:], diagnose=True)
     err = info.value
     assert err.status == Status.DIVERGED and err.device_id == jax.devices()[2].id
-    assert err.diagnosis.verdict == "device"  # no replay: it would start from a good copy
+    # no replay (it would start from a good copy), and no verdict on the chip: the
+    # message says to go on on every device, and to leave it out only if it diverges again
+    assert err.diagnosis.verdict == "diverged" and not err.diagnosis.devices
+    hint = next(line for line in str(err).splitlines() if line.startswith("what to try"))
+    assert "do not leave the device out yet" in hint and "diverges again" in hint
     back = pickle.loads(pickle.dumps(err))
     assert back.device_id == err.device_id
     key = step.host_state(back.state).rng if backend == "pmap" else back.state.rng

@@ -23,10 +23,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxstep
 from jaxstep.distributed import reports
 from jaxstep.step import driving
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = ROOT / "tests" / "multihost_child.py"
@@ -104,6 +108,10 @@ def jobs(tmp_path_factory):
         base / "train",
     )
     started["train"].params_path = base / "params.npz"  # type: ignore[attr-defined]
+    started["sharded"] = Job(
+        [str(CHILD), "sharded", str(base / "ckpt-sharded"), str(base / "sharded.npz")],
+        base / "sharded",
+    )
     yield started
     for job in started.values():
         if isinstance(job, Job) and job.proc.poll() is None:
@@ -339,6 +347,36 @@ def test_lost_process_still_gets_an_emergency_save_and_two_processes_resume(jobs
         np.testing.assert_allclose(
             saved_params[jax.tree_util.keystr(key)], value, rtol=1e-5, atol=1e-6
         )
+
+
+def test_a_sharded_state_on_two_processes_of_four_equals_one_process_of_eight(jobs):
+    # Both layouts: the error is the same on both processes; each process wrote its own
+    # shards of every checkpoint and of the emergency save, which restore whole (on two
+    # processes, and here on one of eight); the rest trained from the checkpoint ends
+    # where one process of eight ends.
+    job = jobs["sharded"].wait()
+    assert job.proc.returncode == 0, job.tail()
+    res = job.results()
+    assert set(res) == {0, 1}, job.tail()
+    saved = np.load(jobs["base"] / "sharded.npz")
+    for layout in ("optimizer", "params"):
+        errors = [res[p]["errors"][layout] for p in (0, 1)]
+        assert errors[0]["message"] == errors[1]["message"]
+        assert (errors[0]["device_id"], errors[0]["step"]) == (res[1]["target"], 3)
+        assert errors[0]["status"] & int(jaxstep.Status.INPUT_NONFINITE)
+        where = jobs["base"] / "ckpt-sharded" / layout
+        assert sorted(p.name for p in (where / "blocks").iterdir()) == ["0", "2"]
+        step = jaxstep.make_train_step(
+            loss_fn, optax.adam(1e-2), shard_state=layout, shard_min_size=0
+        )
+        for name, steps in (("emergency", 3), ("latest", 2), ("resumed", 8)):
+            want = jaxstep.fit(step, step.init(init_params()), make_batches(8)[:steps])
+            flat = jax.tree_util.tree_leaves_with_path(jax.device_get(want.params))
+            for key, value in flat:
+                got = saved[f"{layout}/{name}{jax.tree_util.keystr(key)}"]
+                np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-6, err_msg=name)
+        here = jaxstep.restore(step, where)  # two processes' shards, on one of eight
+        assert here.opt_state[0].mu["dense1"]["kernel"].sharding.spec == P(None, "devices")
 
 
 # ------------------------------------------------ in-process pieces (fast, no jobs)

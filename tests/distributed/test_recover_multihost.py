@@ -3,9 +3,12 @@ process takes the same action at the same step and ends with the same parameters
 
 One ``python -m jaxstep.launch`` job (``tests/recover_child.py``) runs a clean fit,
 three recovered ones, each with a fault on process 1's second device at step 2, and
-two that go back: a loss spike in that device's chunk rolled back to a checkpoint, and
-its replica corrupted then repaired from the majority. The tests read what each process
-printed. Device ids are read, never assumed.
+three that go back: a loss spike in that device's chunk rolled back to a checkpoint,
+its replica corrupted then repaired from the majority, and its replica moved inside a
+fit call, rolled back to a checkpoint. Then the bad example again, with pre-split
+batches that carry each example's id; last, the keys left in the coordination
+service's store. The tests read what each process printed. Device ids are read, never
+assumed.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from tests.models import PER_DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = ROOT / "tests" / "recover_child.py"
-JOB_TIMEOUT = 240  # seconds, start-up and compiles included (~40 s here)
+JOB_TIMEOUT = 300  # seconds, start-up and compiles included (~60 s here)
 AT = 2  # the failing step
 
 pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
@@ -54,7 +57,7 @@ def job(tmp_path_factory):
         if rest.startswith("RESULT "):
             got = json.loads(rest[len("RESULT ") :])
             results[got["run"], int(head[2:])] = got
-    assert len(results) == 12, output[-6000:]
+    assert len(results) == 18, output[-6000:]
     return results, base
 
 
@@ -173,3 +176,55 @@ def test_a_corrupted_replica_on_process_1_is_repaired_the_same_way_on_both_proce
     # every replica again equal, bit for bit those of the clean run (a one-ulp corruption
     # caught before it trained, and the divergence check does not touch the update)
     assert p0["params"] == p1["params"] == clean["params"]
+
+
+def test_a_replica_moved_inside_a_fit_call_rolls_both_processes_back_to_the_same_checkpoint(job):
+    results, _ = job
+    p0, p1 = _both(results, "rollback")
+    target = p1["target"]
+    assert p1["moved"] and not p0["moved"]  # only process 1 holds the target's replica
+    for seen in (p0, p1):
+        (record,) = seen["recoveries"]
+        what = (record["step"], record["verdict"], record["action"])
+        assert what == (5, "diverged", "rolled back")
+        assert record["device_ids"] == [target]  # the healthy seven are not blamed
+        assert record["detail"] == (
+            "restored the checkpoint of step 4; 2 batch(es) since it trained again"
+        )
+        # moved at step 4, seen by step 5's replica check: back to 4, batches 4 and 5 again
+        assert seen["history_step"] == [0, 1, 2, 3, 4, 5, 4, 5]
+        assert seen["step"] == 6 and seen["replicas_agree"]
+    assert p0["recoveries"] == p1["recoveries"]
+    # bit for bit a run whose replica never moved
+    assert p0["params"] == p1["params"] == p0["reference"] == p1["reference"]
+
+
+def test_pre_split_batches_are_quarantined_by_id_on_both_processes(job):
+    results, _ = job
+    data, _ = _both(results, "data")
+    p0, p1 = _both(results, "presplit")
+    target = results["transient", 1]["target"]
+    example = 5 * PER_DEVICE + 1  # example 1 of chunk 5 (the target's), in process 1's rows
+    for seen in (p0, p1):
+        (record,) = seen["recoveries"]
+        assert (record["step"], record["verdict"], record["action"]) == (AT, "data", "quarantined")
+        assert (record["device_ids"], record["examples"]) == ([target], [example])
+        assert record["example_ids"] == [1000 * AT + example]  # process 0 learns it too
+        assert seen["history_step"] == [0, 1, 2, 2, 3, 4, 5]
+        (line,) = seen["quarantine"]  # written once, by process 0
+        assert (line["batch"], line["examples"]) == (AT, [example])
+        assert line["ids"] == record["example_ids"]
+        assert (line["example_id"], line["fit_start"]) == ("id", 0)
+    # the same training as the flat batches' run, bit for bit
+    assert p0["params"] == p1["params"] == data["params"]
+
+
+def test_a_run_leaves_no_key_behind_in_the_coordination_service(job):
+    """After eight fits, with retries, quarantines (their replays share examples),
+    an exclusion, rollbacks (the writer publishes the newest checkpoint), checkpoints
+    (each process publishes its data position) and restores (the processes agree):
+    only the keys each process sets once and overwrites in place are left."""
+    results, _ = job
+    p0, p1 = _both(results, "keys")
+    fixed = ["jaxstep/alive/0", "jaxstep/alive/1", "jaxstep/host/0", "jaxstep/host/1"]
+    assert p0["keys"] == p1["keys"] == fixed

@@ -1,8 +1,9 @@
 """Restarting a job after a hang: ``python -m jaxstep.launch --restarts N`` (and
 ``scripts/tpu_vm/launch.sh``) start the job again when the first process to fail exited
 with ``RESTART_EXIT_CODE`` or was killed by a signal, and never after an ordinary
-failure; ``fit(recover=...)`` exits with that code after a hang's emergency save, and
-the restarted job resumes from the last verified checkpoint.
+failure; ``fit(recover=...)`` under the launcher (``$JAXSTEP_RESTART`` set) exits with
+that code after a hang's emergency save, and the restarted job resumes from the last
+verified checkpoint (without a launcher the hang is raised: tests/loop/test_hang.py).
 
 The launcher's rule is tested with tiny child scripts (no JAX), launch.sh with a fake
 ``gcloud`` on ``PATH``; one end-to-end run trains in a subprocess that hangs on its

@@ -61,6 +61,7 @@ def _loop(step, options):
             "checkpoint_every=2 needs checkpoint_dir",
         ),
         (CheckpointOptions, {"resume": True}, ValueError, "resume=True needs checkpoint_dir"),
+        (FitOptions, {"diagnose": "yes"}, TypeError, "diagnose must be None"),
         (
             jaxstep.Recover,
             {"max_recoveries": True},
@@ -83,12 +84,15 @@ def test_one_callback_object_is_kept_as_a_tuple_of_one():
     assert FitOptions(callbacks=None).callbacks == ()
 
 
-def test_a_plain_run_has_no_actions_and_dispatches_on_the_calling_thread():
+def test_a_plain_run_prefetches_replays_a_failure_alike_and_dispatches_on_this_thread():
     step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1))
-    assert _loop(step, FitOptions(prefetch=0)).actions.parts == []
-    loop = _loop(step, FitOptions())  # prefetch=2: a thread pulls the batches ahead
-    (prefetch,) = loop.actions.parts
+    assert _loop(step, FitOptions(diagnose=False, prefetch=0)).actions.parts == []
+    # prefetch=2: a thread pulls the batches ahead; diagnose=None: a failure every
+    # device had alike is replayed
+    loop = _loop(step, FitOptions())
+    prefetch, replay = loop.actions.parts
     assert isinstance(prefetch, Prefetch)
+    assert isinstance(replay, Replay) and not replay.every
     assert loop.actions.settles_at_once is False
     assert isinstance(loop.actions.run.__self__, Direct)
     assert loop.actions.take == loop.actions.before == loop.actions.settled == ()

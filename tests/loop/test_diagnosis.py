@@ -41,6 +41,23 @@ def test_data_fault_follows_the_chunk_and_names_the_example(backend):
     assert "what to try: the loss was finite but a gradient was not" in str(err)
 
 
+def test_pre_split_batches_are_replayed_as_the_step_took_them(backend):
+    """fit(presplit=True, diagnose=True): the replay takes the failing batch joined, as
+    the step did (it was refused as a mistaken pre-split batch)."""
+    dev = jax.devices()[3]
+    fault = Fault("input", dev.id, step=1, mode="data", example=1)
+    split = [
+        {k: v.reshape(8, PER_DEVICE, *v.shape[1:]) for k, v in b.items()} for b in make_batches(3)
+    ]
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, faults=[fault])
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), split, presplit=True, diagnose=True)
+    err = info.value
+    assert (err.device_id, err.step, err.diagnosis.verdict) == (dev.id, 1, "data")
+    assert err.diagnosis.examples == (3 * PER_DEVICE + 1,)
+    assert err.batches[0] is split[1]  # handed back as given
+
+
 def test_device_fault_stays_on_the_device(backend):
     dev = jax.devices()[6]
     _, err, _ = _fail(backend, [Fault("loss", dev.id, step=1, mode="device")])

@@ -9,6 +9,7 @@ import jaxstep
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.loop import Callbacks
 from jaxstep.loop import Loop
+from jaxstep.loop._actions import Actions
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -112,6 +113,24 @@ def test_a_rejected_batch_settles_the_step_before_it_and_abandon_keeps_the_state
     loop.abandon(info.value)
     assert loop.state is before
     assert _host_step(step, loop.state) == 2
+
+
+def test_a_batch_an_action_cannot_take_is_handed_back():
+    """Whatever raises before a batch is dispatched (the carry, say), the batch is in
+    err.batches: pulled, never lost."""
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
+    batches = make_batches(1)
+    loop = _loop(step, batches)
+
+    class Refuse:
+        def take(self, item):
+            raise ValueError("refused")
+
+    loop.actions = Actions([Refuse(), *loop.actions.parts], step)
+    with pytest.raises(ValueError, match="refused") as info:
+        loop.advance(batches[0])
+    loop.abandon(info.value)
+    assert [b is batches[0] for b in info.value.batches] == [True]
 
 
 def test_with_the_step_watchdog_advance_settles_its_own_step(backend):

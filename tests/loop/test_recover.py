@@ -12,6 +12,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
+from jaxstep.step import driving
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
 from tests.models import PER_DEVICE
@@ -197,21 +198,77 @@ def test_a_spike_without_rollback_batches_raises(backend, tmp_path):
     assert "Recover(rollback_batches=k)" in str(info.value)
 
 
-def test_a_diverged_replica_is_rebuilt_from_the_majority_and_the_step_run_again(backend):
+def test_a_diverged_replica_is_rebuilt_from_the_majority_and_the_step_run_again(backend, tmp_path):
+    """Corrupted between two fit calls: the rollback has no batches of its own call
+    since a verified checkpoint to train again, so the replica is repaired, even with
+    rollback_batches set (docs/recovery.md's rule)."""
     devices = jax.devices()
     step = _step(backend, divergence_every=1)
     batches = make_batches(6)
     clean = _clean(backend, batches, divergence_every=1)
-    state = jaxstep.fit(step, step.init(init_params()), batches[:3])
+    checkpoints = {"checkpoint_dir": tmp_path, "checkpoint_every": 2}
+    state = jaxstep.fit(step, step.init(init_params()), batches[:3], **checkpoints)
     bad = devices[6]
     state = corrupt_replica(step, state, bad.id, "params['dense2']['kernel']", ulps=1)
     history = jaxstep.History()
-    state = jaxstep.fit(step, state, batches[3:], history=history, recover=jaxstep.Recover())
+    recover = jaxstep.Recover(rollback_batches=2)
+    state = jaxstep.fit(step, state, batches[3:], history=history, recover=recover, **checkpoints)
     (record,) = history.recoveries
     assert (record.step, record.verdict, record.action) == (3, "diverged", "repaired")
     assert record.device_ids == (bad.id,)
     jaxstep.testing.assert_replicas_equal(step, state)
     chex.assert_trees_all_equal(host_params(step, state), clean)
+
+
+def test_a_replica_diverged_inside_a_fit_call_is_rolled_back_and_its_batches_retried_afresh(
+    backend, tmp_path, monkeypatch
+):
+    """A replica corrupted before step 5 (inside the fit call) is found at step 5 and
+    rolled back to the verified checkpoint of step 4: batches 4 and 5 train again, and
+    batch 4, retried once before, gets a fresh retry when it fails again (retries count
+    per batch since a rollback last queued it). The device is kept."""
+    devices = jax.devices()
+    bad, first, again = devices[6], devices[2], devices[3]
+    late = HostFault(3)
+    transient = Fault("input", first.id, step=4, mode="transient")
+    step = _step(backend, loss=late.loss, divergence_every=1, faults=[transient])
+    dispatch, corrupted = driving.dispatch, []
+
+    def corrupting(step_, state, batch, **kw):  # once, before a good step 5 is dispatched
+        number, halted = driving.first_copy(step_, (state.step, state.halted))
+        if not corrupted and int(number) == 5 and not bool(halted):
+            corrupted.append(5)
+            state = corrupt_replica(step_, state, bad.id, "params['dense2']['kernel']", ulps=1)
+        return dispatch(step_, state, batch, **kw)
+
+    monkeypatch.setattr(driving, "dispatch", corrupting)
+    batches = make_batches(7)
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step,
+        step.init(init_params()),
+        batches,
+        recover=jaxstep.Recover(retries=1, rollback_batches=2),
+        history=history,
+        callbacks=[_ArmOnRollback(late)],
+        checkpoint_dir=tmp_path,
+        checkpoint_every=2,
+    )
+    assert corrupted == [5] and late.fired == 1
+    records = [(r.step, r.verdict, r.action, r.device_ids) for r in history.recoveries]
+    assert records == [
+        (4, "transient", "retried", (first.id,)),
+        (5, "diverged", "rolled back", (bad.id,)),
+        (4, "transient", "retried", (again.id,)),
+    ]
+    assert history.step == [0, 1, 2, 3, 4, 4, 5, 4, 4, 5, 6]
+    assert [d.id for d in step.devices] == [d.id for d in devices]  # the device is kept
+    jaxstep.testing.assert_replicas_equal(step, state)
+    reference = _step(backend, loss=HostFault(3).loss, divergence_every=1)
+    chex.assert_trees_all_equal(
+        host_params(step, state),
+        host_params(reference, jaxstep.fit(reference, reference.init(init_params()), batches)),
+    )
 
 
 def test_recover_is_checked():

@@ -17,7 +17,9 @@ PRINTED = {
     "recovery.ipynb": [
         "recovered at step 3: transient -> retried (device 2)",
         "recovered at step 5: data -> quarantined (device 3); examples [43]",
-        "quarantine file: {5: (43,)}",
+        "quarantine file: Quarantine({5: (43,)})",
+        "epoch 1: filtered ids [], recoveries 1",
+        "epoch 2: filtered ids [600], recoveries 0",
         "recovered at step 4: device -> excluded (device 5)",
         "devices now: [0, 1, 2, 3, 4, 6, 7]",
         "recovered at step 10: spike -> rolled back",

@@ -111,6 +111,9 @@ def test_a_device_failing_every_step_halts_the_run_naming_it(backend):
     assert err.status & Status.INPUT_NONFINITE
     assert [f.device_id for f in err.failures] == [devices[5].id, devices[1].id]
     assert "failed 3 steps in a row" in str(err)
+    # the device's own failure: the hint suspects the chip, not the data pipeline
+    hint = next(line for line in str(err).splitlines() if line.startswith("what to try"))
+    assert "suspect the chip" in hint and "check the data pipeline" not in hint
     assert history.dropped[1:3] == [(devices[5].id,), (devices[5].id,)]
     chex.assert_trees_all_equal(host_params(step, err.state), good_params)
 

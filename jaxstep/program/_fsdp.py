@@ -1,0 +1,288 @@
+"""``shard_state="params"`` (FSDP, ZeRO-3): a device's own part of the step when the
+parameters arrive as shards.
+
+Each sharded parameter is gathered through :func:`checked_gather`, an all-gather whose
+backward receives this device's own cotangent of the whole parameter, before any
+device's is mixed in: it checks it (its sum of squares, non-finite exactly when the
+cotangent is, the flag and the norm of ``gradient_health``), masks it when the device
+is left out (``on_failure="drop"``) and reduce-scatters it. Autodiff's own transpose of
+an all-gather would reduce-scatter it out of reach. The per-leaf sums leave the
+backward as the cotangents of per-device scalar *probes*, so the health row has the
+leaf and the norm as under the replicated layout. The loss runs under
+``jax.checkpoint`` with :func:`regather_policy`: the backward gathers each parameter
+again instead of keeping every gathered parameter alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import io_callback
+
+from jaxstep.core import Batch
+from jaxstep.core import PyTree
+from jaxstep.core import Status
+from jaxstep.core import TrainState
+from jaxstep.core import health
+from jaxstep.core import validate
+from jaxstep.core.names import leaf_name
+from jaxstep.program import _body as stages
+from jaxstep.program import _cross_checks as cross_checks
+from jaxstep.program._device import DeviceWork
+from jaxstep.program._device import loss as loss_of
+from jaxstep.program._device import microbatched_work
+from jaxstep.program._device import status_bits
+from jaxstep.program._faults import Context
+from jaxstep.program._faults import poisoned
+from jaxstep.program._options import Options
+from jaxstep.program._shards import Plan
+
+#: the ``checkpoint_name`` of a gathered parameter (never saved for the backward)
+GATHERED = "jaxstep_gathered"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def checked_gather(
+    shard: jax.Array,
+    probe: jax.Array,
+    one: jax.Array,
+    poison: jax.Array,
+    scale: jax.Array,
+    axis: int,
+    axis_name: str,
+    flags: tuple[bool, bool, bool],
+) -> tuple[jax.Array, jax.Array]:
+    """``(all_gather(shard), 0 * one)``. Backward: this device's own cotangent of the
+    whole parameter, divided by ``scale`` (the loss scale, as ``DynamicLossScale.unscale``
+    does); its sum of squares is ``probe``'s cotangent; it is zeroed when the cotangent
+    of the second output (the drop mask) is 0, and reduce-scattered as ``shard``'s.
+    ``poison``: an injected gradient fault's value (0: none), written into the cotangent
+    before the check. ``flags``: (masked, poisoned, scaled), what the backward does of
+    these (static)."""
+    del probe, poison, scale, flags
+    return jax.lax.all_gather(shard, axis_name, axis=axis, tiled=True), one * 0
+
+
+def _gather_fwd(
+    shard: jax.Array,
+    probe: jax.Array,
+    one: jax.Array,
+    poison: jax.Array,
+    scale: jax.Array,
+    axis: int,
+    axis_name: str,
+    flags: tuple[bool, bool, bool],
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    out = checked_gather(shard, probe, one, poison, scale, axis, axis_name, flags)
+    return out, (poison, scale)
+
+
+def _gather_bwd(
+    axis: int,
+    axis_name: str,
+    flags: tuple[bool, bool, bool],
+    residuals: tuple[jax.Array, jax.Array],
+    cotangents: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    (poison, scale), (g, keep) = residuals, cotangents
+    masked, injected, scaled = flags
+    if injected:  # an injected gradient fault is checked like a real one
+        g = poisoned(g, poison)
+    if scaled:  # unscaled before the sum, as the replicated step does (no overflow in it)
+        g = (g.astype(jnp.float32) / scale).astype(g.dtype)
+    squares = jnp.sum(jnp.square(g.astype(jnp.float32)))
+    if masked:  # a cond, not a multiply (NaN * 0 is NaN): the healthy branch is free
+        g = jax.lax.cond(keep > 0, lambda x: x, jnp.zeros_like, g)
+    shard = jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True)
+    return shard, squares, jnp.zeros_like(keep), jnp.zeros_like(poison), jnp.zeros_like(scale)
+
+
+checked_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def regather_policy(prim: Any, *_: Any, **params: Any) -> bool:
+    """``jax.checkpoint`` policy: save everything but the gathered parameters, so the
+    backward gathers each again (ZeRO-3's "reshard after forward"). Both the gather (a
+    ``custom_vjp_call`` holding an ``all_gather``) and its name must be unsaveable:
+    with the name alone, the named value's producer (the same array) is saved."""
+    if str(prim) == "name":
+        return bool(params["name"] != GATHERED)
+    if str(prim) == "custom_vjp_call":
+        jaxpr = params.get("call_jaxpr")
+        eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ())
+        return not any(str(e.primitive) == "all_gather" for e in eqns)
+    return str(prim) != "all_gather"
+
+
+def gathered_work(
+    options: Options,
+    state: TrainState,
+    batch: Batch,
+    key: jax.Array | None,
+    model_state: PyTree,
+    ctx: Context | None,
+    *,
+    plan: Plan,
+    replicas: bool,
+    keep: jax.Array | None,
+) -> tuple[DeviceWork, tuple[str, ...]]:
+    """``device_work`` with the sharded parameters gathered through
+    :func:`checked_gather`. Its gradients: each sharded leaf's already
+    reduce-scattered (this device's shard of the sum), each replicated leaf's local;
+    its health: the local cotangents'. ``keep``: under ``drop``, 0 leaves this
+    device's cotangents out of the sums (None: by what its forward pass tells);
+    ``replicas``: the gathered copies' fingerprints come back too. It is long because
+    its steps share one trace's locals (the vjp, its aux and probes)."""
+    if ctx is not None:
+        batch = options.injector.input(batch, ctx)
+    scaler, scale = options.loss_scale, state.loss_scale
+    masked = options.on_failure == "drop"
+    in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))  # before the backward
+    shards, treedef = jax.tree.flatten(state.params)
+    names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+    held = [i for i, a in enumerate(plan.params) if a is not None]
+    poisons: list[jax.Array | None] = [None] * len(shards)
+    if ctx is not None:
+        poisons = [options.injector.leaf_value("grad", names, i, ctx) for i in range(len(shards))]
+    validate.rng_for(options.loss_fn, key is not None)  # at trace time only
+
+    scaling = scaler is not None and scale is not None
+    factor = scale.scale if scale is not None and scaling else jnp.ones((), jnp.float32)
+    none = jnp.zeros((), jnp.float32)
+
+    def f(shards: list[jax.Array], probes: list[jax.Array], one: jax.Array) -> Any:
+        full, sink = list(shards), jnp.zeros((), jnp.float32)
+        for k, i in enumerate(held):
+            poison = poisons[i]
+            x, z = checked_gather(
+                shards[i],
+                probes[k],
+                one,
+                none if poison is None else poison,
+                factor,
+                plan.params[i],
+                options.axis_name,
+                (masked, poison is not None, scaling),
+            )
+            full[i] = checkpoint_name(x, GATHERED)
+            sink = sink + z
+        params = jax.tree.unflatten(treedef, full)
+        args = (params, batch) if key is None else (params, batch, key)
+        value, aux = loss_of(options, *args, ctx=ctx, model_state=model_state)
+        scaled = value if scaler is None or scale is None else scaler.scale_loss(scale, value)
+        copies = None
+        if replicas:  # this device's gathered copies: a bad link shows here
+            copies = (cross_checks.fingerprint(full), health.first_nonfinite(full)[1])
+        return (scaled, sink), (value, aux, copies)
+
+    f = jax.checkpoint(f, policy=regather_policy)
+    probes = [jnp.zeros((), jnp.float32) for _ in held]
+    (scaled, _), vjp, (value, aux, copies) = jax.vjp(
+        f, shards, probes, jnp.ones((), jnp.float32), has_aux=True
+    )
+    checks, aux = validate.checks(aux)
+    new_ms, aux = validate.model_state(aux, model_state)
+    ms_bad, ms_leaf = health.first_nonfinite(jax.tree.leaves(new_ms))
+    check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
+    if keep is None:  # what the forward tells, before any cotangent is scattered
+        forward = in_bad | ~jnp.isfinite(value) | ms_bad | health.any_true(check_failed)
+        keep = jnp.where(forward, 0.0, 1.0) if masked else jnp.ones((), jnp.float32)
+    grads, flags, _ = vjp((jnp.ones_like(scaled), keep))
+    local = [i for i, a in enumerate(plan.params) if a is None]
+    for i in local:  # the replicated leaves' faults, on their local gradients
+        grads[i] = poisoned(grads[i], poisons[i])
+    if scaler is not None and scale is not None:  # the held leaves' are unscaled already
+        unscaled = scaler.unscale(scale, [grads[i] for i in local])
+        for i, g in zip(local, unscaled, strict=True):
+            grads[i] = g
+    squares, first_local, _ = health.gradient_health([grads[i] for i in local])
+    held_squares = sum(flags, jnp.zeros((), jnp.float32))
+    held_first = health.first_true([~jnp.isfinite(q) for q in flags], held)
+    local_first = jnp.where(
+        first_local >= 0, jnp.asarray(local or [0], jnp.int32)[jnp.maximum(first_local, 0)], -1
+    )
+    grad_leaf = health.earliest(held_first, local_first)
+    squares = squares + held_squares
+    grad_bad = ~jnp.isfinite(squares)
+    status = status_bits(options, in_bad, value, grad_bad, ms_bad, check_failed)
+    prints, param_leaf = (None, None) if copies is None else copies
+    work = DeviceWork(
+        jax.tree.unflatten(treedef, grads),
+        new_ms,
+        status,
+        in_leaf,
+        squares,
+        grad_leaf,
+        ms_leaf,
+        check_failed,
+        value,
+        aux,
+        prints,
+        param_leaf,
+    )
+    return work, tuple(checks)
+
+
+def local_part(
+    options: Options,
+    plan: Plan,
+    state: TrainState,
+    batch: Batch,
+    ctx: Context | None,
+    token: jax.Array,
+    index: jax.Array,
+    chunk: jax.Array,
+    *,
+    beat: stages.Beat | None,
+    replicas: bool,
+    held: Sequence[bool],
+) -> tuple[stages.LocalPart, Callable[[jax.Array], tuple[PyTree, PyTree]]]:
+    """:func:`jaxstep.program._body.local_part` under ``"params"``: the parameters'
+    gathers are its first collectives, so the heartbeat comes before them (a device
+    that stalls blocks the others in its first gather). Returns the part and its
+    ``rerun(left_out)``: the work again with this device's cotangents zeroed when
+    ``left_out`` (``drop``: after a failure only its gradients showed)."""
+    if beat is not None:  # every gather waits for the beat
+        done = io_callback(
+            beat, jax.ShapeDtypeStruct((), jnp.int32), index, state.step, jnp.maximum(token, 0)
+        )
+        zero = jnp.minimum(done, 0)
+        token = token + zero
+        params = jax.tree.map(lambda x: x + zero.astype(x.dtype), state.params)
+        state = dataclasses.replace(state, params=params)
+    key = stages.chunk_key(state, chunk)
+
+    def work(
+        keep: jax.Array | None, checked: bool
+    ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
+        fn = functools.partial(gathered_work, plan=plan, replicas=checked, keep=keep)
+        return microbatched_work(
+            options, state, batch, key, ctx, options.microbatches, fn, scattered=True
+        )
+
+    found, microbatch, check_names = work(None, replicas)
+    status = found.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
+    row = stages.row_of(found, found.grad_leaf, found.grad_squares, microbatch)
+    prints = None
+    if replicas:
+        n_params = len(plan.params)
+        rest = jax.tree.leaves((state.opt_state, state.model_state))
+        kept = cross_checks.without_shards(rest, held[n_params:])
+        assert found.prints is not None and found.param_leaf is not None
+        prints = jnp.concatenate([found.prints, cross_checks.fingerprint(kept)])
+        row["param_leaf"] = found.param_leaf
+        status |= jnp.where(found.param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
+    row["status"] = status
+
+    def rerun(left_out: jax.Array) -> tuple[PyTree, PyTree]:
+        again = work(jnp.where(left_out, 0.0, 1.0), False)[0]
+        return again.grads, again.model_state
+
+    return stages.LocalPart(found, found.grads, row, prints, check_names), rerun

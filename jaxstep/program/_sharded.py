@@ -1,0 +1,351 @@
+"""The step under a sharded layout (``make_train_step(shard_state=...)``).
+
+One program shape for both layouts: inside a ``shard_map`` each device runs its own
+part and checks as under the replicated layout (:mod:`jaxstep.program._body`), then the
+gradients are reduce-scattered along each sharded leaf's axis (``"params"``: inside the
+backward, :mod:`jaxstep.program._fsdp`) while the replicated leaves, the float model
+state and the health rows ride in one ``psum`` as today; the ``shard_map`` returns the
+reduced gradients as global arrays sharded by the rule (:mod:`jaxstep.program._shards`).
+The verdict and the optimizer's update run after it, in the same ``jit``, on global
+arrays (``lax.cond(ok, update, keep)``): XLA partitions the update over the shards,
+and optax transforms that look at the whole tree (``clip_by_global_norm``) stay right,
+where a per-shard update inside the ``shard_map`` would compute them per shard.
+
+Under ``on_failure="drop"`` a device is left out of the sums by what its forward pass
+tells (input, loss, model state, user checks), before any gradient is scattered; a
+device whose gradients alone turn out non-finite (known leaf by leaf, after other
+leaves were scattered) makes the step run its forward and backward once more, in a
+``lax.cond``, with that device left out: one more pass, on such failing steps only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxstep.core import COL
+from jaxstep.core import Batch
+from jaxstep.core import Params
+from jaxstep.core import PyTree
+from jaxstep.core import Status
+from jaxstep.core import StepInfo
+from jaxstep.core import StepOutput
+from jaxstep.core import TrainState
+from jaxstep.core import health
+from jaxstep.program import _body as stages
+from jaxstep.program import _drop as drop
+from jaxstep.program import _fsdp as fsdp
+from jaxstep.program._device import device_work
+from jaxstep.program._device import microbatched_work
+from jaxstep.program._faults import Context
+from jaxstep.program._options import Options
+from jaxstep.program._shards import Plan
+from jaxstep.program._verdict import Seen
+from jaxstep.program._verdict import times_share
+from jaxstep.program._verdict import update
+
+#: the failures a device's forward pass tells (a drop leaves it out before any scatter)
+FORWARD = int(
+    Status.INPUT_NONFINITE
+    | Status.LOSS_NONFINITE
+    | Status.MODEL_STATE_NONFINITE
+    | Status.CHECK_FAILED
+)
+
+Rerun = Callable[[jax.Array], tuple[PyTree, PyTree]]
+
+
+class Parted(NamedTuple):
+    """What the ``shard_map`` hands the update: the reduced gradients (a shard of each
+    sharded leaf, the sum of each replicated one), the new model state, and the
+    gathered health (every device's loss, status and row, the step-wide facts)."""
+
+    grad_sums: PyTree
+    model_state: PyTree
+    losses: jax.Array
+    status: jax.Array
+    seen: Seen
+    columns: dict[str, jax.Array]
+    rows: jax.Array
+    extras: dict[str, Any]
+    aux: PyTree
+    info: StepInfo
+
+
+def held(plan: Plan, state: TrainState) -> list[bool]:
+    """Which leaves of (params, opt_state, model_state) a device holds a shard of."""
+    ms = len(jax.tree.leaves(state.model_state))
+    return [a is not None for a in (*plan.params, *plan.opt)] + [False] * ms
+
+
+def step(
+    options: Options,
+    mesh: Mesh,
+    extra_specs: Mapping[str, P],
+    state: TrainState,
+    batch: Batch,
+    extras: dict[str, Any],
+    *,
+    beat: stages.Beat | None,
+    replicas: bool,
+) -> tuple[TrainState, StepOutput, dict[str, Any]]:
+    """The whole step on global arrays (traced inside the backend's ``jit``): each
+    device's part in a ``shard_map``, then the verdict and the update."""
+    axis = options.axis_name
+    plan = Plan.of(options.shard_state, options.n, options.shard_min_size, state)
+    specs = plan.specs(state, axis)
+    rows = jax.tree.leaves(batch)[0].shape[0] // options.n
+
+    def part(state: TrainState, batch: Batch, extras: dict[str, Any]) -> Parted:
+        out = device_part(options, plan, state, batch, extras, beat=beat, replicas=replicas)
+        return out._replace(aux=jax.tree.map(lambda x: x[None], out.aux))
+
+    out_specs = Parted._make(
+        [plan.grad_specs(state.params, axis), *[P()] * 6, dict(extra_specs), P(axis), P()]
+    )
+    mapped = jax.shard_map(
+        part,
+        mesh=mesh,
+        in_specs=(specs, P(axis), dict(extra_specs)),
+        out_specs=out_specs,
+        check_vma=False,  # as the replicated step (step/_backends.py says why)
+    )
+    p = mapped(state, batch, extras)
+    shards = _Shards(options, plan, mesh, state, extras, dict(extra_specs), rows)
+    new_state, status, columns = update(
+        options, state, p.losses, p.status, p.seen, p.columns, p.grad_sums, p.model_state,
+        None, None, shards,
+    )  # fmt: skip
+    table, metrics = stages.outputs(options, p.rows, status, columns, p.losses)
+    placed = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    new_state = jax.lax.with_sharding_constraint(new_state, placed)
+    return new_state, StepOutput(metrics=metrics, health=table, aux=p.aux, info=p.info), p.extras
+
+
+def device_part(
+    options: Options,
+    plan: Plan,
+    state: TrainState,
+    batch: Batch,
+    extras: dict[str, Any],
+    *,
+    beat: stages.Beat | None,
+    replicas: bool,
+) -> Parted:
+    """One device's step up to the update (inside the ``shard_map``): its local part and
+    checks, the reduction, the checks that compare the devices' rows."""
+    index = jax.lax.axis_index(options.axis_name)
+    shards = held(plan, state)
+    dropping = options.on_failure == "drop"
+    repair = None
+    if dropping and replicas:  # the replicated leaves' diverged copies, repaired first
+        state, repair = drop.repair_replicas(options, state, index, shards)
+    chunk = extras["chunk"].reshape(-1)[0]
+    ctx, token = stages.fault_context(options, state, batch, extras, index, chunk)
+    rerun: Rerun
+    if options.shard_state == "params":
+        part, rerun = fsdp.local_part(
+            options, plan, state, batch, ctx, token, index, chunk,
+            beat=beat, replicas=replicas, held=shards,
+        )  # fmt: skip
+    else:
+        work_fn = functools.partial(device_work, input_apart=True) if dropping else None
+        part = stages.local_part(
+            options, state, batch, ctx, token, index, chunk,
+            beat=beat, replicas=replicas, sharded=shards, work_fn=work_fn,
+        )  # fmt: skip
+        if dropping and replicas:
+            part = part._replace(prints=None)  # compared before (drop.repair_replicas)
+
+        def rerun(left_out: jax.Array) -> tuple[PyTree, PyTree]:
+            key = stages.chunk_key(state, chunk)
+            again = microbatched_work(
+                options, state, batch, key, ctx, options.microbatches, work_fn
+            )
+            return again[0].grads, again[0].model_state
+
+    reduced = reduce(options, plan, state, part, ctx, index, rerun)
+    status, seen, columns, extras = stages.compare_devices(
+        options, reduced, part, ctx, extras, repair
+    )
+    seen = seen._replace(late=jnp.asarray(seen.late))  # an array: it leaves the shard_map
+    losses = reduced.rows[:, COL["loss"]]
+    return Parted(
+        reduced.grad_sums, reduced.model_state, losses, status, seen, columns,
+        reduced.rows, extras, part.work.aux, StepInfo(checks=part.checks),
+    )  # fmt: skip
+
+
+def reduce(
+    options: Options,
+    plan: Plan,
+    state: TrainState,
+    part: stages.LocalPart,
+    ctx: Context | None,
+    index: jax.Array,
+    rerun: Rerun,
+) -> stages.Reduced:
+    """The reduction of a sharded layout: each sharded leaf's gradient reduce-scattered
+    (under ``"params"`` already, in its backward), the replicated leaves, the float
+    model state and the health rows in one ``psum`` (:func:`jaxstep.program._body.send`:
+    the same rows as the replicated step). Under ``drop``: a device left out by what
+    its forward pass tells, and the rerun after a failure only the gradients showed."""
+    summed, sent = stages.send(options, state, part, ctx, index)
+    leaves, treedef = jax.tree.flatten(part.grads)
+    floats = stages.floats_of(part.work.model_state)
+    scattered = options.shard_state == "params"
+    if options.on_failure == "drop":
+        leaves, floats = _left_out(plan, part.work.forward_failed, leaves, floats, scattered)
+    grad_sums, floats, gathered = _sums(options, plan, leaves, floats, sent, scattered)
+    assert gathered is not None  # sent rode along
+    reduced = stages.received(
+        options, part, summed, jax.tree.unflatten(treedef, grad_sums), floats, gathered
+    )
+    if options.on_failure != "drop":
+        return reduced
+    status = reduced.status
+    left = drop.left_out(status)
+    if options.microbatches > 1 and scattered:  # each micro-batch scattered its own
+        again = jnp.any(left)
+    else:
+        again = jnp.any(left & ((status & FORWARD) == 0))  # its gradients alone failed
+    again &= (reduced.seen.failing <= options.dropped_limit) & ~reduced.seen.halted
+    healthy = jnp.maximum(options.n - reduced.seen.failing, 1)
+
+    def once_more(_: Any) -> tuple[PyTree, PyTree]:
+        grads, model_state = rerun(left[index])
+        leaves, treedef = jax.tree.flatten(grads)
+        floats = stages.floats_of(model_state)
+        leaves, floats = _left_out(plan, left[index], leaves, floats, scattered)
+        sums, floats, _ = _sums(options, plan, leaves, floats, None, scattered)
+        floats = [times_share(x, healthy) for x in floats]
+        return jax.tree.unflatten(treedef, sums), stages.with_floats(model_state, floats)
+
+    def as_reduced(_: Any) -> tuple[PyTree, PyTree]:
+        return reduced.grad_sums, reduced.model_state
+
+    grad_sums, model_state = jax.lax.cond(again, once_more, as_reduced, None)
+    return reduced._replace(grad_sums=grad_sums, model_state=model_state)
+
+
+def _left_out(
+    plan: Plan, bad: jax.Array, leaves: list[jax.Array], floats: list[jax.Array], scattered: bool
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """The local gradients and float model state zeroed when ``bad`` (a ``lax.cond`` per
+    leaf: each scatter waits for its own leaf alone); the leaves scattered already
+    (``scattered``: masked in their backward) as they are."""
+    leaves = [
+        g if scattered and a is not None else drop.leave_out(bad, g)
+        for g, a in zip(leaves, plan.grads, strict=True)
+    ]
+    return leaves, drop.leave_out(bad, floats)
+
+
+def _sums(
+    options: Options,
+    plan: Plan,
+    leaves: list[jax.Array],
+    floats: list[jax.Array],
+    sent: jax.Array | None,
+    scattered: bool,
+) -> tuple[list[jax.Array], list[jax.Array], jax.Array | None]:
+    """The gradients reduced (sharded leaves reduce-scattered unless ``scattered``
+    already; the replicated ones summed with the float model state and ``sent``, one
+    ``psum``), the float model state summed, and the gathered rows."""
+    axis = options.axis_name
+    local = [g for g, a in zip(leaves, plan.grads, strict=True) if a is None]
+    out = [
+        g
+        if a is None or scattered
+        else jax.lax.psum_scatter(g, axis, scatter_dimension=a, tiled=True)
+        for g, a in zip(leaves, plan.grads, strict=True)
+    ]
+    local, floats, gathered = jax.lax.psum((local, floats, sent), axis)
+    summed = iter(local)
+    out = [next(summed) if a is None else g for g, a in zip(out, plan.grads, strict=True)]
+    return out, floats, gathered
+
+
+class _Shards:
+    """:class:`jaxstep.program._verdict.Sharded` for one traced step."""
+
+    def __init__(
+        self,
+        options: Options,
+        plan: Plan,
+        mesh: Mesh,
+        state: TrainState,
+        extras: dict[str, Any],
+        extra_specs: dict[str, P],
+        rows: int,
+    ):
+        self.options, self.plan, self.mesh = options, plan, mesh
+        axis = options.axis_name
+        self._grad_specs = plan.grad_specs(state.params, axis)
+        self._param_specs = plan.specs(state, axis).params
+        self._step, self._extras, self._extra_specs, self._rows = (
+            state.step, extras, extra_specs, rows,
+        )  # fmt: skip
+
+    def _named(self, specs: PyTree) -> PyTree:
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+
+    def to_shards(self, params: Params) -> Params:
+        """Each device's shard of each sharded gradient's parameter (under
+        ``"optimizer"`` a slice of the replicated parameters: no data moves)."""
+        return jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
+
+    def to_state(self, params: Params) -> Params:
+        """The parameters as the state holds them (under ``"optimizer"`` replicated:
+        XLA all-gathers the updated shards)."""
+        to_shards = jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
+        return jax.lax.with_sharding_constraint(to_shards, self._named(self._param_specs))
+
+    def verify(self, params: Params) -> jax.Array:
+        """``verify_update``: every device's first non-finite leaf of the shard of the
+        new parameters it computed ((n,), -1: none), one small ``psum``."""
+        options = self.options
+
+        def check(shards: Params, number: jax.Array, extras: dict[str, Any]) -> jax.Array:
+            index = jax.lax.axis_index(options.axis_name)
+            if options.injector:
+                ctx = Context(
+                    step=number,
+                    device_id=jnp.asarray(options.device_ids, jnp.int32)[index],
+                    chunk=extras["chunk"].reshape(-1)[0],
+                    rows=jnp.arange(self._rows),
+                    fired=extras["fired"],
+                )
+                shards = options.injector.tree("param", shards, ctx)
+            leaf = health.first_nonfinite(jax.tree.leaves(shards))[1]
+            mine = jnp.arange(options.n) == index
+            return jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
+
+        mapped = jax.shard_map(
+            check,
+            mesh=self.mesh,
+            in_specs=(self._grad_specs, P(), self._extra_specs),
+            out_specs=P(),
+            check_vma=False,
+        )
+        shards = jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
+        return mapped(shards, self._step, self._extras)
+
+
+def place(state: Any, plan: Plan, mesh: Mesh, axis: str) -> Any:
+    """``state`` on ``mesh`` laid out by ``plan`` (a :class:`TrainState` of host or
+    device arrays; its sharded leaves split, the rest replicated)."""
+    specs = plan.specs(state, axis)
+    return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+
+__all__ = ["Parted", "device_part", "held", "place", "reduce", "step"]
