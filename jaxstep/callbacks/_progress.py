@@ -107,13 +107,17 @@ class Progress:
             from rich.progress import Progress as Bar
             from rich.progress import TextColumn
             from rich.progress import TimeElapsedColumn
+            from rich.table import Column
 
+            # A line wider than the terminal wraps the text; the count and the time
+            # stay whole (rich squeezed every column, the count first, to nothing).
+            whole = Column(no_wrap=True)
             self._bar = Bar(
-                TextColumn("step"),
-                MofNCompleteColumn(),
+                TextColumn("step", table_column=whole),
+                MofNCompleteColumn(table_column=Column(no_wrap=True)),
                 BarColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.fields[text]}"),
+                TimeElapsedColumn(table_column=Column(no_wrap=True)),
+                TextColumn("{task.fields[text]}", table_column=Column(ratio=1)),
                 console=Console(file=self._out()),
             )
             self._task = self._bar.add_task(
