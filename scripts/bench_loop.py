@@ -160,7 +160,7 @@ def overlap(setup: Any, steps: int, rounds: int, kinds: tuple[str, ...]) -> dict
         return time.perf_counter() - t0
 
     fit(memory)  # compile
-    hand_loop(hand_fn, box["hand"], setup.split, memory[:2])
+    box["hand"] = hand_loop(hand_fn, box["hand"], setup.split, memory[:2])
     delay = float(np.median([fit(memory) for _ in range(3)])) / steps
     out: dict[str, Any] = {"delay ms": delay * 1e3}
     for kind in kinds:
