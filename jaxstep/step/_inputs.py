@@ -207,7 +207,7 @@ class Inputs:
         if not self._batch_looked_presplit or treedef != self._batch_def:
             return False
         return all(
-            tuple(x.shape) == (shape[0] * shape[1], *shape[2:]) and np.dtype(x.dtype) == dtype
+            tuple(x.shape) == (shape[0] * shape[1], *shape[2:]) and _on_device(x.dtype) == dtype
             for (shape, dtype), x in zip(self._batch_sig, leaves, strict=True)
         )
 

@@ -363,3 +363,17 @@ def test_the_time_waited_for_data_is_in_the_history_the_progress_line_and_the_js
     lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
     assert [line["data_wait"] >= 0.05 for line in lines] == [True] * 5
     assert history.as_arrays()["data_wait"].shape == (5,)
+
+
+def test_float64_batches_placed_ahead_and_a_retried_one_from_the_host_agree(backend):
+    """The thread places a float64 batch as float32 (what the devices hold); a batch the
+    step places itself (a retry, placed while nothing is placed ahead) is the same."""
+    dev = jax.devices()[2]
+    batches = [jax.tree.map(lambda x: x.astype(np.float64), b) for b in make_batches(6)]
+    step = _step(backend, faults=[Fault("grad", dev.id, step=2, mode="transient")])
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step, step.init(init_params()), batches, recover=jaxstep.Recover(), history=history
+    )
+    assert [r.action for r in history.recoveries] == ["retried"]
+    assert int(np.asarray(step.host_state(state).step)) == 6
