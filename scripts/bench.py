@@ -21,12 +21,14 @@ import argparse
 import collections
 import dataclasses
 import inspect
+import io
 import itertools
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +38,7 @@ from jaxstep import testing
 N_DEVICES = 8
 testing.set_cpu_devices(N_DEVICES)  # before anything starts a JAX backend
 
+import bench_loop  # noqa: E402  (scripts/, beside this file)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -400,16 +403,23 @@ def bench_steps(variants: list[Variant], args: argparse.Namespace, hlo: str | No
 
 
 def bench_fit(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
-    """examples/s of jaxstep.fit against loops by hand that read the loss a step late."""
+    """examples/s of jaxstep.fit against loops by hand that read the loss a step late:
+    on batches already on the devices (as with prefetch), and on host batches (the
+    hand loop ``device_put``s each; fit's default prefetch places them in its thread),
+    with and without prefetch, and with Progress and JsonlWriter attached."""
     hand = setup.hand("hand", jax.jit(setup.shard_map(), donate_argnums=(0, 1)))
     mine = setup.jaxstep("jaxstep")
     step = jaxstep.make_train_step(setup.model.loss_fn, setup.adam)
-    state = step.init(setup.params)
+    box = {"state": step.init(setup.params)}
     feed = [setup.batches[i % len(setup.batches)] for i in range(args.fit_steps)]
+    host = [setup.host[i % len(setup.host)] for i in range(args.fit_steps)]
+    jsonl = os.path.join(tempfile.mkdtemp(), "bench.jsonl")
 
-    def hand_loop(v: Variant) -> float:
+    def hand_loop(v: Variant, put: bool = False) -> float:
         t0, losses, previous = time.perf_counter(), [], None
-        for batch in feed:
+        for batch in host if put else feed:
+            if put:
+                batch = jax.device_put(batch, setup.split)
             v.state, loss = v.run(v.state, batch)
             if previous is not None:
                 losses.append(float(previous))  # the previous step's: finished by now
@@ -418,16 +428,25 @@ def bench_fit(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
         jax.block_until_ready(v.state)
         return time.perf_counter() - t0
 
-    def fit_loop() -> float:
-        nonlocal state
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(jaxstep.fit(step, state, feed))
-        return time.perf_counter() - t0
+    def fit_loop(batches: list[Any], callbacks: bool = False, **kw: Any) -> Callable[[], float]:
+        def go() -> float:
+            shown = [jaxstep.Progress(live=False, file=io.StringIO()), jaxstep.JsonlWriter(jsonl)]
+            t0 = time.perf_counter()
+            box["state"] = jax.block_until_ready(
+                jaxstep.fit(step, box["state"], batches, callbacks=shown if callbacks else (), **kw)
+            )
+            return time.perf_counter() - t0
+
+        return go
 
     loops = {
         "hand loop, hand step": lambda: hand_loop(hand),
         "hand loop, jaxstep step": lambda: hand_loop(mine),
-        "jaxstep.fit": fit_loop,
+        "jaxstep.fit": fit_loop(feed),
+        "hand loop, host batches": lambda: hand_loop(hand, put=True),
+        "jaxstep.fit, host batches": fit_loop(host),
+        "jaxstep.fit, host batches, prefetch=0": fit_loop(host, prefetch=0),
+        "jaxstep.fit, host batches, callbacks": fit_loop(host, callbacks=True),
     }
     interleave(loops, 1)  # warm-up
     times = interleave(loops, args.rounds)
@@ -436,6 +455,17 @@ def bench_fit(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     out["fit / hand loop"] = quartiles(times["hand loop, hand step"] / times["jaxstep.fit"])
     out["fit / hand loop, same step"] = quartiles(
         times["hand loop, jaxstep step"] / times["jaxstep.fit"]
+    )
+    by_hand = times["hand loop, host batches"]
+    out["fit / hand loop, host batches"] = quartiles(by_hand / times["jaxstep.fit, host batches"])
+    out["fit / hand loop, host batches, prefetch=0"] = quartiles(
+        by_hand / times["jaxstep.fit, host batches, prefetch=0"]
+    )
+    # fit's cost per step over the hand loop, microseconds (per round, then quartiles)
+    extra = (times["jaxstep.fit, host batches"] - by_hand) / args.fit_steps * 1e6
+    out["fit over hand loop, us/step"] = quartiles(extra)
+    out["callbacks / none"] = quartiles(
+        times["jaxstep.fit, host batches, callbacks"] / times["jaxstep.fit, host batches"]
     )
     return out
 
@@ -601,6 +631,22 @@ def print_size(model: Model, res: dict[str, Any]) -> None:
     print("\nHost loops (throughput):")
     for key, value in res["fit"].items():
         print(f"- {key}: {value:.0f}" if key.endswith("examples/s") else f"- {key}: {fmt_q(value)}")
+    print("\nfit's host path by phase (microseconds per step; prefetch=0, host batches,")
+    print("Progress and JsonlWriter attached), and the hand loop's:\n")
+    print("| phase | us/step |\n| --- | --- |")
+    for key, value in res["breakdown"].items():
+        print(f"| {key} | {value:.1f} |")
+    if res.get("overlap"):
+        over = res["overlap"]
+        print(f"\nA slow data source ({over['delay ms']:.2f} ms a batch, about a step): the")
+        print("slower of the data and the steps alone over each loop's time (1: hidden)")
+        for kind, r in over.items():
+            if kind == "delay ms":
+                continue
+            print(f"- {kind}:")
+            for key, value in r.items():
+                shown = fmt_q(value) if isinstance(value, list) else f"{value:.2f}"
+                print(f"  - {key}: {shown}")
     print()
     for goal, met, value in res["goals"]:
         print(f"- {'met' if met else 'MISSED'} {goal}: {value}")
@@ -609,7 +655,9 @@ def print_size(model: Model, res: dict[str, Any]) -> None:
 def goals(size: str, res: dict[str, Any]) -> list[tuple[str, bool, str]]:
     """The issues' speed goals that apply to ``size`` (backend shard_map): measured
     here, never asserted in a test. Issue 3 (the benchmark) stated its goals for the
-    MLP; issue 7 (the lean hot path) for the tiny MLP and the MLP."""
+    MLP; issue 7 (the lean hot path) for the tiny MLP and the MLP; issue 29 (fit at the
+    speed of the hardware) for the MLP and the tiny MLP, on host batches as a user's
+    loop gets them."""
     steps, fit = res["steps"], res["fit"]
     ratio = {name: r["ratio_q"][1] for name, r in steps.items()}
     # fit's throughput over a loop by hand driving the same step (a bare for loop)
@@ -621,6 +669,7 @@ def goals(size: str, res: dict[str, Any]) -> list[tuple[str, bool, str]]:
     if size == "tiny":
         hand = 1 / fit["fit / hand loop"][1]  # as a time ratio
         out.append(("issue 7: fit <= 1.2x the hand loop's time", hand <= 1.2, f"{hand:.3f}x"))
+    out += _issue29(size, res)
     if size != "mlp":
         return out
     optional = [n for n, r in steps.items() if r["group"] == "optional" and "pmap" not in n]
@@ -645,6 +694,31 @@ def goals(size: str, res: dict[str, Any]) -> list[tuple[str, bool, str]]:
     ]
 
 
+def _issue29(size: str, res: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """Issue 29's goals that ``size`` measures (fit and the hand loop on host batches)."""
+    fit, out = res["fit"], []
+    if size == "mlp":
+        rate = fit["fit / hand loop, host batches"][1]
+        out.append(("issue 29: fit >= 0.97x the hand loop", rate >= 0.97, f"{rate:.3f}x"))
+    if size == "tiny":
+        hand = 1 / fit["fit / hand loop, host batches"][1]
+        us = fit["fit over hand loop, us/step"][1]
+        out.append(("issue 29: fit <= 1.05x the hand loop's time", hand <= 1.05, f"{hand:.3f}x"))
+        out.append(("issue 29: fit's host cost <= 50 us/step", us <= 50, f"{us:.0f} us"))
+    if size in ("mlp", "tiny"):
+        shown = fit["callbacks / none"][1]
+        out.append(("issue 29: Progress+JsonlWriter <= 1.02x", shown <= 1.02, f"{shown:.3f}x"))
+        ratio = {name: r["ratio_q"][1] for name, r in res["steps"].items()}
+        if DROP in ratio:
+            cost = ratio[DROP] / ratio[DEFAULT]
+            out.append(("issue 29: drop <= 1.01x the default", cost <= 1.01, f"{cost:.3f}x"))
+    for kind, r in (res.get("overlap") or {}).items():
+        if kind != "delay ms" and size in ("mlp", "tiny"):
+            q = r["fit prefetch=2 overlap"][1]
+            out.append((f"issue 29: prefetch overlap >= 0.90 ({kind})", q >= 0.90, f"{q:.3f}"))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", help="comma-separated, of mlp,block,tiny (default: all)")
@@ -662,6 +736,11 @@ def main() -> None:
         "--sharded",
         action="store_true",
         help="also the sharded layouts, shard_state='optimizer' and 'params' (issue 30)",
+    )
+    parser.add_argument(
+        "--overlap",
+        default="sleep,grain",
+        help="data sources as slow as a step, for fit's prefetch: sleep, grain, or none",
     )
     args = parser.parse_args()
     if args.quick:  # under 2 minutes on 2 cores, compiling included
@@ -704,6 +783,10 @@ def main() -> None:
         res = bench_steps(build_variants(setup), args, hlo)
         res["fit"] = bench_fit(setup, args)
         res["host"] = bench_host(setup, args)
+        res["breakdown"] = bench_loop.breakdown(setup, args.fit_steps, max(args.rounds // 4, 1))
+        if args.overlap != "none":
+            kinds = tuple(args.overlap.split(","))
+            res["overlap"] = bench_loop.overlap(setup, args.fit_steps, args.rounds, kinds)
         res["goals"] = goals(size, res)
         print_size(setup.model, res)
         report["sizes"][size] = res

@@ -103,6 +103,7 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
     faults, kwargs = [], {}
     if mode == "nan":
         faults = [Fault("input", device_id=target.id, step=AT)]
+        kwargs = {"prefetch": 3}  # each process's thread pulls and places its rows ahead
     elif mode == "stall":
         faults = [Fault("stall", device_id=target.id, step=AT, seconds=300)]
         kwargs = {"step_timeout": 6.0}
@@ -156,6 +157,10 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
         fields = error_fields(err)
         fields.update(target=target.id, rejected=rejected)
         fields["held"] = [d.id for d in devices if d.process_index == 1]
+        # the failing batch and every one pulled after it (prefetched too), in order
+        fields["untrained"] = [
+            next(i for i, b in enumerate(batches) if b is x) for x in err.batches
+        ]
         result(seconds=time.monotonic() - start, **fields)
         raise
     if save_params and jax.process_index() == 0:

@@ -8,10 +8,12 @@ to JSONL or TensorBoard, added in one line::
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
-from typing import IO
+import queue
+import threading
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.loop import Entry
 from jaxstep.loop import History
 from jaxstep.loop import Recovery
 
@@ -30,13 +33,21 @@ if TYPE_CHECKING:
 
 def status_name(value: int) -> str:
     """``"OK"``, ``"GRAD_NONFINITE"``, ``"INPUT_NONFINITE|LOSS_NONFINITE"``, ..."""
-    status = Status(int(value))
-    return "OK" if not status else str(status.name)
+    value = int(value)
+    name = _NAMES.get(value)
+    if name is None:  # an IntFlag's name is built on each call: keep each one made
+        status = Status(value)
+        name = _NAMES[value] = "OK" if not status else str(status.name)
+    return name
+
+
+_NAMES: dict[int, str] = {}
+_NOT_OVERFLOW = ~int(Status.OVERFLOW)
 
 
 def failed(value: int) -> bool:
     """Whether a status is a failure (an OVERFLOW alone is recorded, not a failure)."""
-    return bool(int(value) & ~int(Status.OVERFLOW))
+    return bool(int(value) & _NOT_OVERFLOW)
 
 
 def _number(x: Any) -> float | None:
@@ -51,41 +62,112 @@ def step_record(history: History, index: int = -1) -> dict[str, Any]:
     Keys: ``step``, ``loss`` (mean over devices), ``skipped``, ``dropped`` and
     ``repaired`` (device ids, ``on_failure="drop"``), ``dropped_rows`` (the global
     batch rows ``[start, stop]`` of each chunk left out), ``examples_per_sec``,
-    ``metrics`` (the means over devices of ``aux``'s scalar entries), ``devices`` (one
-    dict per device: ``id``, ``loss``, ``grad_norm``, ``status``, ``failed``,
-    ``dropped``, ``repaired``).
-    Non-finite numbers are None.
+    ``data_wait`` (seconds the loop waited for the step's batch), ``metrics`` (the
+    means over devices of ``aux``'s scalar entries), ``devices`` (one dict per device:
+    ``id``, ``loss``, ``grad_norm``, ``status``, ``failed``, ``dropped``,
+    ``repaired``). Non-finite numbers are None.
     """
-    dropped = [int(d) for d in history.dropped[index]]
-    repaired = [int(d) for d in history.repaired[index]]
-    devices = [
-        {
-            "id": int(device_id),
-            "loss": _number(loss),
-            "grad_norm": _number(norm),
-            "status": status_name(status),
-            "failed": failed(status),
-            "dropped": int(device_id) in dropped,
-            "repaired": int(device_id) in repaired,
-        }
-        for device_id, loss, norm, status in zip(
-            history.device_ids,
-            history.device_loss[index],
-            history.device_grad_norm[index],
-            history.status[index],
-            strict=True,
-        )
-    ]
+    return _record(
+        int(history.step[index]),
+        history.loss[index],
+        bool(history.skipped[index]),
+        history.device_ids,
+        np.asarray(history.device_loss[index], np.float64).tolist(),
+        np.asarray(history.device_grad_norm[index], np.float64).tolist(),
+        np.asarray(history.status[index]).tolist(),
+        [int(d) for d in history.dropped[index]],
+        [int(d) for d in history.repaired[index]],
+        [list(span) for span in history.dropped_rows[index]],
+        history.examples_per_sec[index],
+        history.data_wait[index] if history.data_wait else 0.0,
+        history.metrics[index],
+    )
+
+
+def table_record(table: HealthTable, entry: Entry) -> dict[str, Any]:
+    """:func:`step_record` of a step from its table and what the history holds beside
+    it (``History.last()``), with nothing of the history read: what
+    :class:`JsonlWriter`'s thread builds for each step, off the training loop."""
+    ids, columns, rows = entry.device_ids, entry.columns, entry.rows
+    out = table.dropped != 0
+    kept = table.loss[~out] if out.any() else table.loss
+    loss = float(np.add.reduce(kept) / max(kept.size, 1))  # as History.loss
+    losses = table.loss.astype(np.float64).tolist()
+    norms = table.grad_norm.astype(np.float64).tolist()
+    statuses = table.status.tolist()
+    left = np.flatnonzero(out).tolist()
+    mended = np.flatnonzero(table.repaired).tolist()
+    spans = [[j * rows, (j + 1) * rows] for j in left] if rows else []
+    if columns is not None:  # a step on fewer devices: a column for every device of the run
+        at = [int(c) for c in columns]
+        losses, norms, statuses = _widen(at, len(ids), losses, norms, statuses)
+        left, mended = [at[j] for j in left], [at[j] for j in mended]
+    return _record(
+        table.step,
+        loss,
+        table.skipped,
+        ids,
+        losses,
+        norms,
+        statuses,
+        [int(ids[j]) for j in left] if ids else [],
+        [int(ids[j]) for j in mended] if ids else [],
+        spans,
+        entry.examples_per_sec,
+        entry.data_wait,
+        entry.metrics,
+    )
+
+
+def _widen(at: list[int], n: int, *values: list[Any]) -> tuple[list[Any], ...]:
+    """Each of ``values`` (one entry per device of a step) with one per device of the
+    run: at ``at``, and NaN (status 0) for the devices that no longer ran."""
+    wide = []
+    for column, fill in zip(values, (math.nan, math.nan, 0), strict=True):
+        full = [fill] * n
+        for j, value in zip(at, column, strict=True):
+            full[j] = value
+        wide.append(full)
+    return tuple(wide)
+
+
+def _record(
+    step: int,
+    loss: float,
+    skipped: bool,
+    ids: list[int],
+    losses: list[float],
+    norms: list[float],
+    statuses: list[int],
+    dropped: list[int],
+    repaired: list[int],
+    dropped_rows: list[list[int]],
+    examples_per_sec: float,
+    data_wait: float,
+    metrics: dict[str, float],
+) -> dict[str, Any]:
     return {
-        "step": int(history.step[index]),
-        "loss": _number(history.loss[index]),
-        "skipped": bool(history.skipped[index]),
+        "step": step,
+        "loss": _number(loss),
+        "skipped": skipped,
         "dropped": dropped,
         "repaired": repaired,
-        "dropped_rows": [list(span) for span in history.dropped_rows[index]],
-        "examples_per_sec": _number(history.examples_per_sec[index]),
-        "metrics": {k: _number(v) for k, v in history.metrics[index].items()},
-        "devices": devices,
+        "dropped_rows": dropped_rows,
+        "examples_per_sec": _number(examples_per_sec),
+        "data_wait": _number(data_wait),
+        "metrics": {k: _number(v) for k, v in metrics.items()},
+        "devices": [
+            {
+                "id": int(device_id),
+                "loss": loss if math.isfinite(loss) else None,
+                "grad_norm": norm if math.isfinite(norm) else None,
+                "status": status_name(status),
+                "failed": failed(status),
+                "dropped": device_id in dropped,
+                "repaired": device_id in repaired,
+            }
+            for device_id, loss, norm, status in zip(ids, losses, norms, statuses, strict=True)
+        ],
     }
 
 
@@ -99,6 +181,7 @@ def step_scalars(record: dict[str, Any]) -> dict[str, float]:
     scalars = {
         "loss": record["loss"],
         "examples_per_sec": record["examples_per_sec"],
+        "data_wait": record.get("data_wait"),
         "skipped": float(record["skipped"]),
         "dropped": float(len(record["dropped"])),
     }
@@ -151,13 +234,17 @@ class _Writer:
     def writes(self) -> bool:
         return self.all_processes or jax.process_index() == 0
 
-    def _record(self, table: HealthTable) -> dict[str, Any]:
+    def _entry(self) -> Entry:
+        """The newest step's entries beside its table (what its record needs)."""
         if self.history is None or not len(self.history):
             raise RuntimeError(
                 f"{type(self).__name__} got a step before fit started; pass it to "
                 "jaxstep.fit(..., callbacks=[...]) rather than calling it by hand"
             )
-        return step_record(self.history)
+        return self.history.last()
+
+    def _record(self, table: HealthTable) -> dict[str, Any]:
+        return table_record(table, self._entry())
 
 
 class JsonlWriter(_Writer):
@@ -165,8 +252,13 @@ class JsonlWriter(_Writer):
     ``{"event": "recovery", ...}`` line per recovery action under ``fit(...,
     recover=...)`` (see :func:`recovery_record`), where it happened among the steps,
     and one ``{"event": "failure", ...}`` line if the run fails. Step lines have no
-    ``event`` key. Lines are flushed as they are written, so a crashed run keeps every
-    step it finished.
+    ``event`` key.
+
+    A writer thread builds each step's line from its health table, encodes and writes
+    it (off the training loop's thread: a line took longer than a small model's whole
+    host step), and flushes whenever it has caught up, so a crashed run keeps every step
+    it finished but the last few; at a failure, at the end of fit, at :meth:`close` and
+    at exit every line is written before the file closes.
 
     Args:
       path: the file; appended to, so a resumed run continues it.
@@ -177,33 +269,65 @@ class JsonlWriter(_Writer):
     def __init__(self, path: str | os.PathLike[str], *, all_processes: bool = False):
         self.path = os.fspath(path)
         self.all_processes = all_processes
-        self._file: IO[str] | None = None
+        self._queue: queue.SimpleQueue[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None  # the writer thread's, raised here
 
-    def _write(self, record: dict[str, Any]) -> None:
-        if not self.writes:
-            return
-        if self._file is None:
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+    def _write(self, record: Any) -> None:
+        """Queues ``record`` (a dict, or a step's ``(table, entry)``) for the thread."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(
+                target=self._writer, args=(self._queue,), name="jaxstep-jsonl", daemon=True
+            )
+            self._thread.start()
+            atexit.register(self.close)  # daemon threads die at exit: write what is queued
+        self._queue.put(record)
+
+    def _writer(self, records: queue.SimpleQueue[Any]) -> None:
+        encode = json.JSONEncoder(allow_nan=False).encode
+        try:
+            with open(self.path, "a", encoding="utf-8") as file:
+                while (record := records.get()) is not None:
+                    if isinstance(record, tuple):  # a step: its line built here
+                        record = table_record(*record)
+                    file.write(encode(record) + "\n")
+                    if records.empty():  # caught up: on disk before waiting again
+                        file.flush()
+        except BaseException as err:  # raised on the loop's thread at the next write
+            self._error = err
 
     def on_step_end(self, table: HealthTable) -> None:
-        self._write(self._record(table))
+        if self.writes:
+            self._write((table, self._entry()))
 
     def on_recovery(self, record: Recovery) -> None:
-        self._write(recovery_record(record))
+        if self.writes:
+            self._write(recovery_record(record))
 
     def on_failure(self, error: TrainingWorkerError) -> None:
-        self._write(failure_record(error))
+        if self.writes:
+            self._write(failure_record(error))
         self.close()
 
     def on_fit_end(self, history: History) -> None:
         self.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Writes every queued line and closes the file (the writer thread ends; the
+        next line starts another)."""
+        thread, records = self._thread, self._queue
+        self._thread = self._queue = None
+        if thread is not None and records is not None:
+            records.put(None)
+            thread.join()
+            atexit.unregister(self.close)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 class TensorBoardWriter(_Writer):

@@ -5,10 +5,14 @@ happens, and their summary at the end."""
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
+import time
 from typing import IO
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
@@ -75,6 +79,12 @@ class Progress:
         self._done = 0  # steps trained, over every fit this Progress has shown
         self._first: int | None = None  # this fit's first step, and _done before it
         self._before = 0
+        # Running totals over the history (skipped steps, device-steps dropped and
+        # repaired), kept per step: summing the whole history for each line made a
+        # long run's every step slower (O(steps) a line; every step with the live bar).
+        self._totals = [0, 0, 0]
+        self._drawn = 0.0  # when the live bar's text was last redrawn
+        self._ends: collections.deque[float] = collections.deque(maxlen=21)  # step ends
 
     def _out(self) -> IO[str]:
         return self.file if self.file is not None else sys.stdout
@@ -83,6 +93,12 @@ class Progress:
         self.history = history
         self._step = step  # a Progress used for several fits keeps counting
         self._first = None
+        self._totals = [  # the history may hold earlier fits' steps: counted once here
+            sum(history.skipped),
+            sum(len(ids) for ids in history.dropped),
+            sum(len(ids) for ids in history.repaired),
+        ]
+        self._ends.clear()
         live = self._live if self._live is not None else _can_draw(self._out())
         if live and self._bar is None:
             from rich.console import Console
@@ -91,13 +107,17 @@ class Progress:
             from rich.progress import Progress as Bar
             from rich.progress import TextColumn
             from rich.progress import TimeElapsedColumn
+            from rich.table import Column
 
+            # A line wider than the terminal wraps the text; the count and the time
+            # stay whole (rich squeezed every column, the count first, to nothing).
+            whole = Column(no_wrap=True)
             self._bar = Bar(
-                TextColumn("step"),
-                MofNCompleteColumn(),
+                TextColumn("step", table_column=whole),
+                MofNCompleteColumn(table_column=Column(no_wrap=True)),
                 BarColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.fields[text]}"),
+                TimeElapsedColumn(table_column=Column(no_wrap=True)),
+                TextColumn("{task.fields[text]}", table_column=Column(ratio=1)),
                 console=Console(file=self._out()),
             )
             self._task = self._bar.add_task(
@@ -106,7 +126,8 @@ class Progress:
             self._bar.start()
 
     def describe(self) -> str:
-        """The last finished step in one line: loss, examples/s, skips, aux scalars."""
+        """The last finished step in one line: loss, examples/s, skips, aux scalars;
+        the time the loop waited for data, when it is 5% of a step or more."""
         h = self.history
         if h is None or not len(h):
             return ""
@@ -119,9 +140,15 @@ class Progress:
         parts = [f"loss {h.loss[-1]:.4f}"]
         parts += [f"{k} {v:.4f}" for k, v in h.metrics[-1].items()]
         parts.append(f"{rate:,.0f} ex/s" if math.isfinite(rate) else "- ex/s")
-        parts.append(f"skipped {sum(h.skipped)}")
-        dropped = sum(len(ids) for ids in h.dropped)
-        repaired = sum(len(ids) for ids in h.repaired)
+        ends = self._ends
+        if len(ends) > 1 and h.data_wait:  # a slow input pipeline, not a slow step
+            per_step = (ends[-1] - ends[0]) / (len(ends) - 1)
+            waits = h.data_wait[-(len(ends) - 1) :]
+            wait = sum(waits) / len(waits)
+            if per_step > 0 and wait >= 0.05 * per_step:
+                parts.append(f"data {wait * 1e3:,.0f} ms/step ({min(wait / per_step, 1):.0%})")
+        skipped, dropped, repaired = self._totals
+        parts.append(f"skipped {skipped}")
         if dropped:  # on_failure="drop": device-steps left out of the mean
             parts.append(f"dropped {dropped}")
         if repaired:
@@ -137,6 +164,13 @@ class Progress:
         # state unchanged) is run again, and a rollback trains steps again.
         trained = table.step + (0 if table.failed and table.halted else 1)
         self._done = self._before + trained - self._first
+        self._ends.append(time.perf_counter())
+        dropped, repaired = table.dropped.any(), table.repaired.any()
+        totals = self._totals
+        totals[0] += bool(table.skipped)
+        if dropped or repaired:
+            totals[1] += int(np.count_nonzero(table.dropped))
+            totals[2] += int(np.count_nonzero(table.repaired))
         if table.failed and table.skipped:
             # Under the skip policy nothing is raised: say who failed, once.
             assert self._step is not None, "on_fit_start gives the step"
@@ -144,12 +178,17 @@ class Progress:
                 f"device {f.device_id}: {f.reason}" for f in self._step.failures(table)
             )
             self._print(f"step {table.step} skipped: {failures}")
-        elif table.dropped.any() or table.repaired.any():
+        elif dropped or repaired:
             # Under the drop policy nothing is raised either: say who was left out.
             assert self._step is not None, "on_fit_start gives the step"
             self._print(f"step {table.step} {self._drops(table)}")
         if self._bar is not None and self._task is not None:  # made together
-            self._bar.update(self._task, completed=self._done, text=self.describe())
+            now = time.monotonic()
+            if now - self._drawn >= 0.1 or self._done == self.total:  # rich redraws 10/s
+                self._drawn = now
+                self._bar.update(self._task, completed=self._done, text=self.describe())
+            else:
+                self._bar.update(self._task, completed=self._done)
         elif self._done % self.every == 0 or self._done == self.total:
             of = f"/{self.total}" if self.total else ""
             self._print(f"step {table.step:5d} ({self._done}{of})  {self.describe()}")
@@ -193,5 +232,7 @@ class Progress:
 
     def close(self) -> None:
         if self._bar is not None:
+            if self._task is not None and self.history is not None and len(self.history):
+                self._bar.update(self._task, text=self.describe())  # the last step's
             self._bar.stop()
             self._bar = None

@@ -103,6 +103,9 @@ class Source(Iterator[Any]):
         self.count = 0  # batches pulled through this source
         self._resuming = resuming and start.index > 0
         self._marks: dict[int, Any] = {}
+        #: marks kept before the newest batch pulled: a checkpoint is saved a step or
+        #: two after its mark (fit's prefetch adds the batches it pulls ahead)
+        self.margin = 4
         self._watch: Callable[[int], bool] | None = None
         self.kind: SourceKind
         if is_callable_source(batches):
@@ -167,7 +170,7 @@ class Source(Iterator[Any]):
     def __next__(self) -> Any:
         if self._watch is not None and self._watch(self.count):
             # Keep the last few marks: a checkpoint is saved a step or two after its mark.
-            self._marks = {k: v for k, v in self._marks.items() if k >= self.count - 4}
+            self._marks = {k: v for k, v in self._marks.items() if k >= self.count - self.margin}
             self._marks[self.count] = self._it.get_state()
         try:
             batch = next(self._it)

@@ -273,6 +273,12 @@ _KINDS = tuple(
     else "array"
     for name in COLUMNS
 )
+# The decoding as a plan built once: the table's columns in field order are the
+# per-device arrays (int32 or float32 views) and step-wide values of the first row; a
+# list comprehension over the kinds, run for every table, was a third of fit's
+# Python per step (issue 29).
+_FLOATS = [i for i, kind in enumerate(_KINDS) if kind == "float"]
+_SCALARS = [(i, kind == "bool") for i, kind in enumerate(_KINDS) if kind in ("int", "bool")]
 
 
 class HealthTable(NamedTuple):
@@ -299,21 +305,29 @@ class HealthTable(NamedTuple):
 
     @classmethod
     def from_array(cls, table: np.ndarray) -> HealthTable:
-        # Read once per step by fit: a few microseconds, no per-column dispatch.
+        # Read once per step by fit (when an action or callback takes the table): a
+        # couple of microseconds, no per-column dispatch.
         table = np.asarray(table, np.int32)
-        columns, floats, first = table.T, table.view(np.float32).T, table[0].tolist()
-        return cls._make(
-            [
-                floats[i]
-                if kind == "float"
-                else first[i]
-                if kind == "int"
-                else bool(first[i])
-                if kind == "bool"
-                else columns[i]
-                for i, kind in enumerate(_KINDS)
-            ]
-        )
+        fields: list[Any] = list(table.T)  # each column, a view
+        floats = table.view(np.float32).T
+        for i in _FLOATS:
+            fields[i] = floats[i]
+        first = table[0].tolist()
+        for i, is_bool in _SCALARS:
+            fields[i] = bool(first[i]) if is_bool else first[i]
+        return tuple.__new__(cls, fields)
+
+    def to_array(self) -> np.ndarray:
+        """The table as the step returned it (``(n, len(COLUMNS))`` int32, float columns
+        bit-cast): the inverse of :meth:`from_array`."""
+        n = len(self.status)
+        table = np.empty((n, len(COLUMNS)), np.int32)
+        for i, value in enumerate(self):
+            if i in _FLOATS:
+                table[:, i] = np.asarray(value, np.float32).view(np.int32)
+            else:
+                table[:, i] = np.asarray(value, np.int64)  # a scalar fills every row
+        return table
 
     @property
     def mean_loss(self) -> float:

@@ -10,16 +10,18 @@ from jaxstep.loop._diagnose import diagnose as diagnose
 from jaxstep.loop._driver import Loop as Loop
 from jaxstep.loop._failure import replica_state as replica_state
 from jaxstep.loop._fit import fit as fit
+from jaxstep.loop._history import Entry as Entry
 from jaxstep.loop._history import History as History
-from jaxstep.loop._history import Recovery as Recovery
 from jaxstep.loop._options import FitOptions as FitOptions
 from jaxstep.loop._options import Recover as Recover
 from jaxstep.loop._pending import Item as Item
 from jaxstep.loop._pending import Pending as Pending
+from jaxstep.loop._records import Recovery as Recovery
 
 __all__ = [
     "Callbacks",
     "Diagnosis",
+    "Entry",
     "FitOptions",
     "History",
     "Item",

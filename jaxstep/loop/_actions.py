@@ -7,6 +7,9 @@ order of :func:`actions`; the hooks, in the order of a run:
 
 ======================================  =============================================
 ``on_fit_start(step, history)``         once, before the first batch
+``feed(batches, interrupted)``          the batches to train, ``(batch, placed,
+-> iterator``                           wait)`` each: the first action with it
+                                        (the prefetch), else the loop pulls them
 ``pulled(batch)``                       a batch was pulled from the data
 ``take(item) -> Item | None``           before a dispatch: what the step trains
                                         (None: nothing yet)
@@ -23,6 +26,9 @@ presplit) -> (state, out)``             it (the watchdog), else the step's own
 ``resumed(resume, number)``             the loop went on from step ``number``
 ``held() -> list[Item]``                rows pulled and held (not trained): when the
                                         loop goes back or stops
+``untaken() -> list[Item]``             batches pulled and never handed to the loop:
+                                        when fit stops (the prefetch's thread
+                                        stopped first)
 ``report(error, first) -> error``       a failure leaves fit (``error.batches`` set)
 ``on_failure(error)``                   then the callbacks hear of it
 ``hung(error)``                         it was a hang or a lost peer
@@ -38,6 +44,7 @@ A new action is a module with its class and one line in :func:`actions`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 from jaxstep.checkpoint import FitCheckpoints
@@ -55,6 +62,8 @@ from jaxstep.loop._options import FitOptions
 from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._prefetch import Prefetch
+from jaxstep.loop._prefetch import in_turn
 from jaxstep.loop._recover import Recovery
 from jaxstep.loop._watchdog import StepWatchdog
 from jaxstep.step import TrainStep
@@ -65,14 +74,20 @@ def actions(
     step: TrainStep, options: FitOptions, checkpoints: FitCheckpoints, history: History
 ) -> list[Any]:
     """The actions of one fit call, in the order their hooks run: the carry decides
-    what a step trains, the checkpoints see the state before the step and its table
+    what a step trains, the prefetch stops placing when a step fails (before a recovery
+    takes a device out), the checkpoints see the state before the step and its table
     first, the callbacks hear of a step before a recovery acts on it, and a recovery
     acts on a failure before its replay is asked for."""
     callbacks = Callbacks(options.callbacks)
     source = checkpoints.source
     carry = carry_for(step, source.start, source.skip_rows, history.left_over, options.presplit)
+    prefetch = None
+    if options.prefetch:  # placing ahead: a step placing batches itself, rows not carried
+        place = carry is None and options.step_timeout is None and not driving.stacked(step)
+        prefetch = Prefetch(step, source, options.prefetch, presplit=options.presplit, place=place)
     found = (
         carry,
+        prefetch,
         None if checkpoints.store is None else Checkpoints(checkpoints),
         None if options.step_timeout is None else StepWatchdog(step, options.step_timeout),
         callbacks if callbacks.hooked else None,
@@ -110,6 +125,9 @@ class Direct:
     ) -> tuple[TrainState, StepOutput]:
         if item.drop:  # a data recovery: the failing chunks left out of the mean
             return driving.rerun_dropping(self.step, state, item.batch, presplit=presplit)
+        placed = item.placed  # prefetched: on the devices already, joined
+        if placed is not None and placed.key is driving.placement(self.step):
+            return driving.dispatch(self.step, state, placed.batch, check_replicas=check)
         return driving.dispatch(
             self.step, state, item.batch, check_replicas=check, presplit=presplit
         )
@@ -137,8 +155,10 @@ class Actions:
         "_report",
         "_resumed",
         "_stopped",
+        "_untaken",
         "before",
         "dispatched",
+        "feed",
         "on_step_end",
         "parts",
         "pulled",
@@ -146,6 +166,7 @@ class Actions:
         "run",
         "settled",
         "settles_at_once",
+        "tables",
         "take",
     )
 
@@ -154,6 +175,8 @@ class Actions:
         runner = next((p for p in parts if hasattr(p, "run")), None) or Direct(step)
         self.run: Callable[..., tuple[TrainState, StepOutput]] = runner.run
         self.settles_at_once: bool = runner.settles_at_once
+        feeder = next((p for p in parts if hasattr(p, "feed")), None)
+        self.feed: Callable[..., Iterator[Any]] = in_turn if feeder is None else feeder.feed
 
         def bind(hook: str) -> Hooks:
             return tuple(getattr(p, hook) for p in parts if hasattr(p, hook))
@@ -166,9 +189,12 @@ class Actions:
         self.read = bind("read")
         self.on_step_end = bind("on_step_end")
         self.settled = bind("settled")
+        #: whether a hook takes a step's decoded table (without, the loop reads it raw)
+        self.tables = bool(self.read or self.on_step_end or self.settled)
         self._failed = bind("failed")
         self._resumed = bind("resumed")
         self._held = bind("held")
+        self._untaken = bind("untaken")
         self._report = bind("report")
         self._on_failure = bind("on_failure")
         self._hung = bind("hung")
@@ -202,6 +228,9 @@ class Actions:
 
     def held(self) -> list[Item]:
         return [item for hook in self._held for item in hook()]
+
+    def untaken(self) -> list[Item]:
+        return [item for hook in self._untaken for item in hook()]
 
     def report(
         self, error: TrainingWorkerError, first: tuple[int, int] | None

@@ -18,7 +18,7 @@ from jaxstep.core import TrainingWorkerError
 
 if TYPE_CHECKING:
     from jaxstep.loop._history import History
-    from jaxstep.loop._history import Recovery
+    from jaxstep.loop._records import Recovery
     from jaxstep.step import TrainStep
 
 

@@ -9,6 +9,7 @@ are the loop's actions (:mod:`jaxstep.loop._actions`), each with the hooks it ne
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 
 from jaxstep import distributed
 from jaxstep.checkpoint import FitCheckpoints
+from jaxstep.core import COL
 from jaxstep.core import HealthTable
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
@@ -27,16 +29,19 @@ from jaxstep.loop._actions import Actions
 from jaxstep.loop._actions import actions
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._history import History
-from jaxstep.loop._history import Recorder
 from jaxstep.loop._options import FitOptions
 from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._pending import Placed
 from jaxstep.loop._pending import Recovered
+from jaxstep.loop._recorder import Recorder
 from jaxstep.loop._stopping import attach
 from jaxstep.loop._stopping import untrained_batches
 from jaxstep.step import TrainStep
 from jaxstep.step import driving
+
+_FAILED, _HALTED = COL["failed"], COL["halted"]  # step-wide columns of the raw table
 
 
 class Loop:
@@ -57,13 +62,16 @@ class Loop:
         "number",
         "options",
         "pending",
+        "presplit",
         "pulled",
         "queue",
-        "read",
+        "reading",
         "record",
+        "source",
         "state",
         "step",
         "unconfirmed",
+        "waited",
         "watch_peers",
     )
 
@@ -79,18 +87,21 @@ class Loop:
         history = History() if options.history is None else options.history
         self.step = step
         self.state = state
+        self.source = checkpoints.source
         self.options = options
+        self.presplit = options.presplit
         self.record = Recorder(history)
         self.actions = Actions(actions(step, options, checkpoints, history), step)
         self.watch_peers = False  # set by start: several processes, peer heartbeats on
         self.pending: Pending | None = None  # dispatched, its table not read yet
         self.last: StepOutput | None = None  # the newest dispatched step
-        self.number = 0  # the number of the next step dispatched
+        self.number = checkpoints.number  # the number of the next step dispatched
         self.held: Item | None = None  # a batch pulled and not yet dispatched (or rejected)
-        # dispatched steps whose settling has not completed, oldest first, and the
-        # tables already read of them: what an early stop must still account for
+        # dispatched steps whose settling has not completed, oldest first, and the one
+        # of them recorded already: what an early stop must still account for
         self.unconfirmed: list[Pending] = []
-        self.read: dict[int, HealthTable] = {}
+        self.reading: Pending | None = None
+        self.waited = 0.0  # seconds waited for data since the last dispatch
         self.interrupted = False  # a first Ctrl-C: stop after the step in flight
         self.queue: collections.deque[Item] = collections.deque()  # to dispatch, in order
         self.pulled = 0  # batches pulled from the source (advance's calls)
@@ -100,11 +111,6 @@ class Loop:
         """The history the steps go to."""
         return self.record.history
 
-    @property
-    def next_step(self) -> int:
-        """The step after the newest one settled."""
-        return self.number - (self.pending is not None)
-
     def interrupt(self) -> None:
         """A first Ctrl-C: :meth:`advance` stops once the step in flight is dispatched."""
         self.interrupted = True
@@ -113,8 +119,7 @@ class Loop:
         """Checks that the state is not halted, then starts the run: the history's
         device ids, the callbacks' ``on_fit_start``, the peer heartbeats."""
         step = self.step
-        halted, number = driving.first_copy(step, (self.state.halted, self.state.step))  # two reads
-        if bool(halted):
+        if bool(driving.first_copy(step, self.state.halted)):  # (the step number is known)
             raise ValueError(
                 "the state is halted by an earlier failure; resume from error.state (or "
                 "step.clear_halt(state)) once the cause is fixed"
@@ -123,19 +128,27 @@ class Loop:
         self.record.start(
             [d.id for d in step.devices], None if origin is None else [d.id for d in origin]
         )
-        self.number = int(number)
         driving.heartbeats(step).clear()
         self.actions.on_fit_start(step, self.history)
         self.record.since = time.perf_counter()  # the first step's rate includes compiling
         many = distributed.spans_processes(step.devices)
         self.watch_peers = many and distributed.watch() is not None
 
-    def advance(self, batch: Any) -> None:
+    def train(self) -> None:
+        """Advances on each batch of the data, in order, up to ``num_steps``: pulled
+        here in turn, or taken from those an action pulled ahead (``fit(prefetch=...)``:
+        its ``feed``), the wait for each timed (``History.data_wait``)."""
+        batches = itertools.islice(self.source, self.options.num_steps)
+        for batch, placed, wait in self.actions.feed(batches, lambda: self.interrupted):
+            self.advance(batch, placed, wait)
+
+    def advance(self, batch: Any, placed: Placed | None = None, wait: float = 0.0) -> None:
         """Dispatches ``batch``, then settles the step before it (finished by now: the
         host never waits on the step it just dispatched). With the step watchdog the
         step has finished when its dispatch returns: it is settled at once. Under
         ``recover`` a failure that is recovered queues its batches again: they are
-        dispatched here, before this call returns.
+        dispatched here, before this call returns. ``placed``: the batch already on
+        the devices (prefetched); ``wait``: seconds the loop waited for it.
 
         Raises:
           ValueError, TypeError: ``batch`` was rejected before it ran (after any failure
@@ -144,7 +157,11 @@ class Loop:
         """
         # queued first: a batch an action refuses (Recover(example_id=...) names no
         # leaf of it) is handed back on the error with the others (err.batches)
-        self.queue.append(Item(batch, self.pulled))
+        self.waited += wait
+        item = (
+            Item(batch, self.pulled) if placed is None else Item(batch, self.pulled, placed=placed)
+        )
+        self.queue.append(item)
         self.pulled += 1
         for pulled in self.actions.pulled:
             pulled(batch)
@@ -169,7 +186,7 @@ class Loop:
                 return
             item = taken
         self.held = item
-        presplit = self.options.presplit and item.first is None  # carried rows come joined
+        presplit = self.presplit and item.first is None  # carried rows come joined
         check = False
         for before in actions.before:  # a checkpoint step: check replicas
             check = before(self.state, item) or check
@@ -179,7 +196,7 @@ class Loop:
         except (ValueError, TypeError) as err:
             self.pending = None
             if pending is not None:  # a failure of the previous step comes first
-                self.settle(pending, [item])
+                self.settle(pending, item)
             err.state = self.state  # type: ignore[union-attr]
             raise
         except TrainingWorkerError as err:  # a hung step
@@ -189,21 +206,24 @@ class Loop:
         number = self.number
         self.number = number + 1
         rows = driving.rows_per_device(self.step)
-        new = self.pending = Pending(out, item.batch, number, rows, item)
+        if item.placed is not None:  # what stays behind holds no device copy of a batch
+            item = item._replace(placed=None)
+        wait, self.waited = self.waited, 0.0
+        new = self.pending = Pending(out, item.batch, number, rows, item, wait)
         for dispatched in actions.dispatched:
             dispatched(new)
         self.unconfirmed.append(new)
         if pending is not None:
-            self.settle(pending, [item])
+            self.settle(pending, item)
         if actions.settles_at_once:  # the watchdog: the step has finished
             self.pending = None
             self.settle(new)
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
 
-    def settle(self, pending: Pending, pulled: Sequence[Item] = ()) -> None:
+    def settle(self, pending: Pending, after: Item | None = None) -> None:
         """Reads ``pending``'s health table and appends it to the history; the actions
-        see it. ``pulled``: the batches pulled after it, which its failure must hand back
+        see it. ``after``: the batch pulled after it, which its failure must hand back
         untrained. Under ``recover`` a failure may be recovered instead (:class:`Recovered`
         is raised once the loop is reset).
 
@@ -215,37 +235,41 @@ class Loop:
         try:
             if self.watch_peers:  # never block where a lost peer would leave this process stuck
                 distributed.wait_ready(pending.out.health, pending.number, step.devices)
-            table = step.table(pending.out)
+            raw = driving.raw_table(step, pending.out)
         except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
-            raise self._hung(err, [pending, *pulled]) from None
+            raise self._hung(err, [pending, after]) from None
         except Exception as err:  # a collective failed: a lost peer is the likely cause
             if not self.watch_peers:
                 raise
             lost = distributed.lost_after(err, pending.number, step.devices)
             if isinstance(lost, TrainingWorkerError):
-                raise self._hung(lost, [pending, *pulled]) from err
+                raise self._hung(lost, [pending, after]) from err
             raise lost from err
-        self.record.settled(pending, table)
-        self.read[pending.number] = table  # until its settling completes
+        self.record.settled(pending, raw)
+        self.reading = pending  # recorded; until its settling completes
         actions = self.actions
-        for read in actions.read:
-            read(table)
-        for step_end in actions.on_step_end:
-            step_end(table)
-        for settled in actions.settled:
-            settled(pending, table)
-        if table.failed and table.halted:
+        table = None
+        if actions.tables:  # an action or a callback takes the decoded table
+            table = HealthTable.from_array(raw)
+            for read in actions.read:
+                read(table)
+            for step_end in actions.on_step_end:
+                step_end(table)
+            for settled in actions.settled:
+                settled(pending, table)
+        if raw.item(0, _FAILED) and raw.item(0, _HALTED):
+            table = HealthTable.from_array(raw) if table is None else table
             error = failure_error(step, table, pending.rows, self.state, self.history)
             try:
                 outcome = self.actions.failed(pending, error)
             except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left
                 hang = hang.with_note(f"while diagnosing: {str(error).splitlines()[0]}")
-                raise self._hung(hang, [pending, *pulled]) from None
+                raise self._hung(hang, [pending, after]) from None
             if isinstance(outcome, Resume):
                 self._resume(pending, outcome)
             # Nothing pulled is lost: the failing batch and those after it, untrained.
-            raise self._report(outcome, [pending, *pulled])
-        self.read.pop(pending.number, None)
+            raise self._report(outcome, [pending, after])
+        self.reading = None
         if self.unconfirmed and self.unconfirmed[0] is pending:
             self.unconfirmed.pop(0)
 
@@ -259,8 +283,7 @@ class Loop:
         later += [self.held, *self.actions.held()]  # the carried rows: newer than any
         self.queue.extendleft(reversed([*resume.items, *(i for i in later if i is not None)]))
         self.unconfirmed.clear()
-        self.read.clear()
-        self.pending = self.held = None
+        self.reading = self.pending = self.held = None
         self.state = resume.state
         self.number = int(np.asarray(driving.first_copy(self.step, resume.state.step)))
         self.record.now_on([d.id for d in self.step.devices])
@@ -319,7 +342,8 @@ class Loop:
         """The batches of ``left``, of the queue and those the actions hold, untrained,
         in the order they were pulled, and the data position of the first
         (:func:`untrained_batches`); empties the queue and the carry."""
-        batches = untrained_batches([*left, *self.queue, *self.actions.held()])
+        held = [*left, *self.queue, *self.actions.held(), *self.actions.untaken()]
+        batches = untrained_batches(held)
         self.queue.clear()
         return batches
 
@@ -330,11 +354,11 @@ class Loop:
         untrained: list[Pending] = []
         failed: str | None = None
         for pending in self.unconfirmed:
-            table = self.read.get(pending.number)
-            if table is None:
-                table = self.step.table(pending.out)
-                self.record.add(pending, table)
-                self.read[pending.number] = table
+            raw = driving.raw_table(self.step, pending.out)
+            table = HealthTable.from_array(raw)
+            if pending is not self.reading:  # not recorded yet
+                self.record.add(pending, raw)
+                self.reading = pending
                 for read in self.actions.read:
                     read(table)
             if failed is None and table.failed and table.halted:
@@ -356,7 +380,7 @@ class Loop:
         return self.state
 
     def _report(
-        self, error: TrainingWorkerError, untrained: Sequence[Pending | Item]
+        self, error: TrainingWorkerError, untrained: Sequence[Pending | Item | None]
     ) -> TrainingWorkerError:
         """A failure, a hang or a lost peer: the ``untrained`` batches (failing batch
         first, then those pulled after it and those a recovery queued) go on the error,
@@ -367,7 +391,7 @@ class Loop:
         return error
 
     def _hung(
-        self, error: TrainingWorkerError, batches: Sequence[Pending | Item]
+        self, error: TrainingWorkerError, batches: Sequence[Pending | Item | None]
     ) -> TrainingWorkerError:
         """A hung step or a lost peer, reported (:meth:`_report`). Nothing of this
         process can go on: under ``recover`` it exits for a restart (``hung``)."""

@@ -3,7 +3,6 @@ step t-1. The device queue never drains and at most two steps are in flight."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 from collections.abc import Callable
@@ -39,13 +38,16 @@ def fit(
     resume: bool = False,
     presplit: bool = False,
     recover: Recover | None = None,
+    prefetch: int = 2,
 ) -> TrainState:
     """Trains ``state`` (from ``step.init``; donated) on ``batches`` and returns the
     final state.
 
     Dispatches step t, then reads the health table of step t-1, which has finished by
     then: the host never waits on the step it just dispatched. ``batches``: an iterable
-    of global batches, a callable ``start -> iterable``, or a checkpointable iterator.
+    of global batches, a callable ``start -> iterable``, or a checkpointable iterator;
+    a background thread pulls the next ``prefetch`` of them (2 by default) and places
+    them on the devices while the step runs (``prefetch=0``: pulled here, in turn).
     Every argument, what a callback hears, and what an error carries: docs/fit.md.
 
     Raises:
@@ -62,16 +64,15 @@ def fit(
         checkpoints=CheckpointOptions(checkpoint_dir, checkpoint_every, keep, resume),
         presplit=presplit,
         recover=recover,
+        prefetch=prefetch,
     )
     check_inputs(state, batches)
-    state, source, checkpoints = FitCheckpoints.begin(step, state, batches, options.checkpoints)
+    state, _, checkpoints = FitCheckpoints.begin(step, state, batches, options.checkpoints)
     loop = Loop(step, state, checkpoints, options)
     try:
         loop.start()
         with deferred_interrupts(loop.interrupt):
-            # islice: never pull a batch that will not be trained (an iterator is shared).
-            for batch in itertools.islice(source, num_steps):
-                loop.advance(batch)
+            loop.train()  # up to num_steps: never a batch pulled that is not trained
         loop.drain()
     except BaseException as err:  # Ctrl-C included: the state and batches go on err
         loop.abandon(err)

@@ -1,229 +1,269 @@
-"""The record of a run: one entry per finished step (from its health table), and the
-:class:`Recorder` that writes each step fit settles into it."""
+"""The record of a run: one entry per finished step, kept as the step's raw health
+table in a preallocated block and decoded into the fields a reader sees, all at once,
+when one is first read (:class:`History`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import time
+import math
 from collections.abc import Sequence
 from typing import Any
-from typing import get_args
+from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.core import COL
 from jaxstep.core import HealthTable
-from jaxstep.core import RecoveryAction
-from jaxstep.core import Verdict
-from jaxstep.loop._pending import Pending
+from jaxstep.core import health
+from jaxstep.loop._records import ACTIONS
+from jaxstep.loop._records import Recovery
 
-# History fields filled from the health tables, decoded when first read.
-_DECODED = frozenset(
-    {
-        "step",
-        "loss",
-        "device_loss",
-        "device_grad_norm",
-        "status",
-        "skipped",
-        "dropped",
-        "repaired",
-        "dropped_rows",
-    }
+
+class Entry(NamedTuple):
+    """What the history holds of one step beside its health table (:meth:`History.last`):
+    enough to write the step from its table alone, without decoding the history."""
+
+    device_ids: list[int]
+    metrics: dict[str, float]
+    examples_per_sec: float
+    data_wait: float
+    rows: int  # rows per device of the step's batch (0: unknown)
+    columns: Any  # None, or the positions in device_ids of the table's devices
+
+
+class _Decoded:
+    """A field of :class:`History` filled from the tables appended, decoded when it is
+    first read (all the waiting tables at once)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, history: History | None, owner: type | None = None) -> Any:
+        if history is None:
+            return self
+        if history._waiting:
+            history._decode()
+        return getattr(history, self.slot)
+
+    def __set__(self, history: History, value: Any) -> None:
+        if history._waiting:
+            history._decode()
+        setattr(history, self.slot, value)
+
+
+# The step's fields decoded from its table, and those the history keeps beside it.
+_TABLE_FIELDS = (
+    "step",
+    "loss",
+    "device_loss",
+    "device_grad_norm",
+    "status",
+    "skipped",
+    "dropped",
+    "repaired",
+    "dropped_rows",
 )
+_FIELDS = (*_TABLE_FIELDS, "metrics", "examples_per_sec", "data_wait")
+# per-device columns: those before the step-wide ones, and the drop policy's
+_PER_DEVICE = [*range(COL["step"]), COL["dropped"], COL["repaired"], COL["consecutive_drops"]]
+_FLOAT_AT = [COL[name] for name in sorted(health.FLOAT_COLUMNS)]
+_NAN = int(np.float32(np.nan).view(np.int32))
+_FIRST = 64  # entries of a fresh block (it doubles when full)
 
 
-#: ``Recovery.verdict`` values, and the ``Recovery.action`` values (a record may come
-#: from JSON, where nothing typed it: checked when built).
-VERDICTS: tuple[Verdict, ...] = get_args(Verdict)
-ACTIONS: tuple[RecoveryAction, ...] = get_args(RecoveryAction)
-
-
-@dataclasses.dataclass(frozen=True)
-class Recovery:
-    """One action :func:`jaxstep.fit` took to recover from a failure
-    (``fit(..., recover=jaxstep.Recover())``), in ``History.recoveries``.
-
-    Attributes:
-      step: the step that failed (``state.step`` when it ran).
-      verdict: ``"transient"``, ``"data"``, ``"device"``, ``"spike"`` or ``"diverged"``.
-      action: ``"retried"`` (the same batch again from the last good state),
-        ``"quarantined"`` (the step again with the chunks holding ``examples`` left
-        out of the mean; when a collective in the model carried them to every device,
-        the step's batch is skipped instead: ``skipped_batches``), ``"excluded"``
-        (training goes on without ``device_ids``),
-        ``"rolled back"`` (to the last verified checkpoint, ``skipped_batches`` left
-        out) or ``"repaired"`` (a diverged replica copied from the majority).
-      device_ids: the ``jax.Device.id`` s the verdict is about (failing, excluded,
-        repaired).
-      examples: the offending examples, as indices into the failing global batch.
-      skipped_batches: batches never trained, counting the stream's first batch as 0.
-      batch: the failing step's batch, counting the stream's first batch as 0 (None
-        when unknown).
-      detail: what happened, in words.
-      example_ids: with ``Recover(example_id=...)``: the values of that batch leaf for
-        ``examples``, in their order (what names them in the data, shuffled or not).
-    """
-
-    step: int
-    verdict: Verdict
-    action: RecoveryAction
-    device_ids: tuple[int, ...] = ()
-    examples: tuple[int, ...] = ()
-    skipped_batches: tuple[int, ...] = ()
-    batch: int | None = None
-    detail: str = ""
-    example_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.verdict not in VERDICTS:
-            raise ValueError(f"unknown verdict {self.verdict!r}; expected one of {VERDICTS}")
-        if self.action not in ACTIONS:
-            raise ValueError(f"unknown action {self.action!r}; expected one of {ACTIONS}")
-
-    def __str__(self) -> str:
-        text = f"step {self.step}: {self.verdict} -> {self.action}"
-        if self.device_ids:
-            text += f" (device {', '.join(map(str, self.device_ids))})"
-        if self.examples:
-            text += f"; examples {list(self.examples)}"
-        if self.batch is not None:
-            text += f" of batch {self.batch}"
-        if self.example_ids:
-            text += f" (ids {list(self.example_ids)})"
-        if self.skipped_batches:
-            text += f"; skipped batches {list(self.skipped_batches)}"
-        if self.detail:
-            text += f"; {self.detail}"
-        return text
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the metric writers' ``recoveries`` entries)."""
-        return {
-            "step": self.step,
-            "verdict": self.verdict,
-            "action": self.action,
-            "device_ids": list(self.device_ids),
-            "examples": list(self.examples),
-            "skipped_batches": list(self.skipped_batches),
-            "batch": self.batch,
-            "detail": self.detail,
-            "example_ids": list(self.example_ids),
-        }
-
-
-@dataclasses.dataclass
 class History:
     """Per-step record of a run, one entry per finished step, for reading or plotting.
 
-    The fields from the health tables (``step``, ``loss``, the per-device lists,
-    ``skipped``) are filled from the appended tables when one of them is first read,
-    all at once: :func:`fit`'s loop does no per-step decoding.
+    Each field is a list with one entry per step. :func:`fit` appends each step's
+    raw health table to a preallocated block (its only work per step); the fields are
+    decoded from the block, all the waiting steps at once, when one of them is first
+    read.
+
+    Attributes:
+      device_ids: the ``jax.Device.id`` of each column of the per-device fields.
+      step: ``state.step`` each step started from.
+      loss: the mean over devices (under ``drop`` over the chunks the step trained on).
+      device_loss, device_grad_norm, status: per device, ``(n,)`` arrays.
+      skipped: whether the update was discarded (``skip`` policy).
+      dropped: ``on_failure="drop"``: the ``jax.Device.id`` s left out of each step's
+        mean (empty when none).
+      repaired: the ``jax.Device.id`` s whose replica was repaired from the majority.
+      dropped_rows: the global batch rows ``(start, stop)`` of each chunk left out, in
+        the order of ``dropped`` (empty when the rows per device are unknown).
+      metrics: the mean over devices of each scalar entry of the step's ``aux``.
+      examples_per_sec: global examples over the wall time since the previous step
+        finished (the first step's includes compiling).
+      data_wait: seconds the loop waited for the step's batch from the data (pulling
+        it, or with ``fit(prefetch=...)`` taking it from the prefetched ones): a slow
+        input pipeline shows here, a slow step does not.
+      recoveries: ``fit(..., recover=...)``: each recovery action, in the order taken.
+      left_over: rows never trained because the data ended while they were carried (a
+        run that lost a device carries the rows that do not divide by the devices left
+        into the next step): ``(batch, first row, stop)`` of each stretch, the batch
+        counted from the data's first (0).
     """
 
-    device_ids: list[int] = dataclasses.field(default_factory=list)
-    step: list[int] = dataclasses.field(default_factory=list)
-    loss: list[float] = dataclasses.field(default_factory=list)
-    device_loss: list[np.ndarray] = dataclasses.field(default_factory=list)
-    device_grad_norm: list[np.ndarray] = dataclasses.field(default_factory=list)
-    status: list[np.ndarray] = dataclasses.field(default_factory=list)
-    skipped: list[bool] = dataclasses.field(default_factory=list)
-    #: ``on_failure="drop"``: the ``jax.Device.id`` s left out of each step's mean
-    #: (empty when none)
-    dropped: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-    #: the ``jax.Device.id`` s whose replica was repaired from the majority at each step
-    repaired: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
-    #: the global batch rows ``(start, stop)`` of each chunk left out, per step, in the
-    #: order of ``dropped`` (empty when the rows per device are unknown), to check the
-    #: data later
-    dropped_rows: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list)
-    #: the mean over devices of each scalar entry of the step's ``aux`` (e.g. accuracy)
-    metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    #: global examples over the wall time since the previous step finished (the first
-    #: step's includes compiling)
-    examples_per_sec: list[float] = dataclasses.field(default_factory=list)
-    #: ``fit(..., recover=...)``: each recovery action, in the order taken
-    recoveries: list[Recovery] = dataclasses.field(default_factory=list)
-    #: rows never trained because the data ended while they were carried (a run that
-    #: lost a device carries the rows that do not divide by the devices left into the
-    #: next step): ``(batch, first row, stop)`` of each stretch, the batch counted from
-    #: the data's first (0)
-    left_over: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
-    # tables appended but not decoded yet, oldest first
-    _tables: list[HealthTable] = dataclasses.field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
-    # rows per device of each waiting table's batch (0: unknown)
-    _rows: list[int] = dataclasses.field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
-    # per waiting table: None, or the positions of its devices in device_ids
-    _columns: list[Any] = dataclasses.field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
+    step = _Decoded()
+    loss = _Decoded()
+    device_loss = _Decoded()
+    device_grad_norm = _Decoded()
+    status = _Decoded()
+    skipped = _Decoded()
+    dropped = _Decoded()
+    repaired = _Decoded()
+    dropped_rows = _Decoded()
+    metrics = _Decoded()
+    examples_per_sec = _Decoded()
+    data_wait = _Decoded()
+    # where the decoded fields are kept (the descriptors above read them)
+    _step: list[int]
+    _loss: list[float]
+    _device_loss: list[np.ndarray]
+    _device_grad_norm: list[np.ndarray]
+    _status: list[np.ndarray]
+    _skipped: list[bool]
+    _dropped: list[tuple[int, ...]]
+    _repaired: list[tuple[int, ...]]
+    _dropped_rows: list[tuple[tuple[int, int], ...]]
+    _metrics: list[dict[str, float]]
+    _examples_per_sec: list[float]
+    _data_wait: list[float]
 
-    def __getattribute__(self, name: str) -> Any:
-        if name in _DECODED and object.__getattribute__(self, "_tables"):
-            object.__getattribute__(self, "_decode")()
-        return object.__getattribute__(self, name)
+    def __init__(
+        self,
+        device_ids: Sequence[int] | None = None,
+        *,
+        recoveries: Sequence[Recovery] = (),
+        left_over: Sequence[tuple[int, int, int]] = (),
+        **fields: Sequence[Any],
+    ):
+        unknown = set(fields) - set(_FIELDS)
+        if unknown:
+            raise TypeError(f"History got unknown fields {sorted(unknown)}; its fields: {_FIELDS}")
+        self._waiting = 0  # entries of the block not decoded yet
+        self._block: np.ndarray | None = None  # (capacity, n, columns) int32 tables
+        self._meta = np.empty((0, 3))  # per entry: examples/s, data wait, rows
+        self._sparse: dict[int, tuple[Any, Any]] = {}  # entry -> (metrics, columns)
+        self._newest: tuple[int, Any] = (0, None)  # the newest entry's rows and columns
+        self.device_ids: list[int] = list(device_ids or ())
+        for name in _FIELDS:
+            setattr(self, "_" + name, list(fields.get(name, ())))
+        self.recoveries: list[Recovery] = list(recoveries)
+        self.left_over: list[tuple[int, int, int]] = list(left_over)
+
+    def __repr__(self) -> str:
+        return f"History({len(self)} steps, device_ids={self.device_ids})"
+
+    def __len__(self) -> int:
+        return len(self._metrics) + self._waiting
 
     def append(
         self,
-        table: HealthTable,
+        table: HealthTable | np.ndarray,
         metrics: dict[str, float] | None = None,
-        examples_per_sec: float = float("nan"),
+        examples_per_sec: float = math.nan,
         rows: int = 0,
         columns: Any = None,
+        data_wait: float = 0.0,
     ) -> None:
-        """Adds a finished step (what :func:`fit` calls once per step): its table is
-        kept as it is and decoded into the fields above when one is first read.
-        ``rows``: rows per device of the step's batch (for ``dropped_rows``).
-        ``columns``: once a device left the run, the position in ``device_ids`` of each
-        of the table's devices (the per-device fields keep a column for every device
-        the run started with: NaN loss and status 0 where a device no longer ran)."""
-        fields = object.__getattribute__(self, "__dict__")  # once: fit calls this each step
-        fields["_tables"].append(table)
-        fields["_rows"].append(rows)
-        if columns is not None or fields["_columns"]:
-            fields["_columns"] += [None] * (len(fields["_rows"]) - 1 - len(fields["_columns"]))
-            fields["_columns"].append(columns)
-        fields["metrics"].append(dict(metrics) if metrics else {})
-        fields["examples_per_sec"].append(float(examples_per_sec))
+        """Adds a finished step (what :func:`fit` calls once per step): its table (a
+        :class:`HealthTable`, or the raw int32 array the step returned) is copied into
+        the block and decoded into the fields when one is first read. ``rows``: rows
+        per device of the step's batch (for ``dropped_rows``). ``columns``: once a
+        device left the run, the position in ``device_ids`` of each of the table's
+        devices (the per-device fields keep a column for every device the run started
+        with: NaN loss and status 0 where a device no longer ran). ``data_wait``:
+        seconds the loop waited for the step's batch."""
+        raw = table if isinstance(table, np.ndarray) else table.to_array()
+        if columns is not None:
+            raw = _widen(raw, columns, len(self.device_ids))
+        k, block = self._waiting, self._block
+        if block is None or k == len(block) or block.shape[1] != raw.shape[0]:
+            block = self._grow(raw.shape)
+        block[k] = raw
+        self._meta[k] = (examples_per_sec, data_wait, rows)
+        if metrics or columns is not None:
+            self._sparse[k] = (dict(metrics) if metrics else None, columns)
+        if rows != self._newest[0] or columns is not None or self._newest[1] is not None:
+            self._newest = (rows, columns)
+        self._waiting = k + 1
+
+    def last(self) -> Entry:
+        """The newest step's entries beside its table, without decoding anything."""
+        k, (rows, columns) = self._waiting - 1, self._newest
+        if k < 0:  # decoded already
+            wait = self._data_wait[-1] if self._data_wait else 0.0
+            rate = self._examples_per_sec[-1]
+            return Entry(self.device_ids, self._metrics[-1], rate, wait, rows, columns)
+        rate, wait, _ = self._meta[k].tolist()
+        metrics = self._sparse.get(k, (None, None))[0]
+        return Entry(self.device_ids, metrics or {}, rate, wait, rows, columns)
+
+    def _grow(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A block with room for the next entry (tables of ``shape``): twice as large
+        when full, a new one (the waiting entries decoded first) for another shape."""
+        block, k = self._block, self._waiting
+        if block is not None and block.shape[1:] != shape:
+            self._decode()
+            block, k = None, 0
+        size = _FIRST if block is None else 2 * len(block)
+        grown = np.empty((size, *shape), np.int32)
+        meta = np.empty((size, 3))
+        if block is not None:
+            grown[:k], meta[:k] = block[:k], self._meta[:k]
+        self._block, self._meta = grown, meta
+        return grown
 
     def _decode(self) -> None:
-        waiting: list[HealthTable] = object.__getattribute__(self, "_tables")
-        if not waiting:
+        """Every waiting entry, decoded into the fields at once (long because each
+        field is one vectorised pass over the block, in one place)."""
+        k, block = self._waiting, self._block
+        if not k or block is None:
             return
-        tables = waiting.copy()
-        waiting.clear()  # first: the fields read below are then decoded
-        waiting_rows: list[int] = object.__getattribute__(self, "_rows")
-        rows, waiting_rows[:] = waiting_rows[: len(tables)], waiting_rows[len(tables) :]
-        waiting_columns: list[Any] = object.__getattribute__(self, "_columns")
-        columns = waiting_columns[: len(tables)]
-        waiting_columns[:] = waiting_columns[len(tables) :]
-        columns += [None] * (len(tables) - len(columns))
-        self.loss.extend(_mean_losses(tables, uniform=all(c is None for c in columns)))
-        sizes = rows + [0] * (len(tables) - len(rows))
-        for table, size in zip(tables, sizes, strict=True):  # chunk i: rows of position i
-            spans = ((int(i) * size, (int(i) + 1) * size) for i in np.flatnonzero(table.dropped))
-            self.dropped_rows.append(tuple(spans) if size else ())
-        n = len(self.device_ids)
-        tables = [t if c is None else _widen(t, c, n) for t, c in zip(tables, columns, strict=True)]
-        self.step.extend(t.step for t in tables)
-        self.device_loss.extend(t.loss for t in tables)
-        self.device_grad_norm.extend(t.grad_norm for t in tables)
-        self.status.extend(t.status for t in tables)
-        self.skipped.extend(t.skipped for t in tables)
+        self._waiting = 0  # first: the block is free again once this returns
+        sparse, self._sparse = self._sparse, {}
+        raw = block[:k]
+        first = raw[:, 0, :]  # the step-wide columns, the same in every row
+        floats = raw.view(np.float32)
+        device_loss = floats[:, :, COL["loss"]].copy()
+        n = device_loss.shape[1]
+        losses = np.add.reduce(device_loss, axis=1) / n
+        means: list[float] = losses.tolist()
+        dropped = raw[:, :, COL["dropped"]] != 0
+        repaired = raw[:, :, COL["repaired"]] != 0
+        rates, waits, rows = self._meta[:k].T.tolist()
         ids = self.device_ids
-        for table in tables:
-            dropped = np.flatnonzero(table.dropped)
-            self.dropped.append(tuple(int(ids[i]) for i in dropped) if ids else ())
-            repaired = np.flatnonzero(table.repaired)
-            self.repaired.append(tuple(int(ids[i]) for i in repaired) if ids else ())
-
-    def __len__(self) -> int:
-        return len(self.metrics)
+        left: list[tuple[int, ...]] = [()] * k
+        mended: list[tuple[int, ...]] = [()] * k
+        spans: list[tuple[tuple[int, int], ...]] = [()] * k
+        metrics: list[dict[str, float]] = [{} for _ in range(k)]
+        marked = np.flatnonzero(dropped.any(axis=1) | repaired.any(axis=1)).tolist()
+        for i in sorted({*marked, *sparse}):
+            if i in sparse:
+                metrics[i] = sparse[i][0] or {}
+            columns = None if i not in sparse else sparse[i][1]
+            own = slice(None) if columns is None else np.asarray(columns)
+            out = dropped[i, own]  # the step's own devices, in its order
+            if columns is not None or out.any():  # the mean over the chunks it trained on
+                kept = device_loss[i, own][~out]
+                means[i] = float(np.add.reduce(kept) / max(kept.size, 1))
+            if ids:
+                left[i] = tuple(ids[j] for j in np.flatnonzero(dropped[i]).tolist())
+                mended[i] = tuple(ids[j] for j in np.flatnonzero(repaired[i]).tolist())
+            size = int(rows[i])
+            if size:  # chunk j: the rows of the step's position j
+                spans[i] = tuple((j * size, (j + 1) * size) for j in np.flatnonzero(out).tolist())
+        self._step += first[:, COL["step"]].tolist()
+        self._loss += means
+        self._device_loss += list(device_loss)
+        self._device_grad_norm += list(floats[:, :, COL["grad_norm"]].copy())
+        self._status += list(raw[:, :, COL["status"]].copy())
+        self._skipped += (first[:, COL["skipped"]] != 0).tolist()
+        self._dropped += left
+        self._repaired += mended
+        self._dropped_rows += spans
+        self._metrics += metrics
+        self._examples_per_sec += rates
+        self._data_wait += waits
 
     def recovery_summary(self) -> str:
         """``recoveries`` in words, for the end of a run: a count of each action, then
@@ -271,37 +311,18 @@ class History:
             "dropped": _id_array(self.dropped),
             "repaired": _id_array(self.repaired),
             "examples_per_sec": np.asarray(self.examples_per_sec, np.float64),
+            "data_wait": np.asarray(self.data_wait, np.float64),
         }
 
 
-def _mean_losses(tables: list[HealthTable], *, uniform: bool) -> list[float]:
-    """Each step's loss: the mean over its devices (under ``drop`` over the chunks it
-    trained on), as np.mean computes it (the float32 sum, then divided)."""
-    if len(tables) == 1:  # read after every step (a callback): no stacking
-        means = [tables[0].mean_loss]
-    elif uniform:
-        losses = np.stack([t.loss for t in tables])  # (steps, devices) float32
-        means = (np.add.reduce(losses, axis=1) / losses.shape[1]).tolist()
-    else:
-        means = [t.mean_loss for t in tables]
-    for k, table in enumerate(tables):
-        if table.dropped.any():
-            kept = table.loss[~table.dropped.astype(bool)]
-            means[k] = float(np.add.reduce(kept) / max(kept.size, 1))
-    return means
-
-
-def _widen(table: HealthTable, columns: Any, n: int) -> HealthTable:
-    """``table`` with a column for each of the run's ``n`` devices: its own at
-    ``columns``, NaN (floats) or 0 where a device no longer ran."""
-    changed = {}
-    for name, value in table._asdict().items():
-        if isinstance(value, np.ndarray) and value.ndim == 1 and value.shape[0] == len(columns):
-            fill = np.nan if np.issubdtype(value.dtype, np.floating) else 0
-            wide = np.full((n,), fill, value.dtype)
-            wide[np.asarray(columns)] = value
-            changed[name] = wide
-    return table._replace(**changed)  # type: ignore[arg-type]
+def _widen(raw: np.ndarray, columns: Any, n: int) -> np.ndarray:
+    """A raw table of fewer devices with a row for each of the run's ``n``: its own at
+    ``columns``, and elsewhere the step-wide columns with NaN (floats) or 0 per device."""
+    wide = np.repeat(raw[:1], n, axis=0)
+    wide[:, _PER_DEVICE] = 0
+    wide[:, _FLOAT_AT] = _NAN
+    wide[np.asarray(columns)] = raw
+    return wide
 
 
 def _id_array(steps: list[tuple[int, ...]]) -> np.ndarray:
@@ -311,63 +332,3 @@ def _id_array(steps: list[tuple[int, ...]]) -> np.ndarray:
     for i, ids in enumerate(steps):
         out[i, : len(ids)] = ids
     return out
-
-
-def scalar_aux(aux: Any, n: int) -> dict[str, float]:
-    """The mean over devices of each scalar entry of a step's ``aux`` (one value per
-    device, leading axis ``n``), named by its keys joined with ``/``. Called once the
-    step has finished: reading these few numbers does not wait."""
-    found = {}
-    for path, x in jax.tree_util.tree_leaves_with_path(aux):
-        if getattr(x, "shape", None) == (n,) and jnp.issubdtype(x.dtype, jnp.number):
-            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-            found[name or "aux"] = float(np.mean(np.asarray(x, np.float64)))
-    return found
-
-
-class Recorder:
-    """Writes each step one fit call settles into ``history``: its table, the scalar
-    entries of its ``aux``, its examples per second, and, once a device left the run,
-    the columns of ``history.device_ids`` its devices fill."""
-
-    __slots__ = ("columns", "devices", "history", "since")
-
-    def __init__(self, history: History):
-        self.history = history
-        self.devices = 0  # devices of the step
-        self.columns: Any = None  # their positions in history.device_ids (None: all, in order)
-        self.since = 0.0  # when the step before was settled (or the run started)
-
-    def start(self, ids: list[int], origin: list[int] | None) -> None:
-        """The run starts on the devices ``ids``; ``origin``: the devices its step was
-        built with, when some left in an earlier fit call (the history keeps a column
-        for each)."""
-        history = self.history
-        if not (history.device_ids and set(ids) < set(history.device_ids)):
-            # (a history shared with the fit calls before keeps its columns)
-            history.device_ids = ids if origin is None else origin
-        self.now_on(ids)
-
-    def now_on(self, ids: Sequence[int]) -> None:
-        """The step runs on the devices ``ids`` from now on."""
-        self.devices = len(ids)
-        if self.history.device_ids != list(ids):
-            where = {d: i for i, d in enumerate(self.history.device_ids)}
-            self.columns = np.asarray([where[d] for d in ids])
-
-    def settled(self, pending: Pending, table: HealthTable) -> None:
-        """A step settled: recorded with the examples per second since the one before."""
-        now = time.perf_counter()
-        aux = pending.out.aux
-        metrics = {} if aux is None else scalar_aux(aux, self.devices)
-        rate = self.devices * pending.rows / max(now - self.since, 1e-9)
-        self.history.append(table, metrics, rate, pending.rows, self.columns)
-        self.since = now
-
-    def add(
-        self, pending: Pending, table: HealthTable, examples_per_sec: float = float("nan")
-    ) -> None:
-        """``pending``'s step (read, not settled: its rate unknown), recorded."""
-        aux = pending.out.aux
-        metrics = {} if aux is None else scalar_aux(aux, self.devices)
-        self.history.append(table, metrics, examples_per_sec, pending.rows, self.columns)

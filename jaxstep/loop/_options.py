@@ -89,6 +89,7 @@ class FitOptions:
     checkpoints: CheckpointOptions = dataclasses.field(default_factory=CheckpointOptions)
     presplit: bool = False
     recover: Recover | None = None
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         n = self.num_steps
@@ -105,6 +106,13 @@ class FitOptions:
             raise TypeError(
                 f"diagnose must be None (replay a failure every device had alike), True "
                 f"(replay every failure) or False (none), got {self.diagnose!r}"
+            )
+        if _not_count(self.prefetch, 0):
+            count = isinstance(self.prefetch, int) and not isinstance(self.prefetch, bool)
+            raise (ValueError if count else TypeError)(
+                f"prefetch must be an int >= 0, the batches a background thread pulls and "
+                f"places ahead of the step, got {self.prefetch!r}; pass prefetch=2 (the "
+                "default) or prefetch=0 to pull each batch on the calling thread"
             )
         if self.history is not None and not isinstance(self.history, History):
             raise TypeError(

@@ -9,9 +9,9 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
-from jaxstep.loop._history import Recovery
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._records import Recovery
 
 
 class Resume(NamedTuple):

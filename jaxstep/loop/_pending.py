@@ -28,6 +28,17 @@ class Item(NamedTuple):
     # several processes, a device gone (loop._carry.Cut): the chunks this batch still
     # holds, as indices into this process's chunks of the batches it passes (None: all)
     chunks: tuple[int, ...] | None = None
+    # fit(prefetch=...): the batch already on the devices (None: the step places it)
+    placed: Placed | None = None
+
+
+class Placed(NamedTuple):
+    """A batch placed on the step's devices ahead of its step (``fit(prefetch=...)``):
+    the step takes it as placed while its placement is still the step's (``key is
+    driving.placement(step)``: ``exclude_devices`` makes a new one)."""
+
+    key: object
+    batch: Any
 
 
 class Pending(NamedTuple):
@@ -38,6 +49,7 @@ class Pending(NamedTuple):
     number: int  # the step it runs (as counted from the state fit started with)
     rows: int  # rows per device of its batch, as this process passed it
     item: Item | None = None  # how it came (None: dispatched outside the queue)
+    wait: float = 0.0  # seconds the loop waited for its batch from the data
 
 
 class Recovered(Exception):

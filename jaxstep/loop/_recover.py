@@ -44,13 +44,13 @@ from jaxstep.loop._diagnose import Diagnosis
 from jaxstep.loop._diagnose import diagnose
 from jaxstep.loop._failure import majority_position
 from jaxstep.loop._history import History
-from jaxstep.loop._history import Recovery as RecoveryRecord
 from jaxstep.loop._options import Recover
 from jaxstep.loop._outcome import Resume
 from jaxstep.loop._outcome import ids_of
 from jaxstep.loop._outcome import item_of
 from jaxstep.loop._outcome import state_of
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._records import Recovery as RecoveryRecord
 from jaxstep.loop._restart import exit_for_restart
 from jaxstep.loop._restart import is_hang
 from jaxstep.loop._restart import not_restarted

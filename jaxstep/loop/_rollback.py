@@ -11,12 +11,12 @@ from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.loop._carry import merge_spans
-from jaxstep.loop._history import Recovery
 from jaxstep.loop._outcome import Resume
 from jaxstep.loop._outcome import ids_of
 from jaxstep.loop._outcome import item_of
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._records import Recovery
 from jaxstep.loop._rows import Rows
 from jaxstep.loop._rows import in_words
 from jaxstep.step import TrainStep

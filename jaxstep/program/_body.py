@@ -44,6 +44,7 @@ __all__ = ["Beat", "body"]
 #: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
 #: device finished its local part (``fit(step_timeout=...)``).
 Beat = Callable[[Any, Any, Any], Any]
+_SKIPS, _DROPS = COL["consecutive_skips"], COL["consecutive_drops"]  # counters, gathered
 
 
 def body(
@@ -57,7 +58,8 @@ def body(
 ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
     """One device's step. ``replicas``: the every-``divergence_every``-th variant that
     also fingerprints this device's copy of the state; ``beat``: call it once the
-    local part is done (before the collective)."""
+    local part is done (before the collective). Returns the extras it changed (not
+    ``chunk``)."""
     index = jax.lax.axis_index(options.axis_name)
     repair = None
     if options.on_failure == "drop" and replicas:  # a diverged replica is repaired first
@@ -87,11 +89,9 @@ def body(
     )
     table, metrics = outputs(options, reduced.rows, status, columns, losses)
     info = StepInfo(checks=part.checks)
-    return (
-        new_state,
-        StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info),
-        extras,
-    )
+    out = StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info)
+    # only the extras a step changes go out (``fired``): an output chunk was a copy kernel
+    return new_state, out, {k: v for k, v in extras.items() if k != "chunk"}
 
 
 def outputs(
@@ -295,7 +295,12 @@ def send(
         # the summed columns, so the verdict needs no reduction over the devices
         drops = state.monitor["drops"][index]
         summed.append(summed[0] & (drops + 1 >= options.max_consecutive_drops))
-    sent = health.onehot_rows(part.row, index, n, summed, jnp.concatenate(extra) if extra else None)
+    row = part.row  # (skip, drop) the counters the verdict reads, gathered here (as above)
+    if options.on_failure != "raise":
+        row = {**row, "consecutive_skips": state.consecutive_skips}
+    if options.on_failure == "drop":
+        row["consecutive_drops"] = state.monitor["drops"][index]
+    sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
     return summed, sent
 
 
@@ -327,6 +332,8 @@ def received(
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
         failing=counts[0],
         repeats=counts[6] > 0 if len(summed) > 6 else None,
+        skips=None if options.on_failure == "raise" else rows[0, _SKIPS].astype(jnp.int32),
+        drops=rows[:, _DROPS].astype(jnp.int32) if options.on_failure == "drop" else None,
     )
     rest = gathered[:, width:]
     status = rows[:, COL["status"]].astype(jnp.int32)

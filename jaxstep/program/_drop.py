@@ -121,7 +121,8 @@ def decide(
     Returns (halt: a device left out ``max_consecutive_drops`` steps in a row, a bad
     device rather than bad data; the devices left out of the applied step; the new
     ``total_drops`` and ``monitor["drops"]``; the table's columns)."""
-    left_out, drops = seen.left_out, state.monitor["drops"]
+    left_out = seen.left_out
+    drops = state.monitor["drops"] if seen.drops is None else seen.drops
     counted = jnp.where(would_apply, jnp.where(left_out, drops + 1, 0), drops)
     halt = jnp.array(False) if seen.repeats is None else seen.repeats & would_apply
     applied = would_apply & ~halt

@@ -69,6 +69,11 @@ class Seen(NamedTuple):
     late: jax.Array | bool = False
     #: ``drop``: whether a device failed ``max_consecutive_drops`` steps in a row
     repeats: jax.Array | None = None
+    #: under ``skip`` and ``drop``, the state's ``consecutive_skips``, and under
+    #: ``drop`` its ``monitor["drops"]``, as gathered by the all-reduce: read before it
+    #: and not after, so XLA updates their donated buffers in place (no copy kernels)
+    skips: jax.Array | None = None
+    drops: jax.Array | None = None
 
     def add(self, bits: jax.Array, halting: int) -> Seen:
         """With every device's ``bits`` (``(n,)`` Status bits) added."""
@@ -186,11 +191,12 @@ def verdict(
     if scaler is not None:  # an overflow at the minimum scale cannot be skipped away
         assert scale_state is not None  # init gave it one; a state without fails its check
         failed |= overflow & scaler.at_minimum(scale_state)
+    skips = state.consecutive_skips if seen.skips is None else seen.skips
     if options.on_failure in ("skip", "drop"):
         limit = options.max_consecutive_skips
         halt_now = must_halt
         if limit is not None:
-            halt_now |= failed & (state.consecutive_skips + 1 >= limit)
+            halt_now |= failed & (skips + 1 >= limit)
         skipped = failed & ~halt_now & ~seen.halted
     else:
         halt_now = failed
@@ -209,7 +215,7 @@ def verdict(
         monitor = {**monitor, "spike": spike.update(state.monitor["spike"], losses, ok)}
     if "drops" in drop_fields:
         monitor = {**monitor, "drops": drop_fields.pop("drops")}
-    consecutive = jnp.where(ok, 0, state.consecutive_skips + skipped).astype(jnp.int32)
+    consecutive = jnp.where(ok, 0, skips + skipped).astype(jnp.int32)
     columns = {
         "step": seen.step,
         "halted": halted,

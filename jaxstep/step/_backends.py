@@ -2,9 +2,10 @@
 backend) or ``jax.pmap`` (for code written in that style: state and outputs carry a
 leading device axis). Both place chunk i of the global batch on ``devices[i]``.
 
-The body is ``body(state, batch, extras) -> (state, StepOutput, extras)``; ``extras``
-is a dict of small arrays the step threads through (empty unless faults are
-injected), each either replicated or split over the devices.
+The body is ``body(state, batch, extras) -> (state, StepOutput, changed)``; ``extras``
+is a dict of small arrays the step threads through (the chunk each device holds, and
+the faults' bookkeeping), each either replicated or split over the devices; ``changed``
+holds those the step changes (``fired``; never ``chunk``).
 
 Copies between host and devices are named by direction: ``place_*`` puts host data on
 the step's devices, ``read_*`` returns numpy copies of device data (through
@@ -114,12 +115,13 @@ class ShardMapBackend:
             return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), extras
 
         extra_specs = {k: P(axis) if s else P() for k, s in split.items()}
+        changed_specs = {k: s for k, s in extra_specs.items() if k != "chunk"}  # body's out
         mapped = jax.shard_map(
             stacked_aux,
             mesh=self.mesh,
             in_specs=(P(), P(axis), extra_specs),
             # metrics and health replicated, aux per device (info holds no arrays)
-            out_specs=(P(), StepOutput._make((P(), P(), P(axis), P())), extra_specs),
+            out_specs=(P(), StepOutput._make((P(), P(), P(axis), P())), changed_specs),
             # Without the varying-type check: under it, replicated parameters would have
             # to be cast to device-varying before differentiating (else their gradients
             # come back already summed over the devices and no check before the

@@ -180,7 +180,9 @@ class Inputs:
             self.options.injector.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
             self.names["input"] = [name or "batch" for name in keystrs(batch)]
-            self._batch_sig = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+            # dtypes as the devices hold them (float64 is float32 without x64): a batch
+            # placed ahead by fit's prefetch and the same batch from the host agree
+            self._batch_sig = [(tuple(x.shape), _on_device(x.dtype)) for x in leaves]
             self._batch_presplit, self._batch_looked_presplit = presplit, looks is not None
         elif treedef != self._batch_def:
             raise ValueError(
@@ -205,7 +207,7 @@ class Inputs:
         if not self._batch_looked_presplit or treedef != self._batch_def:
             return False
         return all(
-            tuple(x.shape) == (shape[0] * shape[1], *shape[2:]) and np.dtype(x.dtype) == dtype
+            tuple(x.shape) == (shape[0] * shape[1], *shape[2:]) and _on_device(x.dtype) == dtype
             for (shape, dtype), x in zip(self._batch_sig, leaves, strict=True)
         )
 
@@ -222,7 +224,7 @@ class Inputs:
         """Each leaf against the first batch's: what may change between batches."""
         names = self.names["input"]
         for name, first, x in zip(names, self._batch_sig, leaves, strict=True):
-            now = (tuple(x.shape), np.dtype(x.dtype))
+            now = (tuple(x.shape), _on_device(x.dtype))
             if now == first:
                 continue
             n = len(self.options.devices)
@@ -297,3 +299,8 @@ class Inputs:
 def _short(treedef: Any, limit: int = 160) -> str:
     text = str(treedef)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _on_device(dtype: Any) -> np.dtype:
+    """``dtype`` as a device holds it (``jax.device_put`` canonicalises it)."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))

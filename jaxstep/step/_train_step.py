@@ -239,7 +239,7 @@ class TrainStep:
         else:
             fn = self._compiled[(False, replicas)]
         try:  # free when nothing is raised (Python 3.11): no per-shape bookkeeping needed
-            state, out, self._extras = fn(state, placed, self._extras)
+            state, out, changed = fn(state, placed, self._extras)
         except Exception as err:  # tracing a new shape failed: say if it looks pre-split
             hint = validate.axis_hint(err, self.options.axis_name) or validate.presplit_hint(
                 err, batch, len(self.devices)
@@ -247,6 +247,8 @@ class TrainStep:
             if hint is None:
                 raise
             raise hint from err
+        if changed:  # the faults' bookkeeping (the chunks never change here)
+            self._extras = {**self._extras, **changed}
         self._last_state, self._next_number = state, number + 1
         if out.info is not self._info:
             self._learn(out.info)

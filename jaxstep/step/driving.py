@@ -5,7 +5,9 @@ namespace (``from jaxstep.step import driving``), as they do ``core.validate``.
 
 - the loop's call: :func:`dispatch` (calling the step, plus heartbeats and a replica
   check on demand), :func:`heartbeats`, :func:`rows_per_device`, :func:`origin` (the
-  devices before ``exclude_devices``), :func:`join` (a pre-split batch as one);
+  devices before ``exclude_devices``), :func:`join` (a pre-split batch as one),
+  :func:`raw_table` (a step's table as read); a batch placed ahead of its step
+  (``fit(prefetch=...)``): :func:`place_ahead`, :func:`placement`;
 - reads of a replicated state: :func:`stacked`, :func:`first_copy`,
   :func:`local_copy`, :func:`replicas_agree` (the replica check alone);
 - the replay diagnosis: :func:`replay` (the step again, chunks moved), and its passes
@@ -32,6 +34,7 @@ from jaxstep.core import processes
 from jaxstep.program import fingerprint
 from jaxstep.program import held_shards
 from jaxstep.step import _exclude as exclude
+from jaxstep.step._inputs import join_presplit
 from jaxstep.step._inputs import local_positions
 from jaxstep.step._train_step import TrainStep
 
@@ -63,6 +66,40 @@ def join(step: TrainStep, batch: Batch) -> Batch:
     """A pre-split ``(n_devices, per_device, ...)`` batch as one batch. Several
     processes: each passes its own rows, ``n_devices`` of them its own devices."""
     return step._join(batch)
+
+
+def raw_table(step: TrainStep, out: StepOutput) -> np.ndarray:
+    """A step's health table as read, the int32 ``(n, len(COLUMNS))`` array
+    (``HealthTable.from_array`` decodes it): what ``step.table`` reads, undecoded.
+    Waits for that step."""
+    return step._backend.read_table(out.health)
+
+
+def placement(step: TrainStep) -> object:
+    """The placement the step's batches go to now: a batch placed ahead for another
+    (``exclude_devices`` makes a new one) is placed again by the step."""
+    return step._backend
+
+
+def place_ahead(
+    step: TrainStep, batch: Batch, presplit: bool = False
+) -> tuple[object, Batch | None]:
+    """``batch``, as the data gives it (``presplit``: each leaf ``(n_devices,
+    per_device, ...)``), placed on the step's devices and split as the step splits it,
+    ahead of its dispatch (fit's prefetch thread): the step takes it without another
+    copy. Returns the :func:`placement` it was placed for and the placed batch (None:
+    nothing to place ahead: under ``pmap``, whose call takes host arrays, or a batch
+    already on devices). Several processes: this process's rows, one transfer per local
+    device, no collective. Raises what ``jax.device_put`` raises for a batch the devices
+    cannot take (the step, given the batch itself, says why)."""
+    backend = step._backend  # read once: exclude_devices replaces it
+    if backend.stacked:
+        return backend, None
+    if presplit:
+        batch = join_presplit(batch, len(local_positions(backend.devices)))
+    if all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
+        return backend, None
+    return backend, backend.place_batch(batch)
 
 
 def stacked(step: TrainStep) -> bool:

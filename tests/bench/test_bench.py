@@ -52,10 +52,25 @@ def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) ->
     assert tiny["fit"]["jaxstep.fit, examples/s"] > 0
     assert len(tiny["fit"]["fit / hand loop, same step"]) == 3  # quartiles
     goals = [name for name, _, _ in tiny["goals"]]
-    assert goals == [
+    assert goals[:6] == [
         "issue 7: fit >= 0.98x a bare loop's throughput",
         "issue 7: fit <= 1.2x the hand loop's time",
+        "issue 29: fit <= 1.05x the hand loop's time",
+        "issue 29: fit's host cost <= 50 us/step",
+        "issue 29: Progress+JsonlWriter <= 1.02x",
+        "issue 29: drop <= 1.01x the default",
     ]
+    kinds = [k for k in tiny["overlap"] if k != "delay ms"]  # grain when installed
+    assert kinds[0] == "sleep"
+    assert goals[6:] == [f"issue 29: prefetch overlap >= 0.90 ({kind})" for kind in kinds]
+    # issue 29's host path by phase, fit's and the hand loop's
+    phases = ("pull", "check", "place", "dispatch", "call", "table read", "history", "callbacks")
+    assert {f"fit {p}" for p in phases} | {"hand place", "hand call", "hand read"} <= set(
+        tiny["breakdown"]
+    )
+    for kind in kinds:
+        for loop in ("hand loop", "fit prefetch=0", "fit prefetch=2"):
+            assert len(tiny["overlap"][kind][f"{loop} overlap"]) == 3  # quartiles
     # the printed report carries the same goals, each marked met or MISSED
     for name, met, value in tiny["goals"]:
         assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout

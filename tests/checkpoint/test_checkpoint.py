@@ -107,9 +107,12 @@ def test_err_batches_resume_trains_every_batch_but_the_failed_one_exactly_once(b
         5,
         Status.GRAD_NONFINITE,
     )
-    # The failing batch and the one dispatched after it, untrained, in order.
-    assert [id(b) for b in err.batches] == [id(batches[5]), id(batches[6])]
-    assert "error.batches holds the failing batch and the 1 pulled after it" in str(err)
+    # The failing batch and the one dispatched after it, untrained, in order, then
+    # those the prefetch thread pulled ahead (at most 2).
+    pulled = len(err.batches)
+    assert 2 <= pulled <= 4
+    assert [id(b) for b in err.batches] == [id(b) for b in batches[5 : 5 + pulled]]
+    assert f"error.batches holds the failing batch and the {pulled - 1} pulled after it" in str(err)
     fixed = dict(err.batches[0], poison=np.zeros_like(err.batches[0]["poison"]))
     state = jaxstep.fit(
         step, err.state, itertools.chain([fixed], err.batches[1:], it), history=history
@@ -160,7 +163,7 @@ def test_emergency_save_restores_err_state_and_its_batch_reproduces_the_failure(
         "['dense2']['kernel']",
     )
     copy = pickle.loads(pickle.dumps(err))
-    assert copy.checkpoint == err.checkpoint and len(copy.batches) == 2
+    assert copy.checkpoint == err.checkpoint and len(copy.batches) == len(err.batches) >= 2
     np.testing.assert_array_equal(copy.batches[0]["poison"], batches[3]["poison"])
 
 

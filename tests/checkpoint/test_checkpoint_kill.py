@@ -136,7 +136,7 @@ def test_hung_names_the_verified_checkpoint_and_it_equals_a_clean_run(backend, t
     assert (result["step"], result["status"]) == (5, int(jaxstep.Status.HUNG))
     assert f"the latest verified checkpoint is step 4 ({tmp_path / '4'})" in result["message"]
     assert result["checkpoint"] == str(tmp_path / "emergency" / "step_5")
-    assert result["batches"] == 1  # the hung step's batch
+    assert 1 <= result["batches"] <= 3  # the hung step's batch, and those prefetched
     step = _step(backend)
     restored = jaxstep.restore(step, tmp_path)
     copies = replicas(step, (restored.params, restored.opt_state))

@@ -133,6 +133,8 @@ def test_nan_on_process_1_raises_the_same_error_on_both_processes(jobs):
         assert res[p]["host"] == socket.gethostname()
         assert res[p]["step"] == 3
         assert res[p]["status"] == int(jaxstep.Status.INPUT_NONFINITE)
+        untrained = res[p]["untrained"]  # fit(prefetch=3): nothing pulled is lost
+        assert untrained == list(range(3, 3 + len(untrained))) and len(untrained) >= 2
     assert res[0]["message"] == res[1]["message"]
     assert res[0]["message"].startswith(f"training worker on device {target} failed: ")
     assert f"(process 1, host {socket.gethostname()})" in res[0]["message"]

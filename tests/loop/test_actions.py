@@ -15,6 +15,7 @@ from jaxstep.loop._actions import Direct
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._checkpoints import Checkpoints
 from jaxstep.loop._diagnose import Replay
+from jaxstep.loop._prefetch import Prefetch
 from jaxstep.loop._recover import Recovery
 from jaxstep.loop._watchdog import StepWatchdog
 from jaxstep.testing import Fault
@@ -83,11 +84,14 @@ def test_one_callback_object_is_kept_as_a_tuple_of_one():
     assert FitOptions(callbacks=None).callbacks == ()
 
 
-def test_a_plain_run_has_only_the_replay_of_a_failure_alike_and_dispatches_on_the_calling_thread():
+def test_a_plain_run_prefetches_replays_a_failure_alike_and_dispatches_on_this_thread():
     step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1))
-    assert _loop(step, FitOptions(diagnose=False)).actions.parts == []
-    loop = _loop(step, FitOptions())  # diagnose=None: a failure every device had alike
-    (replay,) = loop.actions.parts
+    assert _loop(step, FitOptions(diagnose=False, prefetch=0)).actions.parts == []
+    # prefetch=2: a thread pulls the batches ahead; diagnose=None: a failure every
+    # device had alike is replayed
+    loop = _loop(step, FitOptions())
+    prefetch, replay = loop.actions.parts
+    assert isinstance(prefetch, Prefetch)
     assert isinstance(replay, Replay) and not replay.every
     assert loop.actions.settles_at_once is False
     assert isinstance(loop.actions.run.__self__, Direct)
@@ -106,7 +110,7 @@ def test_the_actions_a_run_asks_for_come_in_their_documented_order(tmp_path):
     loop = _loop(step, options)
     try:
         kinds = [type(part) for part in loop.actions.parts]
-        assert kinds == [Checkpoints, StepWatchdog, Callbacks, Recovery, Replay]
+        assert kinds == [Prefetch, Checkpoints, StepWatchdog, Callbacks, Recovery, Replay]
         assert loop.actions.settles_at_once is True  # the watchdog runs the dispatch
     finally:
         loop.actions.close()

@@ -214,5 +214,6 @@ def _assert_named_in_replay(backend: str, how: str) -> None:
     # what was being diagnosed: device 3's bad input
     assert f"while diagnosing: training worker on device {jax.devices()[3].id} failed" in message
     assert failure["state"]
-    # the failing batch, untrained (the watchdog settles each step before the next pull)
-    assert failure["batches"] == 1
+    # the failing batch, untrained (the watchdog settles each step before the next
+    # pull), and those the prefetch pulled after it
+    assert 1 <= failure["batches"] <= 3

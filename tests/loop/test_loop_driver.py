@@ -141,7 +141,7 @@ def test_with_the_step_watchdog_advance_settles_its_own_step(backend):
     assert loop.pending is None and loop.history.step == [0]
     loop.advance(batches[1])
     loop.drain()
-    assert loop.history.step == [0, 1] and loop.next_step == 2
+    assert loop.history.step == [0, 1] and loop.number == 2
 
 
 def test_callbacks_call_only_the_hooks_each_callback_has_in_order():

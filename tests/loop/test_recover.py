@@ -432,7 +432,9 @@ def test_an_exception_after_a_recovery_hands_back_every_untrained_batch(backend)
         )
     err = info.value
     assert int(step.host_state(err.state).step) == 2
-    assert [b is x for b, x in zip(err.batches, batches[2:4], strict=True)] == [True, True]
+    # the retried batch, the one after it, and any the prefetch pulled ahead, in order
+    assert 2 <= len(err.batches) <= 3
+    assert all(b is x for b, x in zip(err.batches, batches[2:], strict=False))
 
 
 def test_a_bad_example_after_a_device_left_is_quarantined_where_it_is_in_the_data(

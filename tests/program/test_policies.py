@@ -138,19 +138,19 @@ def test_fit_reads_each_table_one_step_late(monkeypatch):
     """Dispatch t, then read t-1: the device queue never drains, at most 2 in flight."""
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
     events = []
-    dispatch, table = driving.dispatch, step.table
+    dispatch, table = driving.dispatch, driving.raw_table
 
     def logged_dispatch(step, state, batch, **kw):
         state, out = dispatch(step, state, batch, **kw)
         events.append(("dispatch", id(out)))
         return state, out
 
-    def logged_table(out):
+    def logged_table(step, out):
         events.append(("table", id(out)))
-        return table(out)
+        return table(step, out)
 
     monkeypatch.setattr(driving, "dispatch", logged_dispatch)
-    monkeypatch.setattr(step, "table", logged_table)
+    monkeypatch.setattr(driving, "raw_table", logged_table)
     jaxstep.fit(step, step.init(init_params()), make_batches(4))
     kinds = [k for k, _ in events]
     assert kinds == [
