@@ -117,3 +117,12 @@ def rows_of(position: int) -> slice:
 
 def host_params(step, state) -> dict:
     return jax.tree.map(np.asarray, step.host_state(state).params)
+
+
+def assert_params_equal(step, a, b, b_step=None) -> None:
+    """The parameters of states ``a`` (of ``step``) and ``b`` (of ``b_step``, default
+    ``step``) are bitwise equal, leaf by leaf."""
+    left = jax.tree.leaves(host_params(step, a))
+    right = jax.tree.leaves(host_params(b_step or step, b))
+    for x, y in zip(left, right, strict=True):
+        np.testing.assert_array_equal(x, y)

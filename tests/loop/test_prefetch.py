@@ -24,6 +24,7 @@ import pytest
 import jaxstep
 from jaxstep.loop import FitOptions
 from jaxstep.testing import Fault
+from tests.models import assert_params_equal
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -34,15 +35,6 @@ NUM = 12
 
 def _step(backend, **kw):
     return jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, **kw)
-
-
-def _params(step, state):
-    return [np.asarray(x) for x in jax.tree.leaves(step.host_state(state).params)]
-
-
-def _assert_equal(step, a, b):
-    for x, y in zip(_params(step, a), _params(step, b), strict=True):
-        np.testing.assert_array_equal(x, y)
 
 
 def _threads():
@@ -162,7 +154,7 @@ def test_a_failure_hands_back_the_prefetched_batches_in_order_and_chaining_train
     assert trained == list(range(NUM))  # each batch once: none lost, none twice
     clean = make_batches(NUM)
     clean[5] = fixed
-    _assert_equal(step, state, jaxstep.fit(step, step.init(init_params()), clean, prefetch=0))
+    assert_params_equal(step, state, jaxstep.fit(step, step.init(init_params()), clean, prefetch=0))
 
 
 @pytest.mark.parametrize("kind", ["callable", "checkpointable"])
@@ -212,7 +204,7 @@ def test_a_checkpoint_taken_while_batches_were_prefetched_resumes_exactly(backen
         resume=True,
     )
     assert int(np.asarray(step.host_state(resumed).step)) == NUM
-    _assert_equal(step, resumed, jaxstep.fit(step, step.init(init_params()), batches))
+    assert_params_equal(step, resumed, jaxstep.fit(step, step.init(init_params()), batches))
 
 
 def test_an_interrupt_with_batches_prefetched_hands_them_back_and_resume_is_exact(
@@ -238,11 +230,11 @@ def test_an_interrupt_with_batches_prefetched_hands_them_back_and_resume_is_exac
     assert [id(b) for b in err.batches] == [id(b) for b in batches[trained : source.pulled]]
     clean = jaxstep.fit(step, step.init(init_params()), batches, prefetch=0)
     chained = jaxstep.fit(step, err.state, itertools.chain(err.batches, source))
-    _assert_equal(step, chained, clean)
+    assert_params_equal(step, chained, clean)
     resumed = jaxstep.fit(  # the save of the stop: its position is the first untrained
         step, step.init(init_params()), batches, checkpoint_dir=tmp_path, resume=True
     )
-    _assert_equal(step, resumed, clean)
+    assert_params_equal(step, resumed, clean)
 
 
 def test_an_interrupt_while_the_data_stalls_stops_fit_and_warns_of_the_thread(backend):
@@ -293,7 +285,7 @@ def test_the_data_sources_exception_reaches_the_caller_after_every_batch_before_
     assert int(np.asarray(step.host_state(err.state).step)) == 5
     assert err.batches == []
     clean = jaxstep.fit(step, step.init(init_params()), batches)
-    _assert_equal(step, jaxstep.fit(step, err.state, batches[5:]), clean)
+    assert_params_equal(step, jaxstep.fit(step, err.state, batches[5:]), clean)
 
 
 def _recover_run(backend, faults, prefetch, tmp_path):
@@ -328,8 +320,7 @@ def test_recover_under_prefetch_trains_what_it_trains_without(backend, case, tmp
         (r.step, r.action, r.device_ids, r.examples, r.batch) for r in expected.recoveries
     ]
     assert history.step == expected.step and history.left_over == expected.left_over
-    for x, y in zip(_params(step, state), _params(base_step, base), strict=True):
-        np.testing.assert_array_equal(x, y)
+    assert_params_equal(step, state, base, base_step)
 
 
 def test_the_time_waited_for_data_is_in_the_history_the_progress_line_and_the_jsonl(

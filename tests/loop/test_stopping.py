@@ -10,12 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import optax
 import pytest
 
 import jaxstep
+from tests.models import assert_params_equal
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -26,15 +26,6 @@ ROOT = Path(__file__).parents[2]
 
 def _step(backend, **kw):
     return jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, **kw)
-
-
-def _params(step, state):
-    return [np.asarray(x) for x in jax.tree.leaves(step.host_state(state).params)]
-
-
-def _assert_equal(step, a, b):
-    for x, y in zip(_params(step, a), _params(step, b), strict=True):
-        np.testing.assert_array_equal(x, y)
 
 
 class _RaiseAt:
@@ -63,7 +54,7 @@ def test_an_exception_from_a_callback_carries_the_state_and_untrained_batches(ba
         np.testing.assert_array_equal(got["x"], want["x"])
     rest = list(err.batches) + batches[trained + len(err.batches) :]
     resumed = jaxstep.fit(step, err.state, rest)  # the state is usable: nothing donated
-    _assert_equal(step, resumed, clean)
+    assert_params_equal(step, resumed, clean)
 
 
 def test_an_exception_from_the_data_source_carries_the_state(backend):
@@ -80,7 +71,7 @@ def test_an_exception_from_the_data_source_carries_the_state(backend):
     err = info.value
     assert int(np.asarray(step.host_state(err.state).step)) == 5
     assert err.batches == []
-    _assert_equal(step, jaxstep.fit(step, err.state, batches[5:]), clean)
+    assert_params_equal(step, jaxstep.fit(step, err.state, batches[5:]), clean)
 
 
 def test_an_interrupt_with_a_checkpoint_dir_saves_and_resume_goes_on(backend, tmp_path):
@@ -110,7 +101,7 @@ def test_an_interrupt_with_a_checkpoint_dir_saves_and_resume_goes_on(backend, tm
         keep=2,
         resume=True,
     )
-    _assert_equal(step, resumed, clean)
+    assert_params_equal(step, resumed, clean)
 
 
 def test_checkpoints_every_few_steps_are_verified_whatever_divergence_every(backend, tmp_path):
@@ -123,7 +114,7 @@ def test_checkpoints_every_few_steps_are_verified_whatever_divergence_every(back
     restored = jaxstep.restore(step, tmp_path)  # the latest verified one
     assert int(np.asarray(step.host_state(restored).step)) == 6
     partial = jaxstep.fit(step, step.init(init_params()), batches[:6])
-    _assert_equal(step, restored, partial)
+    assert_params_equal(step, restored, partial)
 
 
 CHILD = r"""
@@ -180,7 +171,7 @@ def test_sigint_to_a_training_process_saves_and_resume_is_bitwise_equal(tmp_path
         step, step.init(init_params()), batches, checkpoint_dir=tmp_path, resume=True
     )
     clean = jaxstep.fit(step, step.init(init_params()), batches)
-    _assert_equal(step, resumed, clean)
+    assert_params_equal(step, resumed, clean)
 
 
 def test_an_interrupt_of_a_grain_loader_resumes_at_the_first_untrained_batch(tmp_path):
@@ -199,4 +190,4 @@ def test_an_interrupt_of_a_grain_loader_resumes_at_the_first_untrained_batch(tmp
     resumed = jaxstep.fit(
         step, step.init(init_params()), grain_loader(NUM), checkpoint_dir=tmp_path, resume=True
     )
-    _assert_equal(step, resumed, clean)
+    assert_params_equal(step, resumed, clean)
