@@ -134,13 +134,16 @@ def describe(leaves: Sequence[Any], processes: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def forget_older(root: Any, keep: Sequence[int]) -> None:
-    """Deletes the blocks of steps no longer in the store (orbax deleted them)."""
+def forget_older(root: Any, keep: Sequence[int], written: int) -> None:
+    """Deletes the blocks of steps older than ``written`` (the step just written) no
+    longer in the store (orbax deleted them). A newer step's blocks are left alone: the
+    other processes may have written theirs before this one finished ``written``."""
     base = root / DIRECTORY
     if not base.exists():
         return
     for path in base.iterdir():
-        if path.name.isdigit() and int(path.name) not in keep:
+        number = int(path.name) if path.name.isdigit() else None
+        if number is not None and number < written and number not in keep:
             if hasattr(path, "rmtree"):
                 path.rmtree()
             else:

@@ -226,7 +226,7 @@ class FitCheckpoints:
         )
         self.store.save(snap.number, {"state": leaves, "meta": meta})
         if mine is not None:
-            blocks.forget_older(self.store.directory, self.store.steps())
+            blocks.forget_older(self.store.directory, self.store.steps(), snap.number)
 
     def _parts_in(self, number: int, mine: dict[str, Any]) -> bool:
         """Writes this process's shards of step ``number`` and says so through the

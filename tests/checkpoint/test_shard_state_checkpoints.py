@@ -66,3 +66,19 @@ def test_a_resumed_run_ends_bitwise_where_an_uninterrupted_one_does(layout, tmp_
     jaxstep.fit(step, step.init(init_params()), batches[:3], **kw)
     resumed = jaxstep.fit(step, step.init(init_params()), batches, resume=True, **kw)
     _equal(resumed, jaxstep.fit(step, step.init(init_params()), batches))
+
+
+def test_the_writer_never_deletes_the_blocks_of_a_step_newer_than_the_one_it_wrote(tmp_path):
+    # several processes: process 1 may write its blocks of step 2 before the writer has
+    # finished step 0; clearing after step 0 must leave them (a lost block made step 2
+    # unreadable and a restore fall back to step 0)
+    from jaxstep.checkpoint import _blocks as blocks
+    from jaxstep.checkpoint._store import as_path
+
+    root = as_path(tmp_path)
+    for number in (0, 1, 2):
+        blocks.write(root, number, 1, {"0_0": np.zeros(2)})
+    blocks.forget_older(root, keep=[0], written=0)
+    assert sorted(p.name for p in (tmp_path / "blocks").iterdir()) == ["0", "1", "2"]
+    blocks.forget_older(root, keep=[2], written=2)  # orbax let step 0 go
+    assert sorted(p.name for p in (tmp_path / "blocks").iterdir()) == ["2"]
