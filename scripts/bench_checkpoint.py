@@ -53,7 +53,7 @@ import jaxstep  # noqa: E402
 from jaxstep.checkpoint import FitCheckpoints  # noqa: E402
 from jaxstep.checkpoint._layout import local_copy  # noqa: E402
 from jaxstep.checkpoint._store import Store  # noqa: E402
-from jaxstep.step import driving  # noqa: E402
+from jaxstep.step import runtime_of  # noqa: E402
 
 SIZES = (784, 512, 512, 10)
 
@@ -94,7 +94,7 @@ def main() -> None:
         }
         for _ in range(4)
     ]
-    placed = host if driving.stacked(step) else [jax.device_put(b, split) for b in host]
+    placed = host if runtime_of(step).stacked else [jax.device_put(b, split) for b in host]
     feed = [placed[i % len(placed)] for i in range(args.block)]
     root = args.dir or tempfile.mkdtemp(prefix="jaxstep-bench-ckpt-")
     where = os.path.join(root, "run")
@@ -164,14 +164,14 @@ def main() -> None:
 
     # One write, as the writer thread does it, and the design not taken.
     state = states["checkpoint"]
-    leaves = jax.device_get(local_copy(state, stacked=driving.stacked(step)))
+    leaves = jax.device_get(local_copy(state, stacked=runtime_of(step).stacked))
     out["state_mb"] = sum(x.nbytes for x in leaves) / 2**20
     scratch = os.path.join(root, "scratch")
     store = Store(scratch, create=True)
     writes = []
     for i in range(5):
         t0 = time.perf_counter()
-        leaves = jax.device_get(local_copy(state, stacked=driving.stacked(step)))
+        leaves = jax.device_get(local_copy(state, stacked=runtime_of(step).stacked))
         store.save(i, {"state": leaves, "meta": {"i": i}})
         writes.append(time.perf_counter() - t0)
     store.close()

@@ -27,7 +27,7 @@ import optax
 
 import jaxstep
 from jaxstep import distributed
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 from jaxstep.testing import Fault
 from tests import child
 from tests.child import result
@@ -124,7 +124,7 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
             rejected["rows"] = str(err)
         # pmap-style (its own 4 devices, per_device, ...): joined back to its rows
         split = jax.tree.map(lambda x: x.reshape(4, -1, *x.shape[1:]), batches[0])
-        joined = jax.tree.leaves(driving.join(step, split))
+        joined = jax.tree.leaves(runtime_of(step).join(split))
         rejected["presplit_joins"] = all(
             (a == b).all() for a, b in zip(joined, jax.tree.leaves(batches[0]), strict=True)
         )
@@ -166,7 +166,7 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
     if save_params and jax.process_index() == 0:
         import numpy as np
 
-        params = driving.local_copy(step, step.host_state(state).params, 0)
+        params = runtime_of(step).read_at(step.host_state(state).params, 0)
         flat = jax.tree_util.tree_leaves_with_path(params)
         np.savez(save_params, **{jax.tree_util.keystr(k): v for k, v in flat})
     result(raised=False, seconds=time.monotonic() - start, step=int(state.step.addressable_data(0)))

@@ -34,7 +34,7 @@ from jax.experimental import io_callback
 import jaxstep
 from jaxstep import distributed
 from jaxstep.core import processes
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
 from tests import child
@@ -77,14 +77,14 @@ class Moves:
 def params_of(step, state):
     """The parameters as lists of floats (float32 values survive JSON exactly)."""
     here = distributed.local_positions(step.devices)[0]  # a copy this process holds
-    params = driving.local_copy(step, state.params, here)
+    params = runtime_of(step).read_at(state.params, here)
     return {jax.tree_util.keystr(k): np.asarray(v).ravel().tolist() for k, v in _flat(params)}
 
 
 def replicas_agree(step, state):
     """Whether the copies of the parameters this process holds are equal, bit for bit."""
     here = distributed.local_positions(step.devices)
-    first, *others = [jax.tree.leaves(driving.local_copy(step, state.params, i)) for i in here]
+    first, *others = [jax.tree.leaves(runtime_of(step).read_at(state.params, i)) for i in here]
     return all(all(map(np.array_equal, first, leaves)) for leaves in others)
 
 
@@ -114,7 +114,7 @@ def seen(name, step, state, history, caught, **more):
     result(
         run=name,
         params=params_of(step, state),
-        step=int(driving.first_copy(step, state.step)),
+        step=int(runtime_of(step).read_first(state.step)),
         devices=[d.id for d in step.devices],
         history_step=list(history.step),
         recoveries=records(history),
@@ -162,7 +162,7 @@ def main(base: str) -> None:
     cut = np.r_[0 : gone * PER_DEVICE, (gone + 1) * PER_DEVICE : len(full[0]["x"])]
     tail = child.local_batches([{k: v[cut] for k, v in b.items()} for b in full[AT:]], rest)
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=rest)
-    copy = driving.local_copy(head, start, distributed.local_positions(devices)[0])
+    copy = runtime_of(head).read_at(start, distributed.local_positions(devices)[0])
     reference = jaxstep.fit(step, step.place_state(copy), tail)
     seen("device", *out, target=target.id, reference=params_of(step, reference))
 

@@ -5,14 +5,17 @@ them (docs/checkpoints.md)."""
 from jaxstep.checkpoint._emergency import Emergency as Emergency
 from jaxstep.checkpoint._emergency import read_emergency as read_emergency
 from jaxstep.checkpoint._options import CheckpointOptions as CheckpointOptions
+from jaxstep.checkpoint._position import Cursor as Cursor
 from jaxstep.checkpoint._quarantine import append_quarantine as append_quarantine
 from jaxstep.checkpoint._quarantine import read_quarantine as read_quarantine
 from jaxstep.checkpoint._saver import FitCheckpoints as FitCheckpoints
 from jaxstep.checkpoint._store import Store as Store
 from jaxstep.checkpoint._store import restore as restore
+from jaxstep.checkpoint._store import restore_on as restore_on
 
 __all__ = [
     "CheckpointOptions",
+    "Cursor",
     "Emergency",
     "FitCheckpoints",
     "Store",
@@ -20,4 +23,5 @@ __all__ = [
     "read_emergency",
     "read_quarantine",
     "restore",
+    "restore_on",
 ]

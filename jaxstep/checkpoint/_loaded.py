@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -19,10 +18,7 @@ from jaxstep.checkpoint._layout import local_copy
 from jaxstep.checkpoint._position import Position
 from jaxstep.core import TrainState
 from jaxstep.program import drop_memory
-from jaxstep.step import driving
-
-if TYPE_CHECKING:
-    from jaxstep.step import TrainStep
+from jaxstep.step import Runtime
 
 __all__ = ["Loaded", "conform"]
 
@@ -48,10 +44,11 @@ class Loaded:
         return None if data is None else Position.from_json(data)
 
 
-def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None) -> TrainState:
+def conform(step: Runtime, loaded: Loaded, template: TrainState | None = None) -> TrainState:
     """The loaded host state, checked against (and shaped like) this run's state.
 
-    ``template`` (a state of this step, e.g. from ``step.init``) is what the state must
+    ``step``: the runtime of the step it is restored for. ``template`` (a state of this
+    step, e.g. from ``step.init``) is what the state must
     look like: same leaf names, shapes and dtypes. The per-device monitor windows are the
     one thing that may differ (another device count): they restart, with a warning.
     Without a template the leaf names of the step's parameters and optimizer state are
@@ -64,7 +61,7 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
     saved = loaded.layout
     leaves = list(loaded.leaves)
     if template is not None:
-        want = Layout.of(template, stacked=driving.stacked(step))
+        want = Layout.of(template, stacked=step.stacked)
         have = dict(zip(saved.names, zip(saved.shapes, saved.dtypes, strict=True), strict=True))
         differ = []
         fresh: list[Any] | None = None
@@ -143,10 +140,10 @@ def conform(step: TrainStep, loaded: Loaded, template: TrainState | None = None)
     return _drop_fields(step, host)
 
 
-def _fresh(step: TrainStep, template: TrainState) -> list[Any]:
+def _fresh(step: Runtime, template: TrainState) -> list[Any]:
     """The template's leaves on the host (its monitor and drop fields are what is
     used: a leaf sharded across processes comes as a placeholder)."""
-    return blocks.to_host(local_copy(template, stacked=driving.stacked(step)))[0]
+    return blocks.to_host(local_copy(template, stacked=step.stacked))[0]
 
 
 def _of_drop(name: str) -> bool:
@@ -155,7 +152,7 @@ def _of_drop(name: str) -> bool:
     return name == ".total_drops" or name.startswith((".monitor['drops']", ".monitor['repairs']"))
 
 
-def _drop_fields(step: TrainStep, host: TrainState) -> TrainState:
+def _drop_fields(step: Runtime, host: TrainState) -> TrainState:
     """``host`` with the drop policy's fields as this step's policy wants them: zeros
     when the checkpoint has none (or counts for another device count), none under the
     other policies."""

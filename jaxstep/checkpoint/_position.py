@@ -24,6 +24,7 @@ from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
 from typing import Final
+from typing import NamedTuple
 from typing import cast
 
 from jaxstep.core import SourceKind
@@ -36,6 +37,15 @@ ITERATOR: Final = "iterator"
 EXACT: tuple[SourceKind, ...] = (CALLABLE, CHECKPOINTABLE, SEQUENCE)
 
 _warned_plain = False
+
+
+class Cursor(NamedTuple):
+    """A place in the data one fit call pulls: before the source's ``batch``-th batch
+    (counted in this source, from 0), ``rows`` rows into it. :meth:`Source.position`
+    turns it into the :class:`Position` a checkpoint saves."""
+
+    batch: int
+    rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +96,8 @@ class Source(Iterator[Any]):
       resuming: ``start`` comes from a checkpoint; a source that yields nothing
         there is then an error (the data is shorter than the run that saved it).
       checkpointing: warn (once) when ``batches`` cannot resume exactly.
+      lookahead: batches pulled ahead of the one trained (``fit(prefetch=...)``): the
+        data positions of that many more are kept.
     """
 
     def __init__(
@@ -95,6 +107,7 @@ class Source(Iterator[Any]):
         *,
         resuming: bool = False,
         checkpointing: bool = False,
+        lookahead: int = 0,
     ):
         if isinstance(start, int):
             start = Position(start, "")
@@ -104,8 +117,8 @@ class Source(Iterator[Any]):
         self._resuming = resuming and start.index > 0
         self._marks: dict[int, Any] = {}
         #: marks kept before the newest batch pulled: a checkpoint is saved a step or
-        #: two after its mark (fit's prefetch adds the batches it pulls ahead)
-        self.margin = 4
+        #: two after its mark, and fit's prefetch pulls ``lookahead`` batches ahead
+        self.margin = 4 + (lookahead + 1 if lookahead else 0)
         self._watch: Callable[[int], bool] | None = None
         self.kind: SourceKind
         if is_callable_source(batches):
@@ -158,10 +171,9 @@ class Source(Iterator[Any]):
         source) whenever ``before(count)``: cheap for the other batches."""
         self._watch = before if self.kind == CHECKPOINTABLE else None
 
-    def position(self, count: int | None = None, rows: int = 0) -> Position:
-        """The position before this source's ``count``-th batch (default: the next), or
-        ``rows`` rows into it."""
-        count = self.count if count is None else count
+    def position(self, at: Cursor | None = None) -> Position:
+        """The position of ``at`` (default: before the next batch)."""
+        count, rows = (self.count, 0) if at is None else at
         state = self._marks.get(count)
         if state is None and self.kind == CHECKPOINTABLE and count == self.count:
             state = self._it.get_state()

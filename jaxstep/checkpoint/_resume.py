@@ -9,7 +9,6 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 
@@ -20,17 +19,16 @@ from jaxstep.checkpoint._store import as_path
 from jaxstep.checkpoint._store import conform
 from jaxstep.checkpoint._store import load
 from jaxstep.core import TrainState
-
-if TYPE_CHECKING:
-    from jaxstep.step import TrainStep
+from jaxstep.step import Runtime
 
 log = logging.getLogger("jaxstep")
 
 
 def latest(
-    step: TrainStep, state: TrainState, directory: str | os.PathLike[str]
+    step: Runtime, state: TrainState, directory: str | os.PathLike[str]
 ) -> tuple[TrainState, Position | None]:
-    """The latest verified checkpoint of ``directory`` placed for ``step`` (``state``
+    """The latest verified checkpoint of ``directory`` placed for ``step`` (a step's
+    runtime; ``state``
     gives its structure), and its data position; ``(state, None)`` with a warning when
     the directory holds none yet."""
     loaded = load(directory) if _has_checkpoint(directory) else None

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -29,6 +28,7 @@ from jaxstep.checkpoint import _resume
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
 from jaxstep.checkpoint._options import CheckpointOptions
+from jaxstep.checkpoint._position import Cursor
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._position import Source
 from jaxstep.checkpoint._position import is_callable_source
@@ -38,10 +38,7 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
-from jaxstep.step import driving
-
-if TYPE_CHECKING:
-    from jaxstep.step import TrainStep
+from jaxstep.step import Runtime
 
 log = logging.getLogger("jaxstep")
 
@@ -67,10 +64,11 @@ class _Snapshot:
 
 
 class FitCheckpoints:
-    """One fit call's checkpointing. Build it with :meth:`begin`."""
+    """One fit call's checkpointing, on the step's runtime (:meth:`resumed_on`: a new
+    one once a recovery left a device out). Build it with :meth:`begin`."""
 
     def __init__(
-        self, step: TrainStep, store: Store | None, every: int | None, source: Source, first: int
+        self, step: Runtime, store: Store | None, every: int | None, source: Source, first: int
     ):
         self.step = step
         self.store = store
@@ -101,15 +99,18 @@ class FitCheckpoints:
     @classmethod
     def begin(
         cls,
-        step: TrainStep,
+        step: Runtime,
         state: TrainState,
         batches: Any,
         options: CheckpointOptions | None = None,
+        *,
+        lookahead: int = 0,
         **keywords: Any,
     ) -> tuple[TrainState, Source, FitCheckpoints]:
         """Restores the latest verified checkpoint when ``options.resume``, and opens
         ``batches`` at the data position (``keywords``: the options, when ``options`` is
-        not given).
+        not given). ``step``: the step's runtime; ``lookahead``: batches fit pulls ahead
+        of the one it trains (its prefetch).
 
         Returns:
           (the state to train from, the batches to pull, the run).
@@ -135,7 +136,13 @@ class FitCheckpoints:
         first = int(np.asarray(state.step).reshape(-1)[0])
         if position is None:
             position = Position(first if is_callable_source(batches) else 0, "")
-        source = Source(batches, position, resuming=resuming, checkpointing=every is not None)
+        source = Source(
+            batches,
+            position,
+            resuming=resuming,
+            checkpointing=every is not None,
+            lookahead=lookahead,
+        )
         store = None
         if directory is not None:
             store = Store(directory, keep=options.keep, create=True)
@@ -152,26 +159,25 @@ class FitCheckpoints:
                 )
         return state, source, cls(step, store, every, source, first)
 
-    def before(self, state: TrainState, index: int | None = None, rows: int = 0) -> bool:
+    def before(self, state: TrainState, at: Cursor | None = None) -> bool:
         """Called with each state just before it is dispatched (and donated). Returns
         whether this step must run the replica check: at a checkpoint step, on every
         process alike (the same program everywhere), so the checkpoint is verified.
-        ``index``: the source's count before the batch about to run (default: the batch
-        pulled last), the data position a checkpoint of ``state`` resumes from, ``rows``
-        rows into that batch."""
+        ``at``: where the batch about to run starts in the data (default: the batch
+        pulled last), the data position a checkpoint of ``state`` resumes from."""
         number = self.number
         self.number += 1
         check = self.every is not None and self.store is not None and number % self.every == 0
         if self._pool is None or not check or number in self._done:
             return check
         # The position before the batch of this step (by default the one pulled last).
-        position = self.source.position(self.source.count - 1 if index is None else index, rows)
+        position = self.source.position(Cursor(self.source.count - 1) if at is None else at)
         if self._positions is not None:  # published before the step runs: the writer
             # reads it once the step's collective finished, so it is there by then
             self._positions.publish(number, position.to_json())
             if not self.writer and not blocks.spread(state):  # (or write its shards)
                 return True
-        stacked, devices = driving.stacked(self.step), tuple(self.step.devices)
+        stacked, devices = self.step.stacked, tuple(self.step.devices)
         self._snap = _Snapshot(
             number,
             local_copy(state, stacked=stacked),
@@ -247,6 +253,10 @@ class FitCheckpoints:
     ) -> dict[str, Any]:
         return run_meta(number, devices, self.step.options.backend, verified=verified)
 
+    def resumed_on(self, step: Runtime) -> None:
+        """A recovery left a device out: the step runs on ``step`` (a runtime) from now on."""
+        self.step = step
+
     def rewind(self, number: int) -> None:
         """The next state :meth:`before` sees is step ``number`` (a recovery went back
         or retries a step); a snapshot waiting for a step that did not count is let go."""
@@ -275,33 +285,31 @@ class FitCheckpoints:
         concurrent.futures.wait(self._futures, timeout=timeout)
 
     def failed(
-        self, error: TrainingWorkerError, first: tuple[int, int] | None = None
+        self, error: TrainingWorkerError, first: Cursor | None = None
     ) -> TrainingWorkerError:
         """The error (``error.batches``: the failing batch first) with the emergency
-        save, and the latest verified checkpoint named. ``first``: the data position of
-        the first of ``error.batches`` (the source's count before its batch, rows into
-        it; default: they are the last ones pulled). Closes the run."""
+        save, and the latest verified checkpoint named. ``first``: where the first of
+        ``error.batches`` is in the data (default: they are the last ones pulled).
+        Closes the run."""
         if self.store is None:
             return error
         self.drain(_DRAIN_TIMEOUT)
         if first is None:
-            first = (self.source.count - len(error.batches), 0)
+            first = Cursor(self.source.count - len(error.batches))
         try:
             return self._save_and_name(error, first)
         finally:
             self.close()
 
-    def _save_and_name(
-        self, error: TrainingWorkerError, first: tuple[int, int]
-    ) -> TrainingWorkerError:
+    def _save_and_name(self, error: TrainingWorkerError, first: Cursor) -> TrainingWorkerError:
         assert self.store is not None
         try:
             path = emergency.save(
                 self.store.directory,
                 error,
                 meta=self._meta(error.step, self.step.devices, verified=False),
-                failing=self.source.position(*first),
-                stacked=driving.stacked(self.step),
+                failing=self.source.position(first),
+                stacked=self.step.stacked,
                 devices=self.step.devices,
             )
         except Exception as err:  # never hide the failure behind a failed save
@@ -318,32 +326,29 @@ class FitCheckpoints:
             )
         return error.replace(checkpoint=path)
 
-    def stopped(
-        self, state: TrainState, untrained: int, first: tuple[int, int] | None = None
-    ) -> str | None:
+    def stopped(self, state: TrainState, untrained: int, first: Cursor | None = None) -> str | None:
         """``fit`` stops early (Ctrl-C, an exception): saves ``state`` as the checkpoint
         of its step, verified when its replicas agree, with the data position before the
-        ``untrained`` batches pulled last (or at ``first``: the source's count before a
-        batch, rows into it), so
-        ``resume=True`` goes on from it. Returns
-        where, or None (no checkpoint directory; several processes, whose positions
-        would need every peer: their latest periodic checkpoint stands)."""
+        ``untrained`` batches pulled last (or at ``first``), so ``resume=True`` goes on
+        from it. Returns where, or None (no checkpoint directory; several processes,
+        whose positions would need every peer: their latest periodic checkpoint
+        stands)."""
         if self.store is None:
             return None
         if len(self.processes) > 1:
             log.warning("fit stopped early: with several processes no state is saved")
             return None
         self.drain(_DRAIN_TIMEOUT)
-        number = int(np.asarray(driving.first_copy(self.step, state.step)))
+        number = int(np.asarray(self.step.read_first(state.step)))
         where = str(self.store.directory / str(number))
         if number in self._done:  # this very state was written as a checkpoint
             return where
-        verified = driving.replicas_agree(self.step, state)
-        stacked = driving.stacked(self.step)
+        verified = self.step.replicas_agree(state)
+        stacked = self.step.stacked
         layout = Layout.of(state, stacked=stacked)
         if first is None:
-            first = (self.source.count - untrained, 0)
-        position = self.source.position(*first)
+            first = Cursor(self.source.count - untrained)
+        position = self.source.position(first)
         meta = self._meta(number, self.step.devices, verified=verified)
         meta.update(
             data=position.to_json(),

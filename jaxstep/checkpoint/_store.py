@@ -27,7 +27,6 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -38,9 +37,9 @@ from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._loaded import Loaded
 from jaxstep.checkpoint._loaded import conform
 from jaxstep.core import TrainState
-
-if TYPE_CHECKING:
-    from jaxstep.step import TrainStep
+from jaxstep.step import Runtime
+from jaxstep.step import TrainStep
+from jaxstep.step import runtime_of
 
 log = logging.getLogger("jaxstep")
 
@@ -323,6 +322,13 @@ def restore(
       >>> int(jaxstep.restore(step, where).step)
       2
     """
+    return restore_on(runtime_of(step), checkpoint_dir, at=at)
+
+
+def restore_on(
+    runtime: Runtime, checkpoint_dir: str | os.PathLike[str], *, at: int | None = None
+) -> TrainState:
+    """:func:`restore` onto a step's runtime (fit's rollback: the runtime it runs on)."""
     loaded = load(checkpoint_dir, at=at)
-    coordination.agree_on_restore(checkpoint_dir, loaded.meta.get("step"), step.devices)
-    return step.place_state(conform(step, loaded))
+    coordination.agree_on_restore(checkpoint_dir, loaded.meta.get("step"), runtime.devices)
+    return runtime.place_state(conform(runtime, loaded))

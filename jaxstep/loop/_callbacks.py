@@ -10,26 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 from typing import Any
 
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
-
-if TYPE_CHECKING:
-    from jaxstep.loop._history import History
-    from jaxstep.loop._records import Recovery
-    from jaxstep.step import TrainStep
-
+from jaxstep.loop._action import Action
+from jaxstep.loop._history import History
+from jaxstep.loop._records import Recovery
+from jaxstep.step import TrainStep
 
 #: The hooks fit calls on a callback, in the order of a run.
 HOOKS = ("on_fit_start", "on_step_end", "on_recovery", "on_failure", "on_fit_end")
 
 
-class Callbacks:
-    """Every callback's hooks as one callback: each ``on_...`` call goes to the
-    callbacks that define it, in the order given. Which callback has which hook is
-    looked up once, here, not at each step.
+class Callbacks(Action):
+    """Every callback's hooks as one callback, the loop's callbacks action: each
+    ``on_...`` call goes to the callbacks that define it, in the order given. Which
+    callback has which hook is looked up once, here, not at each step.
 
     >>> class Count:
     ...     steps = 0
@@ -41,8 +38,6 @@ class Callbacks:
     >>> count.steps
     1
     """
-
-    __slots__ = ("_end", "_failure", "_recovery", "_start", "_step_end", "hooked")
 
     def __init__(self, callbacks: Iterable[object] = ()):
         callbacks = list(callbacks)

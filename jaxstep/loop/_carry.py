@@ -29,6 +29,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -36,66 +37,70 @@ import numpy as np
 from jaxstep import distributed
 from jaxstep.core import validate
 from jaxstep.loop._pending import Item
-from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import Runtime
 from jaxstep.step import join_presplit
 
 Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the data
 
 
-# The warnings of finish name fit's caller: fit -> Loop.finish -> Actions.finish -> here.
-_FIT_CALLER = 5
+# The warnings of finish name fit's caller: fit -> Loop.finish -> here.
+_FIT_CALLER = 4
 
 
-def carry_for(
-    step: TrainStep, start: int, skip: int, left_over: list[Span], presplit: bool
-) -> Carry | Cut | None:
+class Taken(NamedTuple):
+    """What the carry makes of a batch: the item the step trains now (None: fewer rows
+    than a step needs at hand, all carried on), and the rows it listed as never trained
+    (``History.left_over``: carried rows of another shape, or a cut device's chunk)."""
+
+    item: Item | None
+    left_over: tuple[Span, ...] = ()
+
+
+def carry_for(runtime: Runtime, start: int, skip: int, presplit: bool) -> Carry | Cut | None:
     """The carry a fit call starts with (None: none needed): for a resume inside a batch
     (``skip`` rows of the first batch trained already), or for a step that lost devices
     in an earlier fit call. ``start``: the data's count of the first batch pulled."""
     if skip:
-        return Carry(_unit(step), skip, presplit, start=start, left_over=left_over)
-    origin = driving.origin(step)
-    if origin is None:
+        return Carry(_unit(runtime), skip, presplit, start=start)
+    if runtime.origin is None:
         return None
-    return after_leaving(None, origin, step, start=start, left_over=left_over, presplit=presplit)
+    return after_leaving(None, runtime.origin, runtime, start=start, presplit=presplit)
 
 
 def after_leaving(
     carry: Carry | Cut | None,
     before: Sequence[jax.Device],
-    step: TrainStep,
+    runtime: Runtime,
     *,
     start: int,
-    left_over: list[Span],
     presplit: bool,
 ) -> Carry | Cut:
-    """``carry`` (made when None) once the devices of ``before`` that ``step`` no longer
-    has left the run: on several processes each batch's rows of the devices gone are cut
-    (:class:`Cut`); on one, the rows that do not divide by the devices left are carried
-    (:class:`Carry`, its unit that of the devices left)."""
+    """``carry`` (made when None) once the devices of ``before`` that ``runtime`` no
+    longer has left the run: on several processes each batch's rows of the devices
+    gone are cut (:class:`Cut`); on one, the rows that do not divide by the devices left
+    are carried (:class:`Carry`, its unit that of the devices left)."""
     if distributed.spans_processes(before):  # rows stay with their process
         if not isinstance(carry, Cut):
             here = [d.id for d in before if d.process_index == jax.process_index()]
-            carry = Cut(here, start, left_over, presplit)
-        kept = {d.id for d in step.devices}
+            carry = Cut(here, start, presplit)
+        kept = {d.id for d in runtime.devices}
         carry.exclude([d.id for d in before if d.id not in kept])
         return carry
     if not isinstance(carry, Carry):
-        carry = Carry(_unit(step), presplit=presplit, start=start, left_over=left_over)
-    carry.unit = _unit(step)
+        carry = Carry(_unit(runtime), presplit=presplit, start=start)
+    carry.unit = _unit(runtime)
     return carry
 
 
-def _unit(step: TrainStep) -> int:
+def _unit(runtime: Runtime) -> int:
     """The rows a step's batch must divide by: devices x micro-batches."""
-    return len(step.devices) * (step.options.microbatches or 1)
+    return len(runtime.devices) * (runtime.options.microbatches or 1)
 
 
 class Carry:
-    """The rows carried into the next step, and exactly where each came from: an
-    action of the loop (:meth:`take` before each dispatch, :meth:`held` when the loop
-    stops or goes back, :meth:`finish`).
+    """The rows carried into the next step, and exactly where each came from: the
+    loop's own (:meth:`take` before each dispatch, :meth:`held` when the loop stops or
+    goes back, :meth:`finish`).
 
     Args:
       unit: the rows a step's size must divide by (devices x micro-batches).
@@ -105,35 +110,27 @@ class Carry:
         read from the batch (laid out for the devices before any left the run).
       start: the data's count of the first batch fit pulled (``History.left_over``
         counts batches from the data's first).
-      left_over: where the rows never trained are listed (``History.left_over``).
     """
 
-    def __init__(
-        self,
-        unit: int,
-        skip: int = 0,
-        presplit: bool = False,
-        *,
-        start: int = 0,
-        left_over: list[Span] | None = None,
-    ):
+    def __init__(self, unit: int, skip: int = 0, presplit: bool = False, *, start: int = 0):
         self.unit = unit
         self.skip = skip
         self.presplit = presplit
         self.start = start
-        self.left_over = [] if left_over is None else left_over
+        self.listed: list[Span] = []  # the rows this carry listed as never trained
         self.rows: Any = None  # the carried rows (host arrays), or None
         self.spans: list[Span] = []  # where they are in the data, in order
         self.set_aside = 0  # rows listed because the next batch had another shape
 
-    def take(self, item: Item) -> Item | None:
-        """The batch to train now from the rows carried and ``item``'s (None: fewer
-        than ``unit`` rows at hand, all carried on). Its ``spans`` say where each of its
-        rows is in the data, ``first``/``offset`` where the first is (the data position
-        of a checkpoint before it). An item that went through here before (a recovery
-        queued it again: ``spans`` set) is joined rows with its spans already. Carried
-        rows of another shape than ``item``'s are listed, not joined (:meth:`_list_carried`).
-        Nothing changes when it raises: the loop hands ``item`` back."""
+    def take(self, item: Item) -> Taken:
+        """The batch to train now from the rows carried and ``item``'s (its item None:
+        fewer than ``unit`` rows at hand, all carried on). Its ``spans`` say where each
+        of its rows is in the data, ``first``/``offset`` where the first is (the data
+        position of a checkpoint before it). An item that went through here before (a
+        recovery queued it again: ``spans`` set) is joined rows with its spans already.
+        Carried rows of another shape than ``item``'s are listed, not joined
+        (:meth:`_list_carried`). Nothing changes when it raises: the loop hands ``item``
+        back."""
         batch = jax.tree.map(np.asarray, item.batch)
         skip = 0
         if item.spans is None:
@@ -146,8 +143,10 @@ class Carry:
         else:
             spans = list(item.spans)
         self.skip = 0
+        listed: list[Span] = []
         if self.rows is not None and not joinable(self.rows, batch):
-            self.set_aside += self._list_carried()
+            listed = self._list_carried()
+            self.set_aside += sum(hi - lo for _, lo, hi in listed)
         if self.rows is not None:
             batch = jax.tree.map(lambda a, b: np.concatenate([a, b]), self.rows, batch)
             spans = merge_spans(self.spans + spans)
@@ -157,25 +156,27 @@ class Carry:
         self.rows = jax.tree.map(lambda x: x[keep:], batch) if keep < total else None
         self.spans = tail
         if keep == 0:
-            return None
-        return item._replace(
+            return Taken(None, tuple(listed))
+        taken = item._replace(
             batch=jax.tree.map(lambda x: x[:keep], batch),
             first=head[0][0],
             offset=head[0][1],
             spans=tuple(head),
         )
+        return Taken(taken, tuple(listed))
 
-    def _list_carried(self) -> int:
-        """The carried rows (fewer than ``unit``: no step of their own) listed in
-        ``History.left_over``, in the data's order, and let go: the next batch has
-        another shape, or the data ended. Returns how many."""
+    def _list_carried(self) -> list[Span]:
+        """The carried rows (fewer than ``unit``: no step of their own) let go, as the
+        spans to list in ``History.left_over`` (batches counted from the data's first),
+        in the data's order: the next batch has another shape, or the data ended."""
         left = self.left()
         if left is None:
-            return 0
-        spans, rows = left
-        self.left_over.extend((self.start + seq, lo, hi) for seq, lo, hi in spans)
+            return []
+        spans, _ = left
+        listed = [(self.start + seq, lo, hi) for seq, lo, hi in spans]
+        self.listed += listed
         self.rows, self.spans = None, []
-        return validate.batch(rows, 1)
+        return listed
 
     def requeue(self) -> Item | None:
         """The carried rows as an item to queue again (a recovery resets the loop: they
@@ -197,13 +198,14 @@ class Carry:
             return None
         return list(self.spans), self.rows
 
-    def finish(self) -> None:
-        """The data ended: rows still carried (fewer than a step needs) are listed in
+    def finish(self) -> list[Span]:
+        """The data ended: the rows still carried (fewer than a step needs), to list in
         ``History.left_over``; a warning counts them with those listed when a batch of
         another shape came (:meth:`_list_carried`)."""
-        at_end = self._list_carried()
+        listed = self._list_carried()
+        at_end = sum(hi - lo for _, lo, hi in listed)
         if not (at_end or self.set_aside):
-            return
+            return listed
         why = []
         if self.set_aside:
             why.append(
@@ -214,9 +216,10 @@ class Carry:
             why.append(f"{at_end} when the data ended with fewer than the {self.unit} a step needs")
         warnings.warn(
             f"{self.set_aside + at_end} row(s) carried after a device left the run were not "
-            f"trained: {'; '.join(why)}; they are listed in history.left_over {self.left_over}",
+            f"trained: {'; '.join(why)}; they are listed in history.left_over {self.listed}",
             stacklevel=_FIT_CALLER,
         )
+        return listed
 
 
 def joinable(rows: Any, batch: Any) -> bool:
@@ -271,23 +274,16 @@ class Cut:
       origin: the ids of this process's devices, in the step's order, before any left.
       start: the data's count of the first batch fit pulled (``History.left_over``
         counts batches from the data's first).
-      left_over: where the cut rows are listed (``History.left_over``).
       presplit: batches come ``(n_devices, per_device, ...)``: joined here when cut.
     """
 
     rows = None  # the carry's protocol: nothing is ever carried
 
-    def __init__(
-        self,
-        origin: Sequence[int],
-        start: int,
-        left_over: list[tuple[int, int, int]],
-        presplit: bool = False,
-    ):
+    def __init__(self, origin: Sequence[int], start: int, presplit: bool = False):
         self.origin = list(origin)
         self.here = set(self.origin)  # of them, the devices still in the step
         self.start = start
-        self.left_over = left_over
+        self.listed: list[Span] = []  # the rows this cut listed as never trained
         self.presplit = presplit
         self.cut = 0  # rows listed by this fit call
 
@@ -295,13 +291,14 @@ class Cut:
         """Devices that left: their chunks are cut from now on."""
         self.here -= set(device_ids)
 
-    def take(self, item: Item) -> Item:
-        """``item`` without the chunks of devices that left (as it is when it has none).
-        An item cut before (a recovery queued it again) loses only what left since."""
+    def take(self, item: Item) -> Taken:
+        """``item`` without the chunks of devices that left (as it is when it has none),
+        and the rows cut. An item cut before (a recovery queued it again) loses only
+        what left since."""
         chunks = tuple(range(len(self.origin))) if item.chunks is None else item.chunks
         keep = tuple(j for j in chunks if self.origin[j] in self.here)
         if keep == chunks:
-            return item
+            return Taken(item)
         batch = item.batch
         if self.presplit and item.first is None:
             batch = join_presplit(jax.tree.map(np.asarray, batch), len(self.origin))
@@ -309,15 +306,18 @@ class Cut:
         at = {j: i for i, j in enumerate(chunks)}
         rows = np.concatenate([np.arange(at[j] * size, (at[j] + 1) * size) for j in keep])
         first = item.seq if item.first is None else item.first
+        listed = []
         for j in chunks:
             if j not in keep:  # rows of the batch as passed: chunk j of its layout
-                self.left_over.append((self.start + first, j * size, (j + 1) * size))
+                listed.append((self.start + first, j * size, (j + 1) * size))
                 self.cut += size
-        return item._replace(
+        self.listed += listed
+        taken = item._replace(
             batch=jax.tree.map(lambda x: np.asarray(x)[rows], batch),
             first=first,
             chunks=keep,
         )
+        return Taken(taken, tuple(listed))
 
     def requeue(self) -> None:
         """Nothing carried to queue again."""
@@ -331,13 +331,15 @@ class Cut:
         """No rows carried."""
         return None
 
-    def finish(self) -> None:
-        """The rows cut by this fit call, in a warning (they are in ``History.left_over``)."""
+    def finish(self) -> list[Span]:
+        """The rows cut by this fit call, in a warning (they are in ``History.left_over``
+        already: nothing more to list)."""
         if self.cut:
             warnings.warn(
                 f"{self.cut} row(s) of this process's batches were not trained: they "
                 "were the chunks of devices that left the run, and with several processes "
                 "a process cannot hand its rows to another; they are listed in "
-                f"history.left_over {self.left_over}",
+                f"history.left_over {self.listed}",
                 stacklevel=_FIT_CALLER,
             )
+        return []

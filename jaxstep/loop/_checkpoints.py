@@ -4,18 +4,19 @@ writes it once verified, saves a failure's state and batch, and an early stop's 
 
 from __future__ import annotations
 
+from jaxstep.checkpoint import Cursor
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.loop._action import Action
+from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 
 
-class Checkpoints:
+class Checkpoints(Action):
     """``saver``'s hooks as an action (only with a checkpoint directory: without one
     there is nothing to save)."""
-
-    __slots__ = ("saver",)
 
     def __init__(self, saver: FitCheckpoints):
         self.saver = saver
@@ -24,26 +25,26 @@ class Checkpoints:
         """Before ``state`` is dispatched (and donated) on ``item``: whether the step
         must check replicas (a checkpoint step, whose copy is taken here). The data
         position a checkpoint of ``state`` resumes from is ``item``'s first row."""
-        return self.saver.before(state, item.seq if item.first is None else item.first, item.offset)
+        batch = item.seq if item.first is None else item.first
+        return self.saver.before(state, Cursor(batch, item.offset))
 
     def read(self, table: HealthTable) -> None:
         """A step's table was read: a copy whose replica check passed is written."""
         if self.saver.waiting:
             self.saver.settled(table)
 
-    def resumed(self, resume: object, number: int) -> None:
-        """A recovery went back, or runs a step again: the next step is ``number``."""
+    def resumed(self, resume: Resume, number: int) -> None:
+        """A recovery went back, or runs a step again: the next step is ``number`` (a
+        device left: the step's runtime from now on)."""
+        if resume.runtime is not None:
+            self.saver.resumed_on(resume.runtime)
         self.saver.rewind(number)
 
-    def report(
-        self, error: TrainingWorkerError, first: tuple[int, int] | None = None
-    ) -> TrainingWorkerError:
+    def report(self, error: TrainingWorkerError, first: Cursor | None) -> TrainingWorkerError:
         """A failure leaves fit: the emergency save, and the latest checkpoint named."""
         return self.saver.failed(error, first)
 
-    def stopped(
-        self, state: TrainState, untrained: int, first: tuple[int, int] | None
-    ) -> str | None:
+    def stopped(self, state: TrainState, untrained: int, first: Cursor | None) -> str | None:
         """An early stop: ``state`` saved (where, or None)."""
         return self.saver.stopped(state, untrained, first)
 

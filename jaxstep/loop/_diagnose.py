@@ -21,10 +21,13 @@ from jaxstep import distributed
 from jaxstep.core import ReplayVerdict
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.loop._action import Action
+from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._watchdog import StepWatchdog
+from jaxstep.step import Runtime
 from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 
 # Causes a replay can follow from chunk to device, earliest in the chain first.
 _ROOTS = (
@@ -112,7 +115,16 @@ def diagnose(
 
     Raises:
       TrainingWorkerError: a replay hung (``Status.HUNG``), or a peer process was lost.
+      ValueError: ``error`` has no state to replay from (a hang).
     """
+    return diagnose_on(runtime_of(step), error, batch, step_timeout=step_timeout)
+
+
+def diagnose_on(
+    runtime: Runtime, error: TrainingWorkerError, batch: Any, *, step_timeout: float | None = None
+) -> Diagnosis:
+    """:func:`diagnose` on a step's runtime (fit's replay and recovery: the runtime they
+    run on)."""
     if error.state is None:
         raise ValueError(
             f"error has no state to replay from (status {error.status!r}); a hung step "
@@ -133,7 +145,7 @@ def diagnose(
             "device",
             (f"device {error.device_id}: it hung; no replay needed (no state to replay from)",),
         )
-    position = {d.id: i for i, d in enumerate(step.devices)}
+    position = {d.id: i for i, d in enumerate(runtime.devices)}
     failed = tuple(sorted(position[f.device_id] for f in error.failures))
 
     # Follow the root cause only: when the model communicates (cross-device
@@ -144,30 +156,30 @@ def diagnose(
         failed = tuple(sorted(position[f.device_id] for f in error.failures if root in f.status))
 
     state = error.state
-    watchdog = None if step_timeout is None else StepWatchdog(step, step_timeout)
+    watchdog = None if step_timeout is None else StepWatchdog(runtime, step_timeout)
 
     def run(rotation: int) -> tuple[int, ...]:
         if watchdog is None:
-            _, out = driving.replay(step, state, batch, rotation=rotation)
+            _, out = runtime.replay(state, batch, rotation=rotation)
         else:
             _, out = watchdog.replay(state, batch, rotation, error.step)
-        status = step.table(out).status
+        status = runtime.table(out).status
         hit = status != 0 if root is None else (status & int(root)) != 0
         return tuple(int(i) for i in np.flatnonzero(hit))
 
     try:
         same = run(0)
-        found = _verdict(step, error, batch, failed, same, run)
+        found = _verdict(runtime, error, batch, failed, same, run)
     finally:
         if watchdog is not None:
             watchdog.close()
     if same and root == Status.GRAD_NONFINITE:
-        found = _with_grad_leaves(found, step, error, batch, failed[0] if failed else same[0])
+        found = _with_grad_leaves(found, runtime, error, batch, failed[0] if failed else same[0])
     return found
 
 
 def _verdict(
-    step: TrainStep,
+    runtime: Runtime,
     error: TrainingWorkerError,
     batch: Any,
     failed: tuple[int, ...],
@@ -176,8 +188,8 @@ def _verdict(
 ) -> Diagnosis:
     """The verdict once the replay in place (``same``: the devices that failed in it)
     is known; rotates the chunks where that tells data from device."""
-    n = len(step.devices)
-    ids = [d.id for d in step.devices]
+    n = len(runtime.devices)
+    ids = [d.id for d in runtime.devices]
     replays = [(0, tuple(ids[i] for i in same))]
     if not same:
         evidence: tuple[str, ...] = (
@@ -192,8 +204,8 @@ def _verdict(
             replays=tuple(replays),
         )
     if len(same) == n:
-        return _spread(step, error, batch, replays)
-    order = distributed.local_rotation(step.devices, 1)
+        return _spread(runtime, error, batch, replays)
+    order = distributed.local_rotation(runtime.devices, 1)
     stuck = [ids[i] for i in same if order[i] == i]
     if stuck:
         evidence = (
@@ -208,14 +220,14 @@ def _verdict(
     chunks_now = {int(order[i]) for i in moved}
     where_now = [ids[i] for i in moved]
     if moved and chunks_now == chunks_then and set(moved) != set(same):
-        size = distributed.local_rows_per_device(batch, step.devices)
+        size = distributed.local_rows_per_device(batch, runtime.devices)
         rows = ", ".join(f"{c * size}..{(c + 1) * size - 1}" for c in sorted(chunks_then))
         evidence = (
             f"fails again on replay on device(s) {[ids[i] for i in same]}",
             f"with the chunks rotated it fails on device(s) {where_now}, which now hold the "
             f"same rows ({rows}): the failure follows the data",
         )
-        examples = _examples(step, error, batch, sorted(chunks_then))
+        examples = _examples(runtime, error, batch, sorted(chunks_then))
         return Diagnosis("data", evidence, examples, tuple(replays))
     if set(moved) == set(same):
         evidence = (
@@ -233,7 +245,7 @@ def _verdict(
 
 
 def _spread(
-    step: TrainStep,
+    runtime: Runtime,
     error: TrainingWorkerError,
     batch: Any,
     replays: list[tuple[int, tuple[int, ...]]],
@@ -241,8 +253,8 @@ def _spread(
     """Every device fails again on replay: either the model or the update is at fault,
     or one device's rows fail and a collective in the model carries the failure to the
     others. Each example alone (collectives see a one-example axis) tells which."""
-    n, ids = len(step.devices), [d.id for d in step.devices]
-    examples = _examples(step, error, batch, list(range(n)))
+    n, ids = len(runtime.devices), [d.id for d in runtime.devices]
+    examples = _examples(runtime, error, batch, list(range(n)))
     evidence: tuple[str, ...]
     if not examples:
         evidence = (
@@ -251,7 +263,7 @@ def _spread(
             "device or one chunk",
         )
         return Diagnosis("inconclusive", evidence, replays=tuple(replays))
-    size = distributed.local_rows_per_device(batch, step.devices)
+    size = distributed.local_rows_per_device(batch, runtime.devices)
     roots = tuple(dict.fromkeys(ids[e // size] for e in examples))
     evidence = (
         "every device fails again on replay",
@@ -264,31 +276,32 @@ def _spread(
 
 
 def _examples(
-    step: TrainStep, error: TrainingWorkerError, batch: Any, chunks: list[int]
+    runtime: Runtime, error: TrainingWorkerError, batch: Any, chunks: list[int]
 ) -> tuple[int, ...]:
     """The examples of ``chunks`` (device positions) that fail alone, sorted: each
     process runs the chunks it holds, and with several processes each one's finds are
     shared (:func:`jaxstep.distributed.share`), so every process holds them all."""
     assert error.state is not None  # checked by diagnose
-    mine = driving.failing_examples(step, error.state, batch, chunks, error.step)
-    found = distributed.share("diagnose/examples", mine, step.devices)
+    mine = runtime.passes.failing_examples(error.state, batch, chunks, error.step)
+    found = distributed.share("diagnose/examples", mine, runtime.devices)
     return tuple(sorted(int(e) for seen in found.values() for e in seen))
 
 
 def _with_grad_leaves(
-    found: Diagnosis, step: TrainStep, error: TrainingWorkerError, batch: Any, position: int
+    found: Diagnosis, runtime: Runtime, error: TrainingWorkerError, batch: Any, position: int
 ) -> Diagnosis:
     """``found`` with the gradient leaves the non-finite gradient reached on
     ``devices[position]``: the error names the first in tree order, which is not
     where a NaN that arose near the output started."""
     assert error.state is not None  # checked by diagnose
     bad = None  # only the process holding the device's rows can run them: it shares them
-    if position in distributed.local_positions(step.devices):
-        bad = driving.nonfinite_grad_leaves(step, error.state, batch, position, error.step)
-    shared = distributed.share("diagnose/grad_leaves", bad, step.devices)
+    if position in distributed.local_positions(runtime.devices):
+        leaves = runtime.passes.nonfinite_grad_leaves(error.state, batch, position, error.step)
+        bad = [runtime.names["params"][i] for i in leaves]
+    shared = distributed.share("diagnose/grad_leaves", bad, runtime.devices)
     bad = next(seen for seen in shared.values() if seen is not None)
-    names = step.names["params"]
-    device = step.devices[position].id
+    names = runtime.names["params"]
+    device = runtime.devices[position].id
     if not bad:
         note = (
             f"device {device}'s rows alone, in one pass, give finite gradients: the "
@@ -312,7 +325,7 @@ def _with_grad_leaves(
     return dataclasses.replace(found, evidence=(*found.evidence, note), grad_leaves=tuple(bad))
 
 
-class Replay:
+class Replay(Action):
     """The loop's replay action: a failure that leaves fit carries the verdict of its
     replay (``error.diagnosis``, and in its message). ``every`` (``fit(diagnose=True)``):
     every failure is replayed; None (the default): only one every device had alike
@@ -322,16 +335,14 @@ class Replay:
     pre-split (joined for the replay). The replays are watched as the steps are
     (``step_timeout``)."""
 
-    __slots__ = ("every", "presplit", "step", "step_timeout")
-
     def __init__(
         self,
-        step: TrainStep,
+        runtime: Runtime,
         every: bool | None = True,
         presplit: bool = False,
         step_timeout: float | None = None,
     ):
-        self.step = step
+        self.runtime = runtime
         self.every = bool(every)
         self.presplit = presplit
         self.step_timeout = step_timeout
@@ -347,18 +358,23 @@ class Replay:
             return error
         batch = pending.batch
         if self.presplit and (pending.item is None or pending.item.first is None):
-            batch = driving.join(self.step, batch)  # the replay takes the global batch
+            batch = self.runtime.join(batch)  # the replay takes the global batch
         if self.every:
-            found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+            found = diagnose_on(self.runtime, error, batch, step_timeout=self.step_timeout)
             return error.with_diagnosis(found)
         if not (error.alike and error.state is not None and error.state_is_good):
             return error
         if error.status & (Status.DIVERGED | Status.HUNG):
             return error
         try:
-            found = diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+            found = diagnose_on(self.runtime, error, batch, step_timeout=self.step_timeout)
         except TrainingWorkerError:
             raise  # the replay hung, or a peer process was lost: the loop reports it
         except Exception as why:  # never let the automatic replay hide the failure
             return error.with_note(f"the automatic replay of this failure failed: {why!r}")
         return error.with_diagnosis(found)
+
+    def resumed(self, resume: Resume, number: int) -> None:
+        """A recovery left a device out: replays run on its runtime from now on."""
+        if resume.runtime is not None:
+            self.runtime = resume.runtime

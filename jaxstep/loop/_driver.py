@@ -3,13 +3,14 @@
 :meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
 :meth:`Loop.abandon` (an exception leaves: the state and the untrained batches go on
 it, :mod:`jaxstep.loop._stopping`) and :meth:`Loop.finish`. What is there only when
-asked for (checkpoints, the watchdog, recovery, the carry, the callbacks, the replay)
-are the loop's actions (:mod:`jaxstep.loop._actions`), each with the hooks it needs."""
+asked for (checkpoints, the watchdog, recovery, the callbacks, the replay, the
+prefetch) are the loop's actions (:mod:`jaxstep.loop._actions`), each with the hooks it
+needs; the loop alone writes the :class:`History` and swaps the step's runtime."""
 
 from __future__ import annotations
 
-import collections
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from typing import NoReturn
 import numpy as np
 
 from jaxstep import distributed
+from jaxstep.checkpoint import Cursor
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.core import COL
 from jaxstep.core import HealthTable
@@ -25,9 +27,14 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import validate
-from jaxstep.loop._actions import Actions
 from jaxstep.loop._actions import actions
+from jaxstep.loop._carry import Carry
+from jaxstep.loop._carry import Cut
+from jaxstep.loop._carry import Span
+from jaxstep.loop._carry import after_leaving
+from jaxstep.loop._carry import carry_for
 from jaxstep.loop._failure import failure_error
+from jaxstep.loop._flight import InFlight
 from jaxstep.loop._history import History
 from jaxstep.loop._options import FitOptions
 from jaxstep.loop._outcome import Resume
@@ -36,44 +43,26 @@ from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Placed
 from jaxstep.loop._pending import Recovered
 from jaxstep.loop._recorder import Recorder
+from jaxstep.loop._records import Recovery
 from jaxstep.loop._stopping import attach
 from jaxstep.loop._stopping import untrained_batches
 from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import adopt
+from jaxstep.step import runtime_of
 
 _FAILED, _HALTED = COL["failed"], COL["halted"]  # step-wide columns of the raw table
+log = logging.getLogger("jaxstep")
 
 
 class Loop:
-    """What one :func:`jaxstep.fit` call holds between its steps: the newest state,
-    the step in flight (:class:`Pending`, at most one), the batches on their way, the
-    history's recorder and the actions (``options``: the fit call's, or ``keywords``
-    of :class:`FitOptions`).
+    """What one :func:`jaxstep.fit` call holds between its steps: the newest state, the
+    step's runtime, the batches in flight (:class:`~jaxstep.loop._flight.InFlight`), the
+    rows carried once a device left, the history's recorder and the actions
+    (``options``: the fit call's, or ``keywords`` of :class:`FitOptions`).
 
     ``state`` is always the newest state dispatched (or the one fit started from):
     a batch that is rejected or an exception that leaves fit does not change it.
     """
-
-    __slots__ = (
-        "actions",
-        "held",
-        "interrupted",
-        "last",
-        "number",
-        "options",
-        "pending",
-        "presplit",
-        "pulled",
-        "queue",
-        "reading",
-        "record",
-        "source",
-        "state",
-        "step",
-        "unconfirmed",
-        "waited",
-        "watch_peers",
-    )
 
     def __init__(
         self,
@@ -86,24 +75,23 @@ class Loop:
         options = FitOptions(**keywords) if options is None else options
         history = History() if options.history is None else options.history
         self.step = step
+        self.runtime = runtime = runtime_of(step)
         self.state = state
         self.source = checkpoints.source
         self.options = options
         self.presplit = options.presplit
         self.record = Recorder(history)
-        self.actions = Actions(actions(step, options, checkpoints, history), step)
+        source = checkpoints.source
+        self.carry: Carry | Cut | None = carry_for(
+            runtime, source.start, source.skip_rows, options.presplit
+        )
+        self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
+        self.flight = InFlight()
         self.watch_peers = False  # set by start: several processes, peer heartbeats on
-        self.pending: Pending | None = None  # dispatched, its table not read yet
         self.last: StepOutput | None = None  # the newest dispatched step
         self.number = checkpoints.number  # the number of the next step dispatched
-        self.held: Item | None = None  # a batch pulled and not yet dispatched (or rejected)
-        # dispatched steps whose settling has not completed, oldest first, and the one
-        # of them recorded already: what an early stop must still account for
-        self.unconfirmed: list[Pending] = []
-        self.reading: Pending | None = None
         self.waited = 0.0  # seconds waited for data since the last dispatch
         self.interrupted = False  # a first Ctrl-C: stop after the step in flight
-        self.queue: collections.deque[Item] = collections.deque()  # to dispatch, in order
         self.pulled = 0  # batches pulled from the source (advance's calls)
 
     @property
@@ -118,28 +106,28 @@ class Loop:
     def start(self) -> None:
         """Checks that the state is not halted, then starts the run: the history's
         device ids, the callbacks' ``on_fit_start``, the peer heartbeats."""
-        step = self.step
-        if bool(driving.first_copy(step, self.state.halted)):  # (the step number is known)
+        runtime = self.runtime
+        if bool(runtime.read_first(self.state.halted)):  # (the step number is known)
             raise ValueError(
                 "the state is halted by an earlier failure; resume from error.state (or "
                 "step.clear_halt(state)) once the cause is fixed"
             )
-        origin = driving.origin(step)  # the devices it was built with, before some left
+        origin = runtime.origin  # the devices it was built with, before some left
         self.record.start(
-            [d.id for d in step.devices], None if origin is None else [d.id for d in origin]
+            [d.id for d in runtime.devices], None if origin is None else [d.id for d in origin]
         )
-        driving.heartbeats(step).clear()
-        self.actions.on_fit_start(step, self.history)
+        runtime.heartbeats.clear()
+        self.actions.on_fit_start(self.step, self.history)
         self.record.since = time.perf_counter()  # the first step's rate includes compiling
-        many = distributed.spans_processes(step.devices)
+        many = distributed.spans_processes(runtime.devices)
         self.watch_peers = many and distributed.watch() is not None
 
     def train(self) -> None:
-        """Advances on each batch of the data, in order, up to ``num_steps``: pulled
-        here in turn, or taken from those an action pulled ahead (``fit(prefetch=...)``:
-        its ``feed``), the wait for each timed (``History.data_wait``)."""
+        """Advances on each batch of the data, in order, up to ``num_steps``: handed over
+        by the feeder (pulled here in turn, or by the prefetch thread ahead), the wait
+        for each timed (``History.data_wait``)."""
         batches = itertools.islice(self.source, self.options.num_steps)
-        for batch, placed, wait in self.actions.feed(batches, lambda: self.interrupted):
+        for batch, placed, wait in self.actions.feeder.feed(batches, lambda: self.interrupted):
             self.advance(batch, placed, wait)
 
     def advance(self, batch: Any, placed: Placed | None = None, wait: float = 0.0) -> None:
@@ -158,18 +146,17 @@ class Loop:
         # queued first: a batch an action refuses (Recover(example_id=...) names no
         # leaf of it) is handed back on the error with the others (err.batches)
         self.waited += wait
-        item = (
-            Item(batch, self.pulled) if placed is None else Item(batch, self.pulled, placed=placed)
-        )
-        self.queue.append(item)
+        item = Item(batch, self.pulled, placed=placed)
+        self.flight.queue.append(item)
         self.pulled += 1
         for pulled in self.actions.pulled:
             pulled(batch)
         self._run_queue()
 
     def _run_queue(self) -> None:
-        while self.queue:
-            item = self.queue.popleft()
+        queue = self.flight.queue
+        while queue:
+            item = queue.popleft()
             try:
                 self._advance(item)
             except Recovered:
@@ -177,46 +164,46 @@ class Loop:
 
     def _advance(self, item: Item) -> None:
         """:meth:`advance` for one queued batch."""
-        actions, pending = self.actions, self.pending
-        self.held = item  # a take that raises leaves it untouched: handed back
-        for take in actions.take:
-            taken = take(item)
-            if taken is None:  # fewer rows than devices at hand: all carried on
-                self.held = None
+        actions, flight = self.actions, self.flight
+        flight.in_hand = item  # a take that raises leaves it untouched: handed back
+        if self.carry is not None:
+            taken = self.carry.take(item)
+            self._left_over(taken.left_over)
+            if taken.item is None:  # fewer rows than devices at hand: all carried on
+                flight.in_hand = None
                 return
-            item = taken
-        self.held = item
+            flight.in_hand = item = taken.item
         presplit = self.presplit and item.first is None  # carried rows come joined
         check = False
         for before in actions.before:  # a checkpoint step: check replicas
             check = before(self.state, item) or check
         try:
-            self.state, out = actions.run(self.state, item, self.number, check, presplit)
+            self.state, out = actions.runner.run(self.state, item, self.number, check, presplit)
             self.last = out
         except (ValueError, TypeError) as err:
-            self.pending = None
+            pending, flight.pending = flight.pending, None
             if pending is not None:  # a failure of the previous step comes first
                 self.settle(pending, item)
             err.state = self.state  # type: ignore[union-attr]
             raise
         except TrainingWorkerError as err:  # a hung step
-            self.held = None
+            flight.in_hand = None
             raise self._hung(err, [item]) from None
-        self.held = None
+        flight.in_hand = None
         number = self.number
         self.number = number + 1
-        rows = driving.rows_per_device(self.step)
         if item.placed is not None:  # what stays behind holds no device copy of a batch
             item = item._replace(placed=None)
         wait, self.waited = self.waited, 0.0
-        new = self.pending = Pending(out, item.batch, number, rows, item, wait)
+        rows = self.runtime.rows_per_device
+        new = Pending(out, item.batch, number, rows, item, wait)
         for dispatched in actions.dispatched:
             dispatched(new)
-        self.unconfirmed.append(new)
-        if pending is not None:
-            self.settle(pending, item)
-        if actions.settles_at_once:  # the watchdog: the step has finished
-            self.pending = None
+        previous = flight.dispatched(new)
+        if previous is not None:
+            self.settle(previous, item)
+        if actions.runner.settles_at_once:  # the watchdog: the step has finished
+            flight.pending = None
             self.settle(new)
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
@@ -231,22 +218,22 @@ class Loop:
           TrainingWorkerError: the step failed (``error.state``: the last good state,
             from :attr:`state`), or a peer process was lost while waiting for it.
         """
-        step = self.step
+        runtime = self.runtime
         try:
             if self.watch_peers:  # never block where a lost peer would leave this process stuck
-                distributed.wait_ready(pending.out.health, pending.number, step.devices)
-            raw = driving.raw_table(step, pending.out)
+                distributed.wait_ready(pending.out.health, pending.number, runtime.devices)
+            raw = runtime.raw_table(pending.out)
         except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
             raise self._hung(err, [pending, after]) from None
         except Exception as err:  # a collective failed: a lost peer is the likely cause
             if not self.watch_peers:
                 raise
-            lost = distributed.lost_after(err, pending.number, step.devices)
+            lost = distributed.lost_after(err, pending.number, runtime.devices)
             if isinstance(lost, TrainingWorkerError):
                 raise self._hung(lost, [pending, after]) from err
             raise lost from err
         self.record.settled(pending, raw)
-        self.reading = pending  # recorded; until its settling completes
+        self.flight.reading = pending  # recorded; until its settling completes
         actions = self.actions
         table = None
         if actions.tables:  # an action or a callback takes the decoded table
@@ -256,45 +243,69 @@ class Loop:
             for step_end in actions.on_step_end:
                 step_end(table)
             for settled in actions.settled:
-                settled(pending, table)
+                made = settled(pending, table)
+                if made is not None:  # a replica the step repaired itself
+                    self._recovered(made)
         if raw.item(0, _FAILED) and raw.item(0, _HALTED):
-            table = HealthTable.from_array(raw) if table is None else table
-            error = failure_error(step, table, pending.rows, self.state, self.history)
-            try:
-                outcome = self.actions.failed(pending, error)
-            except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left
-                hang = hang.with_note(f"while diagnosing: {str(error).splitlines()[0]}")
-                raise self._hung(hang, [pending, after]) from None
-            if isinstance(outcome, Resume):
-                self._resume(pending, outcome)
-            # Nothing pulled is lost: the failing batch and those after it, untrained.
-            raise self._report(outcome, [pending, after])
-        self.reading = None
-        if self.unconfirmed and self.unconfirmed[0] is pending:
-            self.unconfirmed.pop(0)
+            self._failed(pending, after, table or HealthTable.from_array(raw))
+        self.flight.confirmed(pending)
+
+    def _failed(self, pending: Pending, after: Item | None, table: HealthTable) -> NoReturn:
+        """``pending`` failed: recovered (:class:`Recovered`) or raised."""
+        error = failure_error(self.runtime, table, pending.rows, self.state, self.history)
+        try:
+            outcome = self.actions.failed(pending, error)
+        except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left
+            hang = hang.with_note(f"while diagnosing: {str(error).splitlines()[0]}")
+            raise self._hung(hang, [pending, after]) from None
+        if isinstance(outcome, Resume):
+            self._resume(pending, outcome)
+        # Nothing pulled is lost: the failing batch and those after it, untrained.
+        raise self._report(outcome, [pending, after])
 
     def _resume(self, pending: Pending, resume: Resume) -> NoReturn:
         """Goes on from a recovery of ``pending``'s failure: ``resume.items`` first, then
-        the batches in flight after ``pending`` (they ran on a halted state: nothing of
-        them trained), then the rows an action holds; raises :class:`Recovered`."""
-        if resume.carry is not None:  # a device left the run
-            self.actions = self.actions.with_carry(resume.carry, self.step)
-        later = [p.item for p in self.unconfirmed if p.number > pending.number]
-        later += [self.held, *self.actions.held()]  # the carried rows: newer than any
-        self.queue.extendleft(reversed([*resume.items, *(i for i in later if i is not None)]))
-        self.unconfirmed.clear()
-        self.reading = self.pending = self.held = None
+        the batches in flight after ``pending``, then the rows carried; a device left:
+        the step, every action and the carry go on the new runtime. Records the
+        recovery and raises :class:`Recovered`."""
+        if resume.runtime is not None:  # a device left the run
+            before, self.runtime = self.runtime.devices, resume.runtime
+            adopt(self.step, resume.runtime)  # step.devices as documented
+            self.carry = after_leaving(
+                self.carry,
+                before,
+                resume.runtime,
+                start=self.source.start,
+                presplit=self.presplit,
+            )
+        carried = [] if self.carry is None else self.carry.held()
+        self.flight.restart(resume.items, pending.number, carried)
         self.state = resume.state
-        self.number = int(np.asarray(driving.first_copy(self.step, resume.state.step)))
-        self.record.now_on([d.id for d in self.step.devices])
+        self.number = int(np.asarray(self.runtime.read_first(resume.state.step)))
+        self.record.now_on([d.id for d in self.runtime.devices])
         self.actions.resumed(resume, self.number)
+        self._recovered(resume.record)
         raise Recovered
+
+    def _recovered(self, record: Recovery) -> None:
+        """A recovery made: recorded in the history, logged, and heard by the actions
+        (the callbacks' ``on_recovery``)."""
+        self.history.recoveries.append(record)
+        level = logging.INFO if self.actions.shows_recoveries else logging.WARNING
+        log.log(level, "jaxstep recovered a failure: %s", record)
+        self.actions.on_recovery(record)
+
+    def _left_over(self, spans: Sequence[Span]) -> None:
+        """Rows never trained (a carry let them go), listed in the history."""
+        if spans:
+            self.history.left_over.extend(spans)
 
     def drain(self) -> None:
         """Settles the step still in flight, if any (after the last batch), and, when
         that recovers a failure, trains the batches it queued again."""
+        flight = self.flight
         while True:
-            pending, self.pending = self.pending, None
+            pending, flight.pending = flight.pending, None
             if pending is None:
                 return
             try:
@@ -318,15 +329,17 @@ class Loop:
             self.actions.close()
             return
         try:
-            left, failed = self._settle_unconfirmed()
+            left, failed = self.flight.read_unconfirmed(
+                self.runtime, self.record, self.actions.read
+            )
         except Exception as why:  # the steps in flight cannot be read: say so, lose nothing
-            left, failed = list(self.unconfirmed), f"(unread: {why!r})"
-        untrained, first = self._untrained(*left, self.held)
+            left, failed = list(self.flight.unconfirmed), f"(unread: {why!r})"
+        untrained, first = self._untrained(*left, self.flight.in_hand)
         state: TrainState | None = self.state
         try:
             validate.alive(state)
             if failed is not None:
-                state = self.step.clear_halt(self.state)
+                state = self.runtime.clear_halt(self.state)
         except ValueError:
             state = None  # a second Ctrl-C inside a dispatch: the state was donated
         saved = None
@@ -338,43 +351,22 @@ class Loop:
         self.actions.close()
         attach(err, state, untrained, failed, saved)
 
-    def _untrained(self, *left: Pending | Item | None) -> tuple[list[Any], tuple[int, int] | None]:
-        """The batches of ``left``, of the queue and those the actions hold, untrained,
-        in the order they were pulled, and the data position of the first
-        (:func:`untrained_batches`); empties the queue and the carry."""
-        held = [*left, *self.queue, *self.actions.held(), *self.actions.untaken()]
-        batches = untrained_batches(held)
-        self.queue.clear()
-        return batches
-
-    def _settle_unconfirmed(self) -> tuple[list[Pending], str | None]:
-        """Reads the tables of the steps whose settling did not complete (no callbacks:
-        one of them may be what raised); returns the steps from the first failed one
-        on (untrained: a halted state changed nothing after it) and that failure."""
-        untrained: list[Pending] = []
-        failed: str | None = None
-        for pending in self.unconfirmed:
-            raw = driving.raw_table(self.step, pending.out)
-            table = HealthTable.from_array(raw)
-            if pending is not self.reading:  # not recorded yet
-                self.record.add(pending, raw)
-                self.reading = pending
-                for read in self.actions.read:
-                    read(table)
-            if failed is None and table.failed and table.halted:
-                first = self.step.failures(table, pending.rows)[0]
-                failed = f"step {table.step} failed too (device {first.device_id}: {first.reason})"
-            if failed is not None:
-                untrained.append(pending)
-        self.unconfirmed.clear()
-        self.pending = None
-        return untrained, failed
+    def _untrained(self, *left: Pending | Item | None) -> tuple[list[Any], Cursor | None]:
+        """The batches of ``left``, of the queue, the rows carried and those the feeder
+        pulled and never handed over, untrained, in the order they were pulled, and
+        where the first is in the data (:func:`untrained_batches`); empties the queue
+        and the carry."""
+        carried = [] if self.carry is None else self.carry.held()
+        untaken = self.actions.feeder.untaken()
+        return untrained_batches([*left, *self.flight.drain_queue(), *carried, *untaken])
 
     def finish(self) -> TrainState:
-        """After the last step settled: waits for the last checkpoint write, lets the
-        actions finish (rows carried and never trained, the recoveries made), calls the
+        """After the last step settled: waits for the last checkpoint write, lists the
+        rows still carried, lets the actions finish (the recoveries made), calls the
         callbacks' ``on_fit_end`` and returns the final state."""
         self.actions.close()
+        if self.carry is not None:
+            self._left_over(self.carry.finish())
         self.actions.finish()
         self.actions.on_fit_end(self.history)
         return self.state

@@ -18,41 +18,42 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import failed_alike
 from jaxstep.loop._history import History
+from jaxstep.step import Runtime
 from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 
 
 def failure_error(
-    step: TrainStep, table: HealthTable, rows: int, current: TrainState, history: History
+    runtime: Runtime, table: HealthTable, rows: int, current: TrainState, history: History
 ) -> TrainingWorkerError:
     """The error of a failed step from its health table; ``error.state`` the last good
     state (from ``current``, the halted state as it stands), and a note on how good it
     is. ``rows``: rows per device of the failing batch, as this process passed it."""
-    failures = step.failures(table, rows)
-    alike = failed_alike(failures, len(step.devices))
+    failures = runtime.failures(table, rows)
+    alike = failed_alike(failures, len(runtime.devices))
     note = hint = None
-    good = majority_position(step, failures)
+    good = majority_position(runtime, failures)
     if good is not None:
-        state = replica_state(step, current, good)
+        state = replica_state_on(runtime, current, good)
         note = (
-            f"error.state was rebuilt from the copy on device {step.devices[good].id}, "
+            f"error.state was rebuilt from the copy on device {runtime.devices[good].id}, "
             "which agrees with the majority"
         )
     elif any(f.status & Status.DIVERGED for f in failures):
-        state = step.clear_halt(current)
+        state = runtime.clear_halt(current)
         note = (
             "no majority of replicas agrees (two devices, or every copy differs): error.state "
             "is the state as it stands; compare it with your last checkpoint"
         )
     else:
-        state = step.clear_halt(current)
-        repeated = _repeated_drops(step, table)
+        state = runtime.clear_halt(current)
+        repeated = _repeated_drops(runtime, table)
         if repeated:
             # a device left out max_consecutive_drops steps in a row leads the error
             failures = [f for f in failures if f.device_id in repeated] + [
                 f for f in failures if f.device_id not in repeated
             ]
-            limit = step.options.max_consecutive_drops
+            limit = runtime.options.max_consecutive_drops
             note = (
                 f"device {failures[0].device_id} failed {limit} steps in a row "
                 f"(max_consecutive_drops={limit}), each time on other rows; its chunks were "
@@ -66,14 +67,16 @@ def failure_error(
                 "without it, or fit(..., recover=jaxstep.Recover()), which excludes it. If the "
                 "replay says data, check rows {rows} of the global batch"
             )
-        elif step.options.on_failure in ("skip", "drop"):
+        elif runtime.options.on_failure in ("skip", "drop"):
             note = (
                 f"{table.consecutive_skips + 1} failed steps in a row "
-                f"(max_consecutive_skips={step.options.max_consecutive_skips})"
+                f"(max_consecutive_skips={runtime.options.max_consecutive_skips})"
             )
         # Without verify_update an overflowing update is committed, and what fails
         # later fails because of it: say so rather than call this state good.
-        if not step.options.verify_update and not _params_finite(step.host_state(state).params):
+        if not runtime.options.verify_update and not _params_finite(
+            runtime.host_state(state).params
+        ):
             note = (
                 "the parameters in error.state are already non-finite: an earlier update "
                 "overflowed (from finite gradients), and this failure follows from it. "
@@ -93,26 +96,26 @@ def failure_error(
     )
 
 
-def majority_position(step: TrainStep, failures: Sequence[Failure]) -> int | None:
+def majority_position(runtime: Runtime, failures: Sequence[Failure]) -> int | None:
     """When a replica diverged: the position of a device this process holds whose copy
     agrees with the majority (None: none, or no replica diverged)."""
     if not any(f.status & Status.DIVERGED for f in failures):
         return None
     bad = {f.device_id for f in failures}
     here = jax.process_index()  # a healthy copy this process can read
-    good = [i for i, d in enumerate(step.devices) if d.id not in bad and d.process_index == here]
+    good = [i for i, d in enumerate(runtime.devices) if d.id not in bad and d.process_index == here]
     return good[0] if good else None
 
 
-def _repeated_drops(step: TrainStep, table: HealthTable) -> list[int]:
+def _repeated_drops(runtime: Runtime, table: HealthTable) -> list[int]:
     """Under ``drop``, the ids of the failing devices left out of
     ``max_consecutive_drops`` steps in a row (they halted the run)."""
-    limit = step.options.max_consecutive_drops
-    if step.options.on_failure != "drop" or limit is None:
+    limit = runtime.options.max_consecutive_drops
+    if runtime.options.on_failure != "drop" or limit is None:
         return []
     return [
         d.id
-        for i, d in enumerate(step.devices)
+        for i, d in enumerate(runtime.devices)
         if table.status[i] and table.consecutive_drops[i] >= limit
     ]
 
@@ -130,6 +133,20 @@ def _params_finite(params: Any) -> bool:
 
 def replica_state(step: TrainStep, state: TrainState, position: int) -> TrainState:
     """The state as held by ``step.devices[position]``, placed afresh on every device
-    (unhalted): how a run recovers from one corrupted replica."""
-    host = driving.local_copy(step, state, position)
-    return step.place_state(dataclasses.replace(host, halted=np.zeros((), bool)))
+    (unhalted): how a run recovers from one corrupted replica.
+
+    Args:
+      step: the step that owns ``state``.
+      state: a state of ``step`` whose replicas differ.
+      position: the position in ``step.devices`` of a device whose copy is good.
+
+    Returns:
+      That device's copy on every device of the step.
+    """
+    return replica_state_on(runtime_of(step), state, position)
+
+
+def replica_state_on(runtime: Runtime, state: TrainState, position: int) -> TrainState:
+    """:func:`replica_state` on a step's runtime."""
+    host = runtime.read_at(state, position)
+    return runtime.place_state(dataclasses.replace(host, halted=np.zeros((), bool)))

@@ -20,6 +20,7 @@ from jaxstep.loop._options import Recover
 from jaxstep.loop._options import check_inputs
 from jaxstep.loop._stopping import deferred_interrupts
 from jaxstep.step import TrainStep
+from jaxstep.step import runtime_of
 
 
 def fit(
@@ -67,7 +68,9 @@ def fit(
         prefetch=prefetch,
     )
     check_inputs(state, batches)
-    state, _, checkpoints = FitCheckpoints.begin(step, state, batches, options.checkpoints)
+    state, _, checkpoints = FitCheckpoints.begin(
+        runtime_of(step), state, batches, options.checkpoints, lookahead=options.prefetch
+    )
     loop = Loop(step, state, checkpoints, options)
     try:
         loop.start()

@@ -7,22 +7,23 @@ from typing import NamedTuple
 
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
-from jaxstep.loop._carry import Carry
-from jaxstep.loop._carry import Cut
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._records import Recovery
+from jaxstep.step import Runtime
 
 
 class Resume(NamedTuple):
     """A recovery's outcome: the loop trains ``items`` from ``state`` (its step number
     the next dispatched), then the batches in flight after the failing one, then the
-    rest; ``record`` is recorded once it has."""
+    rest; it records ``record``. ``runtime``: the step's runtime from now on, when
+    devices left the run (the loop hands it to the step and to every action, and
+    carries the rows that no longer divide); None: the runtime stays."""
 
     state: TrainState
     items: list[Item]
     record: Recovery
-    carry: Carry | Cut | None = None  # the carry from now on (a device left), or as it was
+    runtime: Runtime | None = None
 
 
 def item_of(pending: Pending) -> Item:

@@ -35,7 +35,7 @@ class Item(NamedTuple):
 class Placed(NamedTuple):
     """A batch placed on the step's devices ahead of its step (``fit(prefetch=...)``):
     the step takes it as placed while its placement is still the step's (``key is
-    driving.placement(step)``: ``exclude_devices`` makes a new one)."""
+    step's runtime``: a device leaving makes a new one)."""
 
     key: object
     batch: Any

@@ -8,10 +8,10 @@ loop numbers them as it takes them, so the data position a checkpoint saves is t
 batch to *train*, not the next to pull); when fit stops, the thread is stopped first and
 every batch it pulled and the loop did not take goes on ``err.batches`` after the
 others, as the data gave it; an exception of the data source reaches the loop in its
-place, after every batch pulled before it. A batch placed for devices the step no
-longer has (``exclude_devices``), or while rows are carried, is placed again by the
-step from the batch as given. ``prefetch=0``: no thread (a source that must be pulled on
-the calling thread).
+place, after every batch pulled before it. A batch placed for a runtime the step no
+longer runs on (a device left), or while rows are carried, is placed again by the step
+from the batch as given. ``prefetch=0``: no thread (:class:`InTurn`: a source that must
+be pulled on the calling thread).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from typing import Any
 from typing import NamedTuple
 
 from jaxstep.core import TrainingWorkerError
+from jaxstep.loop._action import Fed
+from jaxstep.loop._action import Feeder
 from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Placed
-from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import Runtime
 
 #: how long the loop waits for the thread when fit stops (a source stuck in next())
 JOIN_S = 2.0
@@ -50,36 +51,35 @@ class _Raised(NamedTuple):
     error: BaseException  # what next(batches) raised
 
 
-def in_turn(
-    batches: Iterator[Any], interrupted: Callable[[], bool]
-) -> Iterator[tuple[Any, None, float]]:
-    """``prefetch=0``: the batches of ``batches`` pulled on the loop's thread as it asks
-    for each, as ``(batch, None, wait)`` (``wait``: the time ``next`` took)."""
-    clock, end = time.perf_counter, _END
-    while True:
-        start = clock()
-        batch = next(batches, end)
-        if batch is end:
-            return
-        yield batch, None, clock() - start
+class InTurn(Feeder):
+    """``prefetch=0``: the batches pulled on the loop's thread as it asks for each."""
+
+    def feed(self, batches: Iterator[Any], interrupted: Callable[[], bool]) -> Iterator[Fed]:
+        """``(batch, None, wait)`` each (``wait``: the time ``next`` took)."""
+        clock, end = time.perf_counter, _END
+        while True:
+            start = clock()
+            batch = next(batches, end)
+            if batch is end:
+                return
+            yield batch, None, clock() - start
 
 
-class Prefetch:
-    """The loop's prefetch action: its ``feed`` is what the loop trains on.
+class Prefetch(Feeder):
+    """The loop's prefetch feeder: a thread pulls and places the batches ahead.
 
     Args:
-      step: the step the batches are placed for.
-      source: fit's data, a ``checkpoint`` source (the data positions of the batches
-        pulled ahead are kept).
-      depth: batches pulled ahead of the one the loop takes (``fit(prefetch=...)``).
+      runtime: the step's runtime the batches are placed for (a new one arrives with a
+        recovery that left a device out: :meth:`resumed`).
+      depth: batches pulled ahead of the one the loop takes (``fit(prefetch=...)``; the
+        data source keeps their positions).
       presplit: batches come ``(n_devices, per_device, ...)``: joined before placing.
       place: place them on the devices (False: pulled ahead only, placed by the step:
         under ``pmap``, the step watchdog, or while rows are carried).
     """
 
-    def __init__(self, step: TrainStep, source: Any, depth: int, *, presplit: bool, place: bool):
-        self.step = step
-        source.margin += depth + 1  # the positions of the batches pulled ahead are kept
+    def __init__(self, runtime: Runtime, depth: int, *, presplit: bool, place: bool):
+        self.runtime = runtime
         self.presplit = presplit
         self.place = place  # as fit started
         self.placing = place  # now: paused while a failure is acted on
@@ -89,14 +89,12 @@ class Prefetch:
         for _ in range(depth):
             self._room.put(None)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # a batch is either held or queued, never both
-        self._held: _Pulled | None = None  # pulled, not queued yet
+        self._lock = threading.Lock()  # a batch is either in hand or queued, never both
+        self._in_hand: _Pulled | None = None  # pulled, not queued yet
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def feed(
-        self, batches: Iterator[Any], interrupted: Callable[[], bool]
-    ) -> Iterator[tuple[Any, Placed | None, float]]:
+    def feed(self, batches: Iterator[Any], interrupted: Callable[[], bool]) -> Iterator[Fed]:
         """The batches of ``batches``, in order, as ``(batch, placed, wait)``: the
         thread (started here) pulls them ahead; ``wait`` is how long the loop waited for
         each. Raises what the data raised, in its place; ``KeyboardInterrupt`` when a
@@ -151,20 +149,21 @@ class Prefetch:
             except BaseException as err:  # the loop raises it in its place
                 put(_Raised(err))
                 return
-            self._held = pulled = _Pulled(seq, batch, None)
+            self._in_hand = pulled = _Pulled(seq, batch, None)
             if self.placing:
                 pulled = pulled._replace(placed=self._place(batch))
             with lock:
                 put(pulled)
-                self._held = None
+                self._in_hand = None
             seq += 1
 
     def _place(self, batch: Any) -> Placed | None:
+        runtime = self.runtime  # read once: a recovery may hand over a new one
         try:
-            key, placed = driving.place_ahead(self.step, batch, self.presplit)
+            placed = runtime.place_ahead(batch, self.presplit)
         except Exception:  # the step, given the batch itself, says what is wrong
             return None
-        return None if placed is None else Placed(key, placed)
+        return None if placed is None else Placed(runtime, placed)
 
     # -- the loop's hooks ----------------------------------------------------------
 
@@ -177,7 +176,8 @@ class Prefetch:
     def resumed(self, resume: Resume, number: int) -> None:
         """The loop went on from a recovery: placing again, unless a device left
         (rows are carried or cut from now on: the step places them)."""
-        if resume.carry is not None:
+        if resume.runtime is not None:
+            self.runtime = resume.runtime
             self.place = False
         self.placing = self.place
 
@@ -192,9 +192,9 @@ class Prefetch:
                     found.append(self._queue.get(block=False))
                 except queue.Empty:
                     break
-            if self._held is not None:
-                found.append(self._held)
-                self._held = None
+            if self._in_hand is not None:
+                found.append(self._in_hand)
+                self._in_hand = None
         return [Item(e.batch, e.seq) for e in found if isinstance(e, _Pulled)]
 
     def close(self) -> None:

@@ -14,12 +14,14 @@ and acted on, within a budget:
 
 Each action is a :class:`~jaxstep.loop.Recovery` in ``History.recoveries``. The
 recovery is one of the loop's actions: it returns what the loop should do (a
-:class:`~jaxstep.loop._outcome.Resume`) and never touches the loop.
+:class:`~jaxstep.loop._outcome.Resume`, with the step's new runtime when a device left)
+and what it should record, and never touches the loop, the history or another action.
 
 With several processes every process takes the same action at the same step: the
 failure and the replays are read from global health tables, the offending examples are
 shared (:mod:`jaxstep.loop._diagnose`), so every process appends the same records. A
-device gone leaves its process's rows with it: see :class:`jaxstep.loop._carry.Cut`.
+device gone leaves its process's rows with it: see :class:`jaxstep.loop._carry.Cut`
+(the loop makes the carry once a device left).
 """
 
 from __future__ import annotations
@@ -36,12 +38,9 @@ from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import under_restarting_launcher
-from jaxstep.loop._callbacks import Callbacks
-from jaxstep.loop._carry import Carry
-from jaxstep.loop._carry import Cut
-from jaxstep.loop._carry import after_leaving
+from jaxstep.loop._action import Action
 from jaxstep.loop._diagnose import Diagnosis
-from jaxstep.loop._diagnose import diagnose
+from jaxstep.loop._diagnose import diagnose_on
 from jaxstep.loop._failure import majority_position
 from jaxstep.loop._history import History
 from jaxstep.loop._options import Recover
@@ -57,13 +56,12 @@ from jaxstep.loop._restart import not_restarted
 from jaxstep.loop._rollback import Rollback
 from jaxstep.loop._rows import Rows
 from jaxstep.loop._rows import in_words
-from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import Runtime
 
 log = logging.getLogger("jaxstep")
 
 
-class Recovery:
+class Recoverer(Action):
     """The loop's recovery action (``fit(..., recover=...)``): what one fit call's
     recoveries hold between failures (the budget spent, the retries of each batch, the
     steps since the last verified checkpoint: a rollback trains them again).
@@ -72,39 +70,40 @@ class Recovery:
     loop to go on with, or the error to raise, with a note saying why it was not
     recovered. A hang or a lost peer under ``recover`` exits for a restart (:meth:`hung`)
     when a launcher will restart the process, and is raised otherwise.
+
+    Args:
+      options: ``fit(recover=...)``.
+      runtime: the step's runtime (a new one arrives with a ``Resume`` that left a
+        device out: :meth:`resumed`).
+      checkpoints: the fit call's checkpoints (a rollback restores from them).
+      presplit: batches come pre-split.
+      step_timeout: the replays are watched as the steps are.
+      shown: a callback shows the recoveries (the summary is then logged at INFO).
     """
 
     def __init__(
         self,
         options: Recover,
-        step: TrainStep,
+        runtime: Runtime,
         *,
-        history: History,
-        callbacks: Callbacks,
         checkpoints: FitCheckpoints,
-        carry: Carry | Cut | None,
         presplit: bool,
         step_timeout: float | None = None,
+        shown: bool = False,
     ):
         self.options = options
-        self.step = step
-        self.history = history
-        self.callbacks = callbacks
+        self.runtime = runtime
         self.checkpoints = checkpoints
-        self.carry = carry  # the loop's, as this recovery last left it
         self.presplit = presplit
-        self.step_timeout = step_timeout  # the replays are watched as the steps are
-        self.rows = Rows(step, checkpoints.source.start, presplit, options.example_id)
+        self.step_timeout = step_timeout
+        self.shown = shown
+        self.rows = Rows(runtime, checkpoints.source.start, presplit, options.example_id)
         self.fit_start = checkpoints.number  # state.step as this fit call starts
-        self.rollback = Rollback(step, checkpoints, self.rows, options.rollback_batches)
+        self.rollback = Rollback(runtime, checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
         self.retried: dict[int, int] = {}
-        self.since = len(history.recoveries)  # records of earlier fit calls
-
-    @property
-    def records(self) -> list[RecoveryRecord]:
-        """This fit call's records (a history passed to several fits holds theirs too)."""
-        return self.history.recoveries[self.since :]
+        #: this fit call's records, as the loop recorded them (:meth:`on_recovery`)
+        self.records: list[RecoveryRecord] = []
 
     # -- the hooks, in the order of a run --------------------------------------------
 
@@ -116,22 +115,21 @@ class Recovery:
         """A step was dispatched: kept for a rollback until a newer checkpoint."""
         self.rollback.dispatched(pending)
 
-    def settled(self, pending: Pending, table: HealthTable) -> None:
-        """A step's table was read: a replica the step repaired (``drop``) is recorded,
-        and the steps a newer checkpoint holds are let go."""
-        if table.repaired.any():
-            ids = tuple(self.step.devices[i].id for i in np.flatnonzero(table.repaired))
-            self._record(
-                RecoveryRecord(
-                    table.step,
-                    "diverged",
-                    "repaired",
-                    ids,
-                    batch=self.rows.batch(pending.item),
-                    detail="copied from a majority replica inside the step (on_failure='drop')",
-                )
-            )
+    def settled(self, pending: Pending, table: HealthTable) -> RecoveryRecord | None:
+        """A step's table was read: the steps a newer checkpoint holds are let go, and a
+        replica the step repaired (``drop``) is returned for the loop to record."""
         self.rollback.settled(table)
+        if not table.repaired.any():
+            return None
+        ids = tuple(self.runtime.devices[i].id for i in np.flatnonzero(table.repaired))
+        return RecoveryRecord(
+            table.step,
+            "diverged",
+            "repaired",
+            ids,
+            batch=self.rows.batch(pending.item),
+            detail="copied from a majority replica inside the step (on_failure='drop')",
+        )
 
     def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         """Acts on the failure of ``pending`` (``error``): the :class:`Resume` to go on
@@ -160,9 +158,16 @@ class Recovery:
 
     def resumed(self, resume: Resume, number: int) -> None:
         """The loop went on from step ``number``: the steps kept from it on will run
-        again (kept anew), and the recovery is recorded."""
+        again (kept anew); a device left: the runtime from now on."""
+        if resume.runtime is not None:
+            self.runtime = resume.runtime
+            self.rows.runtime = resume.runtime
+            self.rollback.runtime = resume.runtime
         self.rollback.resumed(number)
-        self._record(resume.record)
+
+    def on_recovery(self, record: RecoveryRecord) -> None:
+        """The loop recorded a recovery of this fit call (the budget counts it)."""
+        self.records.append(record)
 
     def report(
         self, error: TrainingWorkerError, first: tuple[int, int] | None = None
@@ -194,16 +199,15 @@ class Recovery:
         callback showed them)."""
         text = History(recoveries=self.records).recovery_summary()
         if text:
-            level = logging.INFO if self.callbacks.show_recoveries else logging.WARNING
-            log.log(level, "%s", text)
+            log.log(logging.INFO if self.shown else logging.WARNING, "%s", text)
 
     # -- the verdicts --------------------------------------------------------------
 
     def _verdict(self, pending: Pending, error: TrainingWorkerError) -> Diagnosis:
         batch = pending.batch
         if self.presplit and item_of(pending).first is None:
-            batch = driving.join(self.step, batch)  # the replay takes the global batch
-        return diagnose(self.step, error, batch, step_timeout=self.step_timeout)
+            batch = self.runtime.join(batch)  # the replay takes the global batch
+        return diagnose_on(self.runtime, error, batch, step_timeout=self.step_timeout)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         item = item_of(pending)
@@ -240,7 +244,7 @@ class Recovery:
         # Every device failed: a collective in the model (cross-device BatchNorm)
         # carried the bad rows into every chunk, so the rerun leaving the failing
         # chunks out of the mean is skipped whole (state.step counts it): say so.
-        spread = len(ids_of(error)) >= len(self.step.devices)
+        spread = len(ids_of(error)) >= len(self.runtime.devices)
         skipped: tuple[int, ...] = ()
         if spread:
             skipped, lost = in_words(self.rows.spans(item))
@@ -286,27 +290,18 @@ class Recovery:
     ) -> TrainingWorkerError | Resume:
         if not self.options.exclude_devices:
             return error.with_note("not recovered: Recover(exclude_devices=False)")
-        step = self.step
         # the devices the replay blamed: not those a collective in the model infected
         ids = found.devices or ids_of(error)
-        if len(ids) >= len(step.devices):
+        before = self.runtime.devices
+        if len(ids) >= len(before):
             return error.with_note("not recovered: every device failed")
-        before = list(step.devices)
         many = distributed.spans_processes(before)
         gone = sorted({d.process_index for d in before if d.id in ids})
         try:
-            state = step.exclude_devices(ids, error.state)
+            runtime, state = self.runtime.without(ids, state_of(error))
         except ValueError as err:  # a process would keep none of its devices
             return error.with_note(f"not recovered: {err}")
-        self.carry = after_leaving(
-            self.carry,
-            before,
-            step,
-            start=self.rows.start,
-            left_over=self.history.left_over,
-            presplit=self.presplit,
-        )
-        detail = f"training goes on on the other {len(step.devices)} device(s)"
+        detail = f"training goes on on the other {len(runtime.devices)} device(s)"
         if many:  # rows stay with their process: the lost devices' chunks are listed
             detail += (
                 f"; process(es) {gone} no longer train their chunk(s) of each batch "
@@ -316,7 +311,7 @@ class Recovery:
         record = RecoveryRecord(
             error.step, "device", "excluded", ids, batch=self.rows.batch(item), detail=detail
         )
-        return Resume(state, [item], record, self.carry)
+        return Resume(state, [item], record, runtime)
 
     def _diverged(
         self, pending: Pending, error: TrainingWorkerError
@@ -324,7 +319,7 @@ class Recovery:
         back = self._fresh(self.rollback.diverged(pending, error))
         if isinstance(back, Resume):
             return back
-        if not error.state_is_good or majority_position(self.step, error.failures) is None:
+        if not error.state_is_good or majority_position(self.runtime, error.failures) is None:
             return back
         record = RecoveryRecord(
             error.step,
@@ -347,9 +342,3 @@ class Recovery:
             for item in outcome.items:
                 self.retried.pop(item.seq, None)
         return outcome
-
-    def _record(self, record: RecoveryRecord) -> None:
-        self.history.recoveries.append(record)
-        level = logging.INFO if self.callbacks.show_recoveries else logging.WARNING
-        log.log(level, "jaxstep recovered a failure: %s", record)
-        self.callbacks.on_recovery(record)

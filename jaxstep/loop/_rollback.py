@@ -6,7 +6,7 @@ batch and the ``k - 1`` before it skipped) and a diverged replica."""
 from __future__ import annotations
 
 from jaxstep.checkpoint import FitCheckpoints
-from jaxstep.checkpoint import restore
+from jaxstep.checkpoint import restore_on
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
@@ -19,22 +19,22 @@ from jaxstep.loop._pending import Pending
 from jaxstep.loop._records import Recovery
 from jaxstep.loop._rows import Rows
 from jaxstep.loop._rows import in_words
-from jaxstep.step import TrainStep
+from jaxstep.step import Runtime
 
 
 class Rollback:
     """The steps since the last verified checkpoint, for one fit call's recoveries.
 
     Args:
-      step: the step (restored onto).
+      runtime: the step's runtime (restored onto).
       checkpoints: the fit call's checkpoints.
       rows: where the rows of a step are in the data (the batches skipped).
       k: ``Recover.rollback_batches`` (None: a loss spike is not rolled back; a
         diverged replica rolls back only to steps kept for a spike).
     """
 
-    def __init__(self, step: TrainStep, checkpoints: FitCheckpoints, rows: Rows, k: int | None):
-        self.step = step
+    def __init__(self, runtime: Runtime, checkpoints: FitCheckpoints, rows: Rows, k: int | None):
+        self.runtime = runtime
         self.checkpoints = checkpoints
         self.rows = rows
         self.k = k
@@ -142,4 +142,4 @@ class Rollback:
         """The checkpoint of step ``number``, placed for the step."""
         store = self.checkpoints.store
         assert store is not None
-        return restore(self.step, store.directory, at=number)
+        return restore_on(self.runtime, store.directory, at=number)

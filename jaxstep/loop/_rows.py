@@ -15,22 +15,22 @@ from jaxstep import distributed
 from jaxstep.core.names import leaf_name
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import rows_as_given
-from jaxstep.step import TrainStep
+from jaxstep.step import Runtime
 
 
 class Rows:
     """The data positions of the items of one fit call.
 
     Args:
-      step: the step (its devices: this process's share of a batch's rows).
+      runtime: the step's runtime (its devices: this process's share of a batch's rows).
       start: the data's count of the first batch the fit call pulled.
       presplit: batches come ``(n_devices, per_device, ...)``.
       example_id: the batch leaf holding each example's id (``Recover(example_id=...)``),
         or None.
     """
 
-    def __init__(self, step: TrainStep, start: int, presplit: bool, example_id: str | None = None):
-        self.step = step
+    def __init__(self, runtime: Runtime, start: int, presplit: bool, example_id: str | None = None):
+        self.runtime = runtime
         self.start = start
         self.presplit = presplit
         self.example_id = example_id
@@ -46,8 +46,8 @@ class Rows:
             id_leaf(batch, self.example_id, self.presplit)
         rows = rows_as_given(batch, self.presplit)  # this process's rows: its devices' chunks
         if rows is not None:
-            mine = len(distributed.local_positions(self.step.devices))
-            self.batch_rows = rows * len(self.step.devices) // max(mine, 1)
+            mine = len(distributed.local_positions(self.runtime.devices))
+            self.batch_rows = rows * len(self.runtime.devices) // max(mine, 1)
 
     def size(self, item: Item) -> int:
         """The rows of a batch in the data (every process's), else of ``item``'s."""
@@ -99,7 +99,7 @@ class Rows:
         if self.example_id is None or not examples:
             return ()
         ids = id_leaf(item.batch, self.example_id, self.presplit and item.first is None)
-        local = distributed.local_positions(self.step.devices)
+        local = distributed.local_positions(self.runtime.devices)
         size = len(ids) // max(len(local), 1)  # this process passes its devices' chunks
         at = {p: j for j, p in enumerate(local)}
         mine = {}
@@ -108,7 +108,7 @@ class Rows:
             if position in at:
                 mine[str(int(e))] = int(ids[at[position] * size + row])
         found: dict[str, int] = {}
-        for seen in distributed.share("quarantine/ids", mine, self.step.devices).values():
+        for seen in distributed.share("quarantine/ids", mine, self.runtime.devices).values():
             found.update(seen)
         return tuple(found[str(int(e))] for e in examples)
 

@@ -15,17 +15,16 @@ from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
+from jaxstep.checkpoint import Cursor
 from jaxstep.core import TrainState
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 
 
-def untrained_batches(
-    left: Sequence[Pending | Item | None],
-) -> tuple[list[Any], tuple[int, int] | None]:
-    """The batches of ``left`` (steps in flight, the batch held, the queue, the rows
-    an action holds), in the order they were pulled, and the data position of the first
-    ``(seq, rows into it)`` (None: unknown)."""
+def untrained_batches(left: Sequence[Pending | Item | None]) -> tuple[list[Any], Cursor | None]:
+    """The batches of ``left`` (steps in flight, the batch in hand, the queue, the rows
+    carried), in the order they were pulled, and where the first is in the data (None:
+    unknown)."""
     known = [u for u in left if u is not None]
     order = [u.item if isinstance(u, Pending) else u for u in known]
     if any(item is None for item in order):
@@ -35,9 +34,9 @@ def untrained_batches(
     return [u.batch for u in known], min(where, default=None)
 
 
-def _where(item: Item) -> tuple[int, int]:
-    """The data position before ``item``'s first row: (seq of its batch, rows into it)."""
-    return (item.seq if item.first is None else item.first), item.offset
+def _where(item: Item) -> Cursor:
+    """Where ``item``'s first row is in the data."""
+    return Cursor(item.seq if item.first is None else item.first, item.offset)
 
 
 def attach(

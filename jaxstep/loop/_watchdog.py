@@ -18,12 +18,13 @@ from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import failed_alike
+from jaxstep.loop._action import Runner
+from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
-from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import Runtime
 
 
-class StepWatchdog:
+class StepWatchdog(Runner):
     """The loop's runner under ``fit(step_timeout=...)``: runs each step on a dispatch
     thread and waits for it with a deadline, so a hung device is named instead of
     hanging the host (CPU runs steps with host callbacks synchronously, so the wait must
@@ -32,8 +33,8 @@ class StepWatchdog:
 
     settles_at_once = True
 
-    def __init__(self, step: TrainStep, timeout: float):
-        self.step = step
+    def __init__(self, runtime: Runtime, timeout: float):
+        self.runtime = runtime
         self.timeout = timeout
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
 
@@ -43,22 +44,22 @@ class StepWatchdog:
         """Runs step ``expected`` (``state``'s) on ``item``'s batch and returns what the
         step returns, or raises the ``HUNG`` error naming the devices that did not finish
         their local part in time. ``item.drop``: a quarantine's rerun
-        (``driving.rerun_dropping``), watched the same way."""
-        step = self.step
-        batch = driving.join(step, item.batch) if presplit else item.batch
+        (``Runtime.rerun_dropping``), watched the same way."""
+        runtime = self.runtime
+        batch = runtime.join(item.batch) if presplit else item.batch
         call: Callable[..., tuple[TrainState, StepOutput]]
         if item.drop:
-            compile_ahead: Callable[..., Any] = functools.partial(driving.compile_dropping, step)
-            call = functools.partial(driving.rerun_dropping, step, heartbeat=True)
+            compile_ahead: Callable[..., Any] = runtime.compile_dropping
+            call = functools.partial(runtime.rerun_dropping, heartbeat=True)
             # as without a watchdog: the rerun checks replicas on divergence_every's
             # schedule only (the step's failed first run did the checkpoint's check)
             check_replicas = False
         else:
-            compile_ahead = step.compile
+            compile_ahead = runtime.compile
             call = functools.partial(
-                driving.dispatch, step, heartbeat=True, check_replicas=check_replicas
+                runtime.dispatch, heartbeat=True, check_replicas=check_replicas
             )
-        for replicas in (False, check_replicas or step.options.divergence_every is not None):
+        for replicas in (False, check_replicas or runtime.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             compile_ahead(state, batch, heartbeat=True, replicas=replicas)
         return self._watch(functools.partial(call, state, batch), expected)
@@ -66,18 +67,21 @@ class StepWatchdog:
     def replay(
         self, state: TrainState, batch: Any, rotation: int, expected: int
     ) -> tuple[TrainState, StepOutput]:
-        """:func:`driving.replay` of step ``expected`` (``state``'s, not donated) with
+        """:meth:`Runtime.replay` of step ``expected`` (``state``'s, not donated) with
         the chunks rotated by ``rotation``, watched as a step is: its heartbeat variant
         (compiled ahead), and past the deadline the ``HUNG`` error naming the devices that
         did not finish their part of the replay (the diagnosis of ``fit(diagnose=True)``
         and of ``recover``)."""
-        step = self.step
-        for replicas in (False, step.options.divergence_every is not None):
-            step.compile(state, batch, heartbeat=True, replicas=replicas)
-        call = functools.partial(
-            driving.replay, step, state, batch, rotation=rotation, heartbeat=True
-        )
+        runtime = self.runtime
+        for replicas in (False, runtime.options.divergence_every is not None):
+            runtime.compile(state, batch, heartbeat=True, replicas=replicas)
+        call = functools.partial(runtime.replay, state, batch, rotation=rotation, heartbeat=True)
         return self._watch(call, expected, during=f"the replay that diagnoses step {expected}")
+
+    def resumed(self, resume: Resume, number: int) -> None:
+        """A recovery left a device out: the steps run on its runtime from now on."""
+        if resume.runtime is not None:
+            self.runtime = resume.runtime
 
     def close(self) -> None:
         """Lets the dispatch thread go (it is idle: each run waited for its step)."""
@@ -93,7 +97,7 @@ class StepWatchdog:
         returns once its health table is ready, or the ``HUNG`` error (or a lost peer's)."""
         # Only this run's beats count: a step run again (a retry, a rerun, a rollback,
         # a replay) has the step number its earlier run beat with.
-        driving.heartbeats(self.step).clear()
+        self.runtime.heartbeats.clear()
         future = self.pool.submit(call)
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
@@ -101,41 +105,41 @@ class StepWatchdog:
             lost = distributed.lost_processes()
             if lost:  # a peer process died or froze: no need to wait for the deadline
                 self.pool.shutdown(wait=False)
-                raise distributed.lost_error(lost, expected, self.step.devices)
+                raise distributed.lost_error(lost, expected, self.runtime.devices)
             if time.monotonic() > deadline:
                 self.pool.shutdown(wait=False)
-                raise hung(self.step, expected, self.timeout, during)
+                raise hung(self.runtime, expected, self.timeout, during)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         return future.result()
 
 
 def hung(
-    step: TrainStep, expected: int, timeout: float, during: str | None = None
+    runtime: Runtime, expected: int, timeout: float, during: str | None = None
 ) -> TrainingWorkerError:
     """The ``HUNG`` error of step ``expected`` (``during``: in what run of it, e.g. a
     replay), naming the devices whose heartbeat did not come (every device when all of
     them reached the collective); the Python stacks go to the log first."""
     what = f"step {expected}" if during is None else during
     distributed.log_stacks(f"{what} did not finish within {timeout:.1f} s")
-    done = {i for i, beat in dict(driving.heartbeats(step)).items() if beat >= expected}
-    many = distributed.spans_processes(step.devices)
+    done = {i for i, beat in dict(runtime.heartbeats).items() if beat >= expected}
+    many = distributed.spans_processes(runtime.devices)
     if many:
         # Each process saw only its own devices' heartbeats: pool them, so every
         # process names the same devices.
         done, _ = distributed.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
-    late = [i for i in range(len(step.devices)) if i not in done]
+    late = [i for i in range(len(runtime.devices)) if i not in done]
     where = "before reaching the first collective"
     if not late:  # every device reached the collective: the hang is in or after it
-        late = list(range(len(step.devices)))
+        late = list(range(len(runtime.devices)))
         where = "after reaching the first collective (all devices did)"
     if during is not None:
         where += f", in {during}"
     failures = [
         Failure(
-            device_id=step.devices[i].id,
-            process_index=step.devices[i].process_index,
-            host=distributed.host_name(step.devices[i].process_index) if many else None,
+            device_id=runtime.devices[i].id,
+            process_index=runtime.devices[i].process_index,
+            host=distributed.host_name(runtime.devices[i].process_index) if many else None,
             step=expected,
             status=Status.HUNG,
             reason=f"did not finish its part of the step within {timeout:g} s, {where}",
@@ -147,5 +151,5 @@ def hung(
         "the state lives on the hung device(s) and cannot be read: error.state is None; "
         "restore from the last checkpoint (on CPU, XLA aborts a stuck collective ~40 s in)"
     )
-    alike = failed_alike(failures, len(step.devices))  # every device waits in the collective
+    alike = failed_alike(failures, len(runtime.devices))  # every device waits in the collective
     return TrainingWorkerError(failures, state=None, note=note, alike=alike)

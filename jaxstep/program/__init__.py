@@ -9,20 +9,20 @@ from jaxstep.program._cross_checks import LossSpike as LossSpike
 from jaxstep.program._cross_checks import fingerprint as fingerprint
 from jaxstep.program._device import example_failed as example_failed
 from jaxstep.program._device import grad_leaves_finite as grad_leaves_finite
-from jaxstep.program._drop import memory as drop_memory
+from jaxstep.program._drop import drop_memory as drop_memory
 from jaxstep.program._faults import Fault as Fault
 from jaxstep.program._faults import Injector as Injector
 from jaxstep.program._faults import float_leaves as float_leaves
 from jaxstep.program._options import AXIS as AXIS
 from jaxstep.program._options import Options as Options
 from jaxstep.program._scaling import DynamicLossScale as DynamicLossScale
-from jaxstep.program._sharded import held as held_shards
-from jaxstep.program._sharded import step as sharded_step
+from jaxstep.program._sharded import shard_mask as shard_mask
+from jaxstep.program._sharded import sharded_step as sharded_step
 from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD_MIN_SIZE
 from jaxstep.program._shards import Plan as Plan
 from jaxstep.program._shards import nbytes_per_device as nbytes_per_device
 from jaxstep.program._shards import shard_axis as shard_axis
-from jaxstep.program._shards import spec as shard_spec
+from jaxstep.program._shards import shard_spec as shard_spec
 
 __all__ = [
     "AXIS",
@@ -40,9 +40,9 @@ __all__ = [
     "fingerprint",
     "float_leaves",
     "grad_leaves_finite",
-    "held_shards",
     "nbytes_per_device",
     "shard_axis",
+    "shard_mask",
     "shard_spec",
     "sharded_step",
 ]

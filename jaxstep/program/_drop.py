@@ -21,7 +21,7 @@ from jaxstep.program import _cross_checks as cross_checks
 from jaxstep.program._options import Options
 
 
-def memory(n: int) -> dict[str, jax.Array]:
+def drop_memory(n: int) -> dict[str, jax.Array]:
     """The policy's per-device memory in ``state.monitor``: steps in a row each device
     was left out, and how often its replica was repaired."""
     return {"drops": jnp.zeros((n,), jnp.int32), "repairs": jnp.zeros((n,), jnp.int32)}

@@ -147,7 +147,7 @@ def gathered_work(
     in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))  # before the backward
     shards, treedef = jax.tree.flatten(state.params)
     names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
-    held = [i for i, a in enumerate(plan.params) if a is not None]
+    gathered = [i for i, a in enumerate(plan.params) if a is not None]
     poisons: list[jax.Array | None] = [None] * len(shards)
     if ctx is not None:
         poisons = [options.injector.leaf_value("grad", names, i, ctx) for i in range(len(shards))]
@@ -159,7 +159,7 @@ def gathered_work(
 
     def f(shards: list[jax.Array], probes: list[jax.Array], one: jax.Array) -> Any:
         full, sink = list(shards), jnp.zeros((), jnp.float32)
-        for k, i in enumerate(held):
+        for k, i in enumerate(gathered):
             poison = poisons[i]
             x, z = checked_gather(
                 shards[i],
@@ -183,7 +183,7 @@ def gathered_work(
         return (scaled, sink), (value, aux, copies)
 
     f = jax.checkpoint(f, policy=regather_policy)
-    probes = [jnp.zeros((), jnp.float32) for _ in held]
+    probes = [jnp.zeros((), jnp.float32) for _ in gathered]
     (scaled, _), vjp, (value, aux, copies) = jax.vjp(
         f, shards, probes, jnp.ones((), jnp.float32), has_aux=True
     )
@@ -198,18 +198,18 @@ def gathered_work(
     local = [i for i, a in enumerate(plan.params) if a is None]
     for i in local:  # the replicated leaves' faults, on their local gradients
         grads[i] = poisoned(grads[i], poisons[i])
-    if scaler is not None and scale is not None:  # the held leaves' are unscaled already
+    if scaler is not None and scale is not None:  # the gathered leaves' are unscaled already
         unscaled = scaler.unscale(scale, [grads[i] for i in local])
         for i, g in zip(local, unscaled, strict=True):
             grads[i] = g
     squares, first_local, _ = health.gradient_health([grads[i] for i in local])
-    held_squares = sum(flags, jnp.zeros((), jnp.float32))
-    held_first = health.first_true([~jnp.isfinite(q) for q in flags], held)
+    gathered_squares = sum(flags, jnp.zeros((), jnp.float32))
+    gathered_first = health.first_true([~jnp.isfinite(q) for q in flags], gathered)
     local_first = jnp.where(
         first_local >= 0, jnp.asarray(local or [0], jnp.int32)[jnp.maximum(first_local, 0)], -1
     )
-    grad_leaf = health.earliest(held_first, local_first)
-    squares = squares + held_squares
+    grad_leaf = health.earliest(gathered_first, local_first)
+    squares = squares + gathered_squares
     grad_bad = ~jnp.isfinite(squares)
     status = status_bits(options, in_bad, value, grad_bad, ms_bad, check_failed)
     prints, param_leaf = (None, None) if copies is None else copies
@@ -242,7 +242,7 @@ def local_part(
     *,
     beat: stages.Beat | None,
     replicas: bool,
-    held: Sequence[bool],
+    sharded: Sequence[bool],
 ) -> tuple[stages.LocalPart, Callable[[jax.Array], tuple[PyTree, PyTree]]]:
     """:func:`jaxstep.program._body.local_part` under ``"params"``: the parameters'
     gathers are its first collectives, so the heartbeat comes before them (a device
@@ -274,7 +274,7 @@ def local_part(
     if replicas:
         n_params = len(plan.params)
         rest = jax.tree.leaves((state.opt_state, state.model_state))
-        kept = cross_checks.without_shards(rest, held[n_params:])
+        kept = cross_checks.without_shards(rest, sharded[n_params:])
         assert found.prints is not None and found.param_leaf is not None
         prints = jnp.concatenate([found.prints, cross_checks.fingerprint(kept)])
         row["param_leaf"] = found.param_leaf

@@ -81,13 +81,13 @@ class Parted(NamedTuple):
     info: StepInfo
 
 
-def held(plan: Plan, state: TrainState) -> list[bool]:
+def shard_mask(plan: Plan, state: TrainState) -> list[bool]:
     """Which leaves of (params, opt_state, model_state) a device holds a shard of."""
     ms = len(jax.tree.leaves(state.model_state))
     return [a is not None for a in (*plan.params, *plan.opt)] + [False] * ms
 
 
-def step(
+def sharded_step(
     options: Options,
     mesh: Mesh,
     extra_specs: Mapping[str, P],
@@ -144,7 +144,7 @@ def device_part(
     """One device's step up to the update (inside the ``shard_map``): its local part and
     checks, the reduction, the checks that compare the devices' rows."""
     index = jax.lax.axis_index(options.axis_name)
-    shards = held(plan, state)
+    shards = shard_mask(plan, state)
     dropping = options.on_failure == "drop"
     repair = None
     if dropping and replicas:  # the replicated leaves' diverged copies, repaired first
@@ -155,7 +155,7 @@ def device_part(
     if options.shard_state == "params":
         part, rerun = fsdp.local_part(
             options, plan, state, batch, ctx, token, index, chunk,
-            beat=beat, replicas=replicas, held=shards,
+            beat=beat, replicas=replicas, sharded=shards,
         )  # fmt: skip
     else:
         work_fn = functools.partial(device_work, input_apart=True) if dropping else None
@@ -348,4 +348,4 @@ def place(state: Any, plan: Plan, mesh: Mesh, axis: str) -> Any:
     return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
 
-__all__ = ["Parted", "device_part", "held", "place", "reduce", "step"]
+__all__ = ["Parted", "device_part", "place", "reduce", "shard_mask", "sharded_step"]

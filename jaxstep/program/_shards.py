@@ -53,7 +53,7 @@ def shard_axis(shape: Sequence[int], n: int, min_size: int) -> int | None:
     return best
 
 
-def spec(axis: int | None, name: str) -> P:
+def shard_spec(axis: int | None, name: str) -> P:
     """The ``PartitionSpec`` of a leaf sharded along ``axis`` over the mesh axis
     ``name`` (``P()``: replicated)."""
     return P() if axis is None else P(*([None] * axis), name)
@@ -107,7 +107,7 @@ class Plan(NamedTuple):
 
 def _as(tree: PyTree, axes: Sequence[int | None], name: str) -> PyTree:
     leaves, treedef = jax.tree.flatten(tree)
-    return jax.tree.unflatten(treedef, [spec(a, name) for a in axes][: len(leaves)])
+    return jax.tree.unflatten(treedef, [shard_spec(a, name) for a in axes][: len(leaves)])
 
 
 def nbytes_per_device(state: Any, plan: Plan, n: int) -> int:

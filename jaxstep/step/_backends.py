@@ -19,7 +19,6 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 from typing import Protocol
 
 import jax
@@ -30,15 +29,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
-from jaxstep.core import ShardState
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
 from jaxstep.core import processes
 from jaxstep.core import to_host
-from jaxstep.program import AXIS
+from jaxstep.program import Options
 from jaxstep.program import Plan
-from jaxstep.program import shard_spec as spec
+from jaxstep.program import shard_spec
 
 Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
@@ -53,9 +51,7 @@ class Backend(Protocol):
     stacked: bool  # state leaves carry a leading device axis
     devices: list[jax.Device]
 
-    def __init__(
-        self, devices: Sequence[jax.Device], axis_name: str = AXIS, layout: Layout | None = None
-    ) -> None: ...
+    def __init__(self, options: Options) -> None: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def compile_sharded(
         self, step: ShardedBody, donate: bool, split: Mapping[str, bool]
@@ -74,26 +70,19 @@ class Backend(Protocol):
     def one_replica(self, tree: PyTree) -> PyTree: ...
 
 
-class Layout(NamedTuple):
-    """A step's ``shard_state`` and ``shard_min_size``."""
-
-    shard_state: ShardState
-    min_size: int
-
-
 class ShardMapBackend:
     """State replicated (``P()``), batch split on its leading axis (``P(axis_name)``);
-    with a ``layout`` (``shard_state``), the state's leaves sharded by the rule
+    under ``shard_state``, the state's leaves sharded by the rule
     (:class:`jaxstep.program.Plan`): global arrays with their logical shapes."""
 
     name = "shard_map"
     stacked = False
 
-    def __init__(
-        self, devices: Sequence[jax.Device], axis_name: str = AXIS, layout: Layout | None = None
-    ):
-        self.devices = list(devices)
-        self.layout = layout
+    def __init__(self, options: Options):
+        self.devices = list(options.devices)
+        self.shard_state = options.shard_state
+        self.min_size = options.shard_min_size
+        axis_name = options.axis_name
         # Across processes each one passes its own rows: where its devices sit, once.
         self._local = (
             processes.local_positions(self.devices)
@@ -149,7 +138,7 @@ class ShardMapBackend:
     ) -> Callable[[Any], Any]:
         """``fn(state) -> state`` run on every device's copy (a sharded layout: on its
         shards; ``out_specs``: of a result other than the state)."""
-        if self.layout is None:
+        if self.shard_state is None:
             out = P() if out_specs is None else out_specs
             return jax.jit(
                 jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=out, check_vma=False)
@@ -167,9 +156,9 @@ class ShardMapBackend:
 
     def plan(self, state: Any) -> Plan | None:
         """Where ``state``'s leaves are sharded (None: replicated, no layout)."""
-        if self.layout is None or not isinstance(state, TrainState):
+        if self.shard_state is None or not isinstance(state, TrainState):
             return None
-        return Plan.of(self.layout.shard_state, len(self.devices), self.layout.min_size, state)
+        return Plan.of(self.shard_state, len(self.devices), self.min_size, state)
 
     def _specs(self, state: Any) -> Any:
         plan = self.plan(state)
@@ -178,7 +167,7 @@ class ShardMapBackend:
         return plan.specs(state, self.axis)
 
     def place_state(self, state: PyTree) -> PyTree:
-        if self.layout is None or not isinstance(state, TrainState):
+        if self.shard_state is None or not isinstance(state, TrainState):
             return jax.device_put(state, self.replicated)
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs(state))
         return jax.device_put(state, shardings)
@@ -189,21 +178,23 @@ class ShardMapBackend:
         of ``optimizer.init`` with the rule's shardings: left alone it would return
         whole leaves on one device)."""
         shapes = jax.eval_shape(optimizer.init, params)
-        assert self.layout is not None
+        assert self.shard_state is not None
         plan = Plan.of(
-            self.layout.shard_state,
+            self.shard_state,
             len(self.devices),
-            self.layout.min_size,
+            self.min_size,
             types.SimpleNamespace(params=params, opt_state=shapes),
         )
 
         def named(tree: PyTree, axes: Sequence[int | None]) -> PyTree:
             return jax.tree.unflatten(
                 jax.tree.structure(tree),
-                [NamedSharding(self.mesh, spec(a, self.axis)) for a in axes],
+                [NamedSharding(self.mesh, shard_spec(a, self.axis)) for a in axes],
             )
 
-        params = jax.device_put(params, named(params, plan.params))
+        # A copy, never the caller's own buffers (they may already sit where the rule
+        # puts them): the step donates its state, and must not delete the caller's arrays.
+        params = jax.device_put(params, named(params, plan.params), may_alias=False)
         opt_state = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))(params)
         return params, opt_state
 

@@ -1,7 +1,6 @@
-"""Training on without some devices (``TrainStep.exclude_devices``) and one step rerun
-as under ``on_failure="drop"`` (``driving.rerun_dropping``): the options of
-the smaller or the dropping step, and the host-side moves of a state between them.
-Host code only; nothing here is traced or reads a device."""
+"""Training on without some devices (``TrainStep.exclude_devices``): the options of the
+smaller step, and the host-side move of a state onto it. Host code only; nothing here is
+traced or reads a device."""
 
 from __future__ import annotations
 
@@ -111,51 +110,6 @@ def _copy_dicts(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: _copy_dicts(v) for k, v in tree.items()}
     return tree
-
-
-def dropping_options(options: Options) -> Options:
-    """The options of the step that reruns a step as under ``on_failure="drop"``: any
-    number of devices but all may be left out, no limit on drops in a row, and the
-    state passed in is not donated."""
-    return dataclasses.replace(
-        options,
-        on_failure="drop",
-        max_dropped=options.n - 1,
-        max_consecutive_drops=None,
-        donate=False,
-    )
-
-
-def drop_fields(n: int) -> dict[str, Any]:
-    """The host values a state of another policy takes into the dropping step:
-    ``halted`` cleared, ``total_drops`` and the per-device drop memory at zero."""
-    return {
-        "halted": np.zeros((), bool),
-        "total_drops": np.zeros((), np.int32),
-        "drops": np.zeros((n,), np.int32),
-        "repairs": np.zeros((n,), np.int32),
-    }
-
-
-def into_dropping(state: TrainState, placed: dict[str, Any], *, own: bool) -> TrainState:
-    """``state`` as the dropping step takes it; ``placed``: :func:`drop_fields` on the
-    devices; ``own``: the state is already the drop policy's (only ``halted`` is
-    cleared)."""
-    if own:
-        return dataclasses.replace(state, halted=placed["halted"])
-    monitor = {**state.monitor, "drops": placed["drops"], "repairs": placed["repairs"]}
-    return dataclasses.replace(
-        state, halted=placed["halted"], total_drops=placed["total_drops"], monitor=monitor
-    )
-
-
-def out_of_dropping(state: TrainState, *, own: bool) -> TrainState:
-    """The dropping step's state as a step of another policy takes it (its drop
-    memory let go); ``own``: the drop policy's, returned as it is."""
-    if own:
-        return state
-    monitor = {k: v for k, v in state.monitor.items() if k not in ("drops", "repairs")}
-    return dataclasses.replace(state, total_drops=None, monitor=monitor)
 
 
 def warn_resharded(options: Options, host: TrainState, before: int) -> None:

@@ -2,7 +2,8 @@
 state: which examples fail on their own (:meth:`Passes.failing_examples`) and which
 gradient leaves a non-finite gradient reached (:meth:`Passes.nonfinite_grad_leaves`).
 Each is compiled on first use; ``axis_name`` is bound to a one-example (or
-one-chunk) axis, so a model that communicates sees its rows alone."""
+one-chunk) axis, so a model that communicates sees its rows alone. With several
+processes each runs only the chunks its own batch holds."""
 
 from __future__ import annotations
 
@@ -22,27 +23,28 @@ from jaxstep.core import from_host
 from jaxstep.program import Options
 from jaxstep.program import example_failed
 from jaxstep.program import grad_leaves_finite
+from jaxstep.step._backends import Backend
+from jaxstep.step._inputs import local_positions
 
 
 class Passes:
-    """What :class:`jaxstep.TrainStep` runs for :func:`jaxstep.diagnose`."""
+    """What a step's runtime runs for :func:`jaxstep.diagnose`, on its ``backend``'s
+    devices (a copy of the state read from the first this process holds)."""
 
-    def __init__(self, options: Options, n: int):
-        self.options, self.n = options, n
+    def __init__(self, options: Options, backend: Backend):
+        self.options, self.backend = options, backend
+        self.n = len(backend.devices)
         self._examples: Any = None
         self._grad_leaves: Any = None
 
     def failing_examples(
-        self,
-        copy: TrainState,
-        batch: Batch,
-        chunks: Sequence[int],
-        step_number: int,
-        local: Sequence[int] | None = None,
+        self, state: TrainState, batch: Batch, chunks: Sequence[int], step_number: int
     ) -> list[int]:
-        """Global batch indices of the examples of ``chunks`` that fail on their own;
-        ``copy``: one device's numpy copy of the state (``driving.local_copy``); ``local``:
-        the positions whose chunks ``batch`` holds, in order (default: all)."""
+        """Global batch indices of the examples of ``chunks`` (device positions) that
+        fail on their own (input, loss, gradient, model state or a user check) from
+        ``state`` at step ``step_number``. ``batch``: what the step took (several
+        processes: this process's rows, whose chunks alone are run: the caller gathers
+        the rest)."""
         if self._examples is None:
             options, axis = self.options, self.options.axis_name
 
@@ -53,24 +55,34 @@ class Passes:
                 return _with_axis(alone, axis, example)
 
             self._examples = jax.jit(jax.vmap(one, in_axes=(None, 0, None, 0)))
+        local = local_positions(self.backend.devices)
+        copy = self.backend.read_at(state, local[0])
         state, size, part = self._split(copy, batch, step_number, local)
         found: list[int] = []
-        for c in chunks:
+        for c in [c for c in chunks if c in set(local)]:
             flags = self._examples(state, part(c), jnp.int32(c), jnp.arange(size))
             found.extend(int(c * size + r) for r in np.flatnonzero(np.asarray(flags)))
         return found
 
     def nonfinite_grad_leaves(
-        self,
-        copy: TrainState,
-        batch: Batch,
-        position: int,
-        device_id: int,
-        step_number: int,
-        local: Sequence[int] | None = None,
+        self, state: TrainState, batch: Batch, position: int, step_number: int
     ) -> list[int]:
-        """Indices (tree order) of the gradient leaves that are not finite for chunk
-        ``position`` of ``batch`` as device ``device_id`` ran it."""
+        """Indices (tree order) of the gradient leaves that are not finite for the rows
+        ``devices[position]`` holds of ``batch``, run from ``state`` as that device ran
+        them (the whole chunk in one pass). Only the process holding that device can
+        run it.
+
+        Raises:
+          ValueError: another process holds that device's rows.
+        """
+        devices = self.backend.devices
+        local = local_positions(devices)
+        if position not in local:
+            raise ValueError(
+                f"device {devices[position].id}'s rows are not in this process's "
+                f"batch: ask process {devices[position].process_index}"
+            )
+        copy, device_id = self.backend.read_at(state, local[0]), devices[position].id
         if self._grad_leaves is None:
             options, axis = self.options, self.options.axis_name
 

@@ -18,11 +18,10 @@ from jaxstep.core import Batch
 from jaxstep.core import PyTree
 from jaxstep.core import from_host
 from jaxstep.core import to_host
-from jaxstep.program import AXIS
+from jaxstep.program import Options
 from jaxstep.program import Plan
 from jaxstep.step._backends import Body
 from jaxstep.step._backends import Compiled
-from jaxstep.step._backends import Layout
 from jaxstep.step._backends import ShardedBody
 from jaxstep.step._backends import auto_mesh
 
@@ -46,12 +45,9 @@ class PmapBackend:
     name = "pmap"
     stacked = True
 
-    def __init__(
-        self, devices: Sequence[jax.Device], axis_name: str = AXIS, layout: Layout | None = None
-    ):
-        self.devices = list(devices)
-        self.axis = axis_name
-        self.layout = None  # Options refuses a shard_state under pmap
+    def __init__(self, options: Options):
+        self.devices = list(options.devices)
+        self.axis = axis_name = options.axis_name
         # in_axes=None broadcasts every leaf (typed PRNG keys too) to all devices.
         self._replicate = jax.pmap(
             lambda _, x: x, axis_name=axis_name, in_axes=(0, None), devices=self.devices

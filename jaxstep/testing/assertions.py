@@ -22,7 +22,7 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core.names import without_root
 from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 
 _UNCHECKED: Any = object()
 
@@ -129,7 +129,8 @@ def assert_replicas_equal(step: TrainStep, tree: Any) -> None:
         the leaves that differ (``chex.assert_trees_all_equal``'s report).
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
-    copies = [_raw_keys(driving.local_copy(step, tree, i)) for i in range(len(step.devices))]
+    runtime = runtime_of(step)
+    copies = [_raw_keys(runtime.read_at(tree, i)) for i in range(len(step.devices))]
     ids = [d.id for d in step.devices]
     # Group equal copies; the largest group is taken as the correct one.
     groups: list[list[int]] = []

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxstep.core import TrainState
 from jaxstep.step import TrainStep
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 
 
 def corrupt_replica(
@@ -48,7 +48,7 @@ def corrupt_replica(
     if (
         isinstance(x, jax.Array)
         and not x.sharding.is_fully_replicated
-        and not driving.stacked(step)
+        and step.options.backend != "pmap"
     ):
         whole = [n for n, y in zip(names, leaves, strict=True) if y.sharding.is_fully_replicated]
         raise ValueError(
@@ -91,4 +91,5 @@ def state_leaf_index(names: list[str], leaf: str) -> int:
 def replicas(step: TrainStep, tree: Any) -> list[Any]:
     """Each device's own copy of a replicated (or pmap-stacked) pytree, as numpy, in
     the order of ``step.devices``."""
-    return [driving.local_copy(step, tree, i) for i in range(len(step.devices))]
+    runtime = runtime_of(step)
+    return [runtime.read_at(tree, i) for i in range(len(step.devices))]

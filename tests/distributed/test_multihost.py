@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxstep
 from jaxstep.distributed import reports
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -246,7 +246,7 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     step, state = train.train(train.parse(TRAIN_ARGS), jax.devices())
-    here = driving.local_copy(step, step.host_state(state).params, 0)
+    here = runtime_of(step).read_at(step.host_state(state).params, 0)
     saved = np.load(job.params_path)
     flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(here)}
     assert sorted(saved.files) == sorted(flat)
@@ -259,7 +259,7 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
     assert meta["verified"] and sorted(meta["data_by_process"]) == ["0", "1"]
     # Training moved the weights, so agreeing is not agreeing on the initial values.
     _, first = train.build(train.parse(TRAIN_ARGS), jax.devices())
-    start = driving.local_copy(step, first.params, 0)
+    start = runtime_of(step).read_at(first.params, 0)
     pairs = zip(jax.tree.leaves(start), jax.tree.leaves(here), strict=True)
     assert not all(np.allclose(a, b) for a, b in pairs)
 
@@ -278,7 +278,7 @@ def _reference(steps: int):
 
 
 def _assert_params_close(step, a, b):
-    pa, pb = (driving.local_copy(step, step.host_state(s).params, 0) for s in (a, b))
+    pa, pb = (runtime_of(step).read_at(step.host_state(s).params, 0) for s in (a, b))
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
@@ -344,7 +344,7 @@ def test_lost_process_still_gets_an_emergency_save_and_two_processes_resume(jobs
     assert {p: r["step"] for p, r in resumed.results().items()} == {0: 8, 1: 8}
     step, full = _reference(8)
     saved_params = np.load(params)
-    here = driving.local_copy(step, step.host_state(full).params, 0)
+    here = runtime_of(step).read_at(step.host_state(full).params, 0)
     for key, value in jax.tree_util.tree_leaves_with_path(here):
         np.testing.assert_allclose(
             saved_params[jax.tree_util.keystr(key)], value, rtol=1e-5, atol=1e-6

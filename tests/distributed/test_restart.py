@@ -204,7 +204,7 @@ TRAIN = """
 import json, os, sys
 import jax, optax
 import jaxstep
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import init_params, loss_fn, make_batches
 
@@ -219,7 +219,7 @@ state = jaxstep.fit(
     recover=jaxstep.Recover(), step_timeout=3.0,
     checkpoint_dir=sys.argv[1], checkpoint_every=2, resume=True,
 )
-final = int(driving.first_copy(step, state.step))
+final = int(runtime_of(step).read_first(state.step))
 print("RESULT " + json.dumps({"attempt": attempt, "steps": history.step, "final": final}))
 """
 

@@ -21,7 +21,7 @@ from flax import traverse_util
 import jaxstep
 import jaxstep.flax
 from jaxstep import Status
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 from tests.models import init_params as mlp_params
 from tests.models import loss_fn as mlp_loss
 
@@ -55,7 +55,7 @@ def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def _replicas(step, tree) -> list:
     """Each device's own copy of ``tree`` (numpy), in the step's device order."""
-    return [driving.local_copy(step, tree, i) for i in range(len(step.devices))]
+    return [runtime_of(step).read_at(tree, i) for i in range(len(step.devices))]
 
 
 def _assert_tree_close(a, b, **kw) -> None:

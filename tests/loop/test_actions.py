@@ -15,9 +15,11 @@ from jaxstep.loop._actions import Direct
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._checkpoints import Checkpoints
 from jaxstep.loop._diagnose import Replay
+from jaxstep.loop._prefetch import InTurn
 from jaxstep.loop._prefetch import Prefetch
-from jaxstep.loop._recover import Recovery
+from jaxstep.loop._recover import Recoverer
 from jaxstep.loop._watchdog import StepWatchdog
+from jaxstep.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import init_params
 from tests.models import loss_fn
@@ -26,7 +28,7 @@ from tests.models import make_batches
 
 def _loop(step, options):
     state, _, checkpoints = FitCheckpoints.begin(
-        step, step.init(init_params()), make_batches(1), options.checkpoints
+        runtime_of(step), step.init(init_params()), make_batches(1), options.checkpoints
     )
     return Loop(step, state, checkpoints, options)
 
@@ -86,16 +88,20 @@ def test_one_callback_object_is_kept_as_a_tuple_of_one():
 
 def test_a_plain_run_prefetches_replays_a_failure_alike_and_dispatches_on_this_thread():
     step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1))
-    assert _loop(step, FitOptions(diagnose=False, prefetch=0)).actions.parts == []
+    bare = _loop(step, FitOptions(diagnose=False, prefetch=0)).actions
+    assert [type(part) for part in bare.parts] == [InTurn, Direct]  # the two roles
+    assert bare.read == bare.before == bare.settled == bare.dispatched == ()  # no hooks
     # prefetch=2: a thread pulls the batches ahead; diagnose=None: a failure every
     # device had alike is replayed
     loop = _loop(step, FitOptions())
-    prefetch, replay = loop.actions.parts
-    assert isinstance(prefetch, Prefetch)
+    prefetch, direct, replay = loop.actions.parts
+    assert isinstance(prefetch, Prefetch) and loop.actions.feeder is prefetch
     assert isinstance(replay, Replay) and not replay.every
-    assert loop.actions.settles_at_once is False
-    assert isinstance(loop.actions.run.__self__, Direct)
-    assert loop.actions.take == loop.actions.before == loop.actions.settled == ()
+    assert isinstance(direct, Direct) and loop.actions.runner is direct
+    assert direct.settles_at_once is False
+    assert loop.actions.before == loop.actions.settled == ()
+    # a hook is bound only on the parts that override Action's no-op
+    assert [hook.__self__ for hook in loop.actions._failed] == [prefetch, replay]
 
 
 def test_the_actions_a_run_asks_for_come_in_their_documented_order(tmp_path):
@@ -110,8 +116,8 @@ def test_the_actions_a_run_asks_for_come_in_their_documented_order(tmp_path):
     loop = _loop(step, options)
     try:
         kinds = [type(part) for part in loop.actions.parts]
-        assert kinds == [Prefetch, Checkpoints, StepWatchdog, Callbacks, Recovery, Replay]
-        assert loop.actions.settles_at_once is True  # the watchdog runs the dispatch
+        assert kinds == [Prefetch, Checkpoints, StepWatchdog, Callbacks, Recoverer, Replay]
+        assert loop.actions.runner.settles_at_once is True  # the watchdog runs the dispatch
     finally:
         loop.actions.close()
 

@@ -22,7 +22,7 @@ from tests.models import loss_fn
 def test_presplit_batches_laid_out_for_the_devices_before_are_joined_and_carried():
     carry = Carry(unit=3, presplit=True)  # 4 devices before, 3 left
     split = {"x": np.arange(16, dtype=np.float32).reshape(4, 2, 2), "y": np.arange(8).reshape(4, 2)}
-    taken = carry.take(Item(split, seq=5))
+    taken = carry.take(Item(split, seq=5)).item
     assert taken.batch["y"].tolist() == [0, 1, 2, 3, 4, 5] and taken.batch["x"].shape == (6, 2)
     assert (taken.first, taken.offset, taken.spans) == (5, 0, ((5, 0, 6),))
     rows, spans = carry.rows, carry.spans
@@ -32,17 +32,17 @@ def test_presplit_batches_laid_out_for_the_devices_before_are_joined_and_carried
 def test_carried_rows_of_another_shape_are_listed_never_joined():
     """Bucketed lengths: rows carried from a batch padded to 24 cannot join one padded
     to 16; fewer than a step needs, they are listed and the new batch starts afresh."""
-    left_over = []
-    carry = Carry(unit=3, start=10, left_over=left_over)
+    carry = Carry(unit=3, start=10)
     long = {"x": np.zeros((4, 24), np.float32)}
     short = {"x": np.ones((4, 16), np.float32)}
     first = carry.take(Item(long, seq=0))
-    assert first.batch["x"].shape == (3, 24) and carry.spans == [(0, 3, 4)]
-    second = carry.take(Item(short, seq=1))
+    assert first.item.batch["x"].shape == (3, 24) and carry.spans == [(0, 3, 4)]
+    assert first.left_over == ()
+    second, listed = carry.take(Item(short, seq=1))
     assert second.batch["x"].shape == (3, 16) and (second.first, second.offset) == (1, 0)
     assert second.spans == ((1, 0, 3),) and carry.spans == [(1, 3, 4)]
-    assert left_over == [(10, 3, 4)]  # batch 0's last row, counted from the data's start
-    third = carry.take(Item({"x": np.ones((5, 16), np.float32)}, seq=2))  # 1 + 5: joined
+    assert listed == ((10, 3, 4),)  # batch 0's last row, counted from the data's start
+    third = carry.take(Item({"x": np.ones((5, 16), np.float32)}, seq=2)).item  # 1 + 5: joined
     assert third.spans == ((1, 3, 4), (2, 0, 5)) and carry.rows is None
     with pytest.warns(UserWarning, match="1 when the next batch had rows of another shape"):
         carry.finish()

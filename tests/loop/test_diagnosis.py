@@ -9,7 +9,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import PER_DEVICE
 from tests.models import init_params
@@ -225,11 +225,11 @@ def test_a_replay_order_moves_the_chunks_as_the_rotation_does_and_is_checked(bac
     order = jaxstep.distributed.local_rotation(step.devices, 1)
     assert order.tolist() == [1, 2, 3, 4, 5, 6, 7, 0]  # one process: (i + 1) % n
     tables = [
-        step.table(driving.replay(step, err.state, batches[1], **how)[1])
+        step.table(runtime_of(step).replay(err.state, batches[1], **how)[1])
         for how in ({"rotation": 1}, {"order": order}, {"order": [0, 1, 2, 4, 3, 5, 6, 7]})
     ]
     np.testing.assert_array_equal(tables[0].status, tables[1].status)
     assert np.flatnonzero(tables[0].status).tolist() == [2]  # chunk 3 now on device 2
     assert np.flatnonzero(tables[2].status).tolist() == [4]  # chunks 3 and 4 swapped
     with pytest.raises(ValueError, match="must be a permutation of the 8 device positions"):
-        driving.replay(step, err.state, batches[1], order=[0, 0, 1, 2, 3, 4, 5, 6])
+        runtime_of(step).replay(err.state, batches[1], order=[0, 0, 1, 2, 3, 4, 5, 6])

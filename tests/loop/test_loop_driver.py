@@ -9,7 +9,7 @@ import jaxstep
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.loop import Callbacks
 from jaxstep.loop import Loop
-from jaxstep.loop._actions import Actions
+from jaxstep.step import runtime_of
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -18,7 +18,7 @@ from tests.models import rows_of
 
 def _loop(step, batches, **kw):
     state, _, checkpoints = FitCheckpoints.begin(
-        step,
+        runtime_of(step),
         step.init(init_params()),
         batches,
         checkpoint_dir=None,
@@ -52,14 +52,14 @@ def test_advance_settles_the_step_before_it_and_drain_the_last(backend):
     recorder = _Recorder()
     loop = _loop(step, batches, callbacks=[recorder])
     loop.advance(batches[0])
-    assert loop.pending is not None and loop.pending.number == 0
-    assert loop.pending.batch is batches[0]
+    assert loop.flight.pending is not None and loop.flight.pending.number == 0
+    assert loop.flight.pending.batch is batches[0]
     assert loop.history.step == [] and recorder.calls == []  # nothing read yet
     loop.advance(batches[1])
     assert loop.history.step == [0]  # step 0 settled once step 1 was dispatched
-    assert loop.pending.number == 1
+    assert loop.flight.pending.number == 1
     loop.drain()
-    assert loop.pending is None
+    assert loop.flight.pending is None
     assert loop.history.step == [0, 1]
     assert recorder.calls == [("step_end", 0), ("step_end", 1)]
     assert _host_step(step, loop.finish()) == 2
@@ -72,7 +72,7 @@ def test_drain_with_nothing_in_flight_reads_no_table(backend, monkeypatch):
     loop = _loop(step, [])
     state = loop.state
     loop.drain()
-    assert read == [] and loop.history.step == [] and loop.pending is None
+    assert read == [] and loop.history.step == [] and loop.flight.pending is None
     assert loop.finish() is state  # nothing dispatched: the state fit was given
 
 
@@ -115,7 +115,7 @@ def test_a_rejected_batch_settles_the_step_before_it_and_abandon_keeps_the_state
     assert _host_step(step, loop.state) == 2
 
 
-def test_a_batch_an_action_cannot_take_is_handed_back():
+def test_a_batch_the_carry_cannot_take_is_handed_back():
     """Whatever raises before a batch is dispatched (the carry, say), the batch is in
     err.batches: pulled, never lost."""
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
@@ -126,7 +126,10 @@ def test_a_batch_an_action_cannot_take_is_handed_back():
         def take(self, item):
             raise ValueError("refused")
 
-    loop.actions = Actions([Refuse(), *loop.actions.parts], step)
+        def held(self):
+            return []
+
+    loop.carry = Refuse()
     with pytest.raises(ValueError, match="refused") as info:
         loop.advance(batches[0])
     loop.abandon(info.value)
@@ -138,7 +141,7 @@ def test_with_the_step_watchdog_advance_settles_its_own_step(backend):
     batches = make_batches(2)
     loop = _loop(step, batches, step_timeout=60.0)
     loop.advance(batches[0])
-    assert loop.pending is None and loop.history.step == [0]
+    assert loop.flight.pending is None and loop.history.step == [0]
     loop.advance(batches[1])
     loop.drain()
     assert loop.history.step == [0, 1] and loop.number == 2

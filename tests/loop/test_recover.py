@@ -12,7 +12,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.step import driving
+from jaxstep.step import Runtime
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
 from tests.models import PER_DEVICE
@@ -232,16 +232,16 @@ def test_a_replica_diverged_inside_a_fit_call_is_rolled_back_and_its_batches_ret
     late = HostFault(3)
     transient = Fault("input", first.id, step=4, mode="transient")
     step = _step(backend, loss=late.loss, divergence_every=1, faults=[transient])
-    dispatch, corrupted = driving.dispatch, []
+    dispatch, corrupted = Runtime.dispatch, []
 
-    def corrupting(step_, state, batch, **kw):  # once, before a good step 5 is dispatched
-        number, halted = driving.first_copy(step_, (state.step, state.halted))
+    def corrupting(runtime, state, batch, **kw):  # once, before a good step 5 is dispatched
+        number, halted = runtime.read_first((state.step, state.halted))
         if not corrupted and int(number) == 5 and not bool(halted):
             corrupted.append(5)
-            state = corrupt_replica(step_, state, bad.id, "params['dense2']['kernel']", ulps=1)
-        return dispatch(step_, state, batch, **kw)
+            state = corrupt_replica(step, state, bad.id, "params['dense2']['kernel']", ulps=1)
+        return dispatch(runtime, state, batch, **kw)
 
-    monkeypatch.setattr(driving, "dispatch", corrupting)
+    monkeypatch.setattr(Runtime, "dispatch", corrupting)
     batches = make_batches(7)
     history = jaxstep.History()
     state = jaxstep.fit(

@@ -8,7 +8,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.step import driving
+from jaxstep.step import Runtime
 from jaxstep.testing import assert_replicas_equal
 from jaxstep.testing import replicas
 from tests.models import BATCH
@@ -138,19 +138,19 @@ def test_fit_reads_each_table_one_step_late(monkeypatch):
     """Dispatch t, then read t-1: the device queue never drains, at most 2 in flight."""
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
     events = []
-    dispatch, table = driving.dispatch, driving.raw_table
+    dispatch, table = Runtime.dispatch, Runtime.raw_table
 
-    def logged_dispatch(step, state, batch, **kw):
-        state, out = dispatch(step, state, batch, **kw)
+    def logged_dispatch(runtime, state, batch, **kw):
+        state, out = dispatch(runtime, state, batch, **kw)
         events.append(("dispatch", id(out)))
         return state, out
 
-    def logged_table(step, out):
+    def logged_table(runtime, out):
         events.append(("table", id(out)))
-        return table(step, out)
+        return table(runtime, out)
 
-    monkeypatch.setattr(driving, "dispatch", logged_dispatch)
-    monkeypatch.setattr(driving, "raw_table", logged_table)
+    monkeypatch.setattr(Runtime, "dispatch", logged_dispatch)
+    monkeypatch.setattr(Runtime, "raw_table", logged_table)
     jaxstep.fit(step, step.init(init_params()), make_batches(4))
     kinds = [k for k, _ in events]
     assert kinds == [

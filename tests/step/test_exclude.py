@@ -1,6 +1,6 @@
 """Training on without some devices (``step.exclude_devices``), in place, as a step
 built on the others would; and one step rerun as under ``on_failure="drop"``
-(``driving.rerun_dropping``), whatever the step's own policy."""
+(``Runtime.rerun_dropping``), whatever the step's own policy."""
 
 import chex
 import jax
@@ -10,7 +10,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.step import driving
+from jaxstep.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import PER_DEVICE
 from tests.models import N
@@ -42,7 +42,7 @@ def _without(devices, device_id=GONE):
 
 def _local(step, state):
     """One replica of ``state`` as numpy (a copy: the state may be donated later)."""
-    return jax.tree.map(np.array, driving.local_copy(step, state, 0))
+    return jax.tree.map(np.array, runtime_of(step).read_at(state, 0))
 
 
 _errors_steps: dict = {}  # backend -> a step the error tests share (they change nothing)
@@ -63,7 +63,7 @@ def test_a_step_without_a_device_trains_as_one_built_on_the_others(backend, perm
     assert [d.id for d in step.devices] == list(step.options.device_ids)
     assert GONE not in step.options.device_ids and len(step.devices) == N - 1
     step.check_state(state)  # it fits the step as it is now
-    assert driving.replicas_agree(step, state)
+    assert runtime_of(step).replicas_agree(state)
     reference = _step(backend, remaining)
     expected = reference.place_state(before)
     for batch in batches[2:]:
@@ -73,9 +73,9 @@ def test_a_step_without_a_device_trains_as_one_built_on_the_others(backend, perm
         table = step.table(out)
         assert table.status.tolist() == [0] * (N - 1) and not step.failures(table)
     chex.assert_trees_all_equal(host_params(step, state), host_params(reference, expected))
-    assert int(driving.first_copy(step, state.step)) == 5
+    assert int(runtime_of(step).read_first(state.step)) == 5
     # the other methods run on the smaller step too
-    replayed, out = driving.replay(step, state, _rows(batches[0], N - 1), rotation=2)
+    replayed, out = runtime_of(step).replay(state, _rows(batches[0], N - 1), rotation=2)
     assert step.table(out).status.tolist() == [0] * (N - 1)
     assert not bool(np.asarray(step.clear_halt(replayed).halted).any())
     if not permuted:
@@ -91,16 +91,16 @@ def test_the_loss_spike_window_keeps_the_remaining_devices_columns(backend):
     state = step.init(init_params())
     for batch in make_batches(3):
         state, _ = step(state, batch)
-    window = driving.local_copy(step, state, 0).monitor["spike"]
+    window = runtime_of(step).read_at(state, 0).monitor["spike"]
     assert window["losses"].shape == (4, N) and int(window["count"]) == 3
     state = step.exclude_devices([GONE], state)
-    now = driving.local_copy(step, state, 0).monitor["spike"]
+    now = runtime_of(step).read_at(state, 0).monitor["spike"]
     keep = [i for i, d in enumerate(jax.devices()) if d.id != GONE]
     np.testing.assert_array_equal(now["losses"], window["losses"][:, keep])
     assert int(now["count"]) == 3
     state, out = step(state, _rows(make_batches(1, seed=9)[0], N - 1))
     assert step.table(out).status.tolist() == [0] * (N - 1)
-    assert driving.local_copy(step, state, 0).monitor["spike"]["losses"].shape == (4, N - 1)
+    assert runtime_of(step).read_at(state, 0).monitor["spike"]["losses"].shape == (4, N - 1)
 
 
 def test_the_drop_policys_counts_keep_the_remaining_devices(backend):
@@ -110,11 +110,11 @@ def test_the_drop_policys_counts_keep_the_remaining_devices(backend):
     state = step.init(init_params())
     for batch in make_batches(2):
         state, _ = step(state, batch)
-    host = driving.local_copy(step, state, 0)
+    host = runtime_of(step).read_at(state, 0)
     assert host.monitor["drops"].tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
     state = step.exclude_devices([GONE], state)
     assert step.options.max_dropped == N - 2  # lowered to what the new count allows
-    now = driving.local_copy(step, state, 0)
+    now = runtime_of(step).read_at(state, 0)
     keep = [i for i, d in enumerate(devices) if d.id != GONE]
     assert now.monitor["drops"].tolist() == host.monitor["drops"][keep].tolist()
     assert now.monitor["repairs"].tolist() == [0] * (N - 1)
@@ -151,7 +151,7 @@ def test_faults_keep_their_devices_after_another_one_goes(backend):
     assert [f.device_id for f in step.failures(table)] == [five]
     assert table.status[step.devices.index(devices[5])] & Status.INPUT_NONFINITE
     # the dropping rerun is built for the devices now: device 5 is left out, alone
-    _, out = driving.rerun_dropping(step, step.place_state(at_4), batches[4])
+    _, out = runtime_of(step).rerun_dropping(step.place_state(at_4), batches[4])
     table = step.table(out)
     assert table.dropped.tolist() == [d.id == five for d in step.devices]
     assert not table.skipped
@@ -190,7 +190,7 @@ def test_a_rerun_dropping_leaves_the_failing_chunk_out_of_the_mean(backend, poli
     halted, out = step(state, batches[1])  # the fault fires
     assert step.table(out).status[GONE] & Status.INPUT_NONFINITE
     start = step.place_state(before) if policy == "drop" else halted
-    state, out = driving.rerun_dropping(step, start, batches[1])
+    state, out = runtime_of(step).rerun_dropping(start, batches[1])
     table = step.table(out)
     assert table.dropped.tolist() == [i == GONE for i in range(N)]
     assert not table.skipped and not table.halted
@@ -198,7 +198,7 @@ def test_a_rerun_dropping_leaves_the_failing_chunk_out_of_the_mean(backend, poli
     healthy = [i for i in range(N) if i != GONE]
     params, _ = _oracle(before.params, before.opt_state, batches[1], healthy, optax.adam(1e-2))
     chex.assert_trees_all_close(host_params(step, state), params, rtol=2e-5, atol=1e-6)
-    host = driving.local_copy(step, state, 0)
+    host = runtime_of(step).read_at(state, 0)
     assert int(host.step) == 2
     if policy == "drop":  # its own fields, carried on
         assert int(host.total_drops) == 1 and host.monitor["drops"][GONE] == 1
@@ -208,4 +208,4 @@ def test_a_rerun_dropping_leaves_the_failing_chunk_out_of_the_mean(backend, poli
     step.check_state(start)  # not donated
     state, out = step(state, batches[2])  # and the step goes on from it
     assert step.table(out).status.tolist() == [0] * N
-    assert int(driving.first_copy(step, state.step)) == 3
+    assert int(runtime_of(step).read_first(state.step)) == 3

@@ -1,0 +1,98 @@
+"""The compiled programs of one runtime: the step's four variants (with or without the
+heartbeat callback, with or without the replica check), each compiled on first use,
+the variants compiled ahead of time for a shape (``compile``), and the small programs
+run beside the step (clearing ``halted``, the replica check alone)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxstep.core import TrainState
+from jaxstep.program import Options
+from jaxstep.program import body
+from jaxstep.program import fingerprint
+from jaxstep.program import shard_mask
+from jaxstep.program import sharded_step
+from jaxstep.step._backends import Backend
+
+#: ``beat(position, step_number, status) -> status``: the heartbeat callback
+Beat = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+class Programs:
+    """What one runtime runs on its devices, compiled on first use.
+
+    Args:
+      options: the step's options for these devices.
+      backend: how the programs are mapped over the devices.
+      split: which of the extras are split over the devices (else replicated).
+      beat: the heartbeat callback the heartbeat variants call.
+    """
+
+    def __init__(self, options: Options, backend: Backend, split: dict[str, bool], beat: Beat):
+        self.options = options
+        self.backend = backend
+        # The four variants: the heartbeat one (fit(step_timeout=...)) adds a host
+        # callback per device, the replica-check one runs only every
+        # divergence_every-th step, so the other steps carry none of its cost.
+        self.variants = {
+            (hb, rc): self._variant(split, beat if hb else None, rc)
+            for hb in (False, True)
+            for rc in (False, True)
+        }
+        self._ahead: dict[tuple[Any, ...], jax.stages.Compiled] = {}
+        self.clear_halt = backend.compile_state_fn(
+            lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
+        )
+        self._prints: Callable[[TrainState], jax.Array] | None = None
+
+    def _variant(self, split: dict[str, bool], beat: Beat | None, replicas: bool) -> Any:
+        """One variant: the per-device body mapped by the backend, or under
+        ``shard_state`` the sharded step, whose ``shard_map`` is its own."""
+        options = self.options
+        if options.shard_state is not None:
+            step = functools.partial(sharded_step, options, beat=beat, replicas=replicas)
+            return self.backend.compile_sharded(step, options.donate, split)
+        mapped = functools.partial(body, options, beat=beat, replicas=replicas)
+        return self.backend.compile(mapped, options.donate, split)
+
+    def ahead(
+        self, state: TrainState, placed: Any, extras: Any, *, heartbeat: bool, replicas: bool
+    ) -> jax.stages.Compiled:
+        """The variant compiled ahead for these shapes (cached)."""
+        leaves = jax.tree.leaves((state, placed))
+        key = (heartbeat, replicas, *((x.shape, str(x.dtype)) for x in leaves))
+        if key not in self._ahead:
+            variant = self.variants[(heartbeat, replicas)]
+            self._ahead[key] = variant.lower(state, placed, extras).compile()
+        return self._ahead[key]
+
+    def fingerprints(self, state: TrainState) -> np.ndarray:
+        """Every device's fingerprints of its copy of ``state``'s params, optimizer state
+        and model state, gathered (``(n, leaves)``; a shard's left at 0: it has no second
+        copy to compare). Compiled on first use."""
+        if self._prints is None:
+            axis = self.options.axis_name
+            plan = self.backend.plan(state)
+            sharded = None if plan is None else shard_mask(plan, state)
+
+            def prints(s: TrainState) -> jax.Array:
+                leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))
+                if sharded is not None:
+                    leaves = [
+                        jnp.zeros((), x.dtype) if held else x
+                        for x, held in zip(leaves, sharded, strict=True)
+                    ]
+                return jax.lax.all_gather(fingerprint(leaves), axis)
+
+            self._prints = self.backend.compile_state_fn(prints, P())
+        gathered = np.asarray(self._prints(state))
+        return gathered[0] if self.backend.stacked else gathered
