@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstep  # noqa: E402
+from jaxstep.step import runtime_of  # noqa: E402
 
 NEW_CHECKS = hasattr(jaxstep, "LossSpike")  # make_train_step(divergence_every=, loss_spike=)
 IN_FLIGHT = 2  # wait for step t-1 before dispatching t+1: ~45 queued steps deadlock CPU
@@ -242,7 +243,7 @@ class Setup:
         compiled = step.compile(state, batch)
         # the small arrays the step threads through every call (the chunk each device
         # holds, since session 8), as the step passes them: not donated, so reused
-        extras = getattr(step, "_extras", {})
+        extras = runtime_of(step).extras.placed
 
         def run(s: Any, b: Any) -> tuple[Any, jax.Array]:
             s, out, _ = compiled(s, b, extras)
@@ -505,6 +506,44 @@ def bench_host(setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
     return {k: float(np.median(v) * 1e6) for k, v in times.items()}
 
 
+def python_calls(setup: Setup) -> dict[str, int]:
+    """Python calls one steady-state dispatch makes on the calling thread
+    (``sys.setprofile`` "call" events, after three warm-up calls): the hand step's and
+    jaxstep's under both backends, with host batches (numpy) and with batches already
+    on the devices (split as the step splits them, as fit's prefetch hands them)."""
+
+    def count(call: Callable[[], Any]) -> int:
+        calls = 0
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            nonlocal calls
+            calls += event == "call"
+
+        sys.setprofile(profile)
+        try:
+            call()
+        finally:
+            sys.setprofile(None)
+        return calls
+
+    out: dict[str, int] = {}
+    hand = jax.jit(setup.shard_map(), donate_argnums=(0, 1))
+    for kind, batches in (("host", setup.host), ("placed", setup.batches)):
+        state = jax.device_put((setup.params, setup.adam.init(setup.params)), setup.rep)
+        for i in range(3):
+            state = hand(*state, batches[i])[:2]
+        jax.block_until_ready(state)
+        out[f"hand step, {kind} batches"] = count(lambda s=state, b=batches: hand(*s, b[3]))
+        for backend in ("shard_map", "pmap"):
+            step = jaxstep.make_train_step(setup.model.loss_fn, setup.adam, backend=backend)
+            js = step.init(setup.params)
+            for i in range(3):
+                js, o = step(js, batches[i])
+            jax.block_until_ready(o.health)
+            out[f"jaxstep {backend}, {kind} batches"] = count(lambda: step(js, batches[3]))
+    return out
+
+
 def bench_batchnorm(args: argparse.Namespace) -> dict[str, Any]:
     """A CNN with cross-device BatchNorm: jaxstep (model_state, axis_name) against a
     hand-written pmap step in the Flax imagenet example's style (``pmean`` of the
@@ -628,6 +667,9 @@ def print_size(model: Model, res: dict[str, Any]) -> None:
     print("\nHost time per step (median microseconds):")
     for key, value in res["host"].items():
         print(f"- {key}: {value:.0f} us")
+    print("\nPython calls per dispatch (sys.setprofile, a steady-state call):")
+    for key, value in res["calls"].items():
+        print(f"- {key}: {value}")
     print("\nHost loops (throughput):")
     for key, value in res["fit"].items():
         print(f"- {key}: {value:.0f}" if key.endswith("examples/s") else f"- {key}: {fmt_q(value)}")
@@ -670,6 +712,8 @@ def goals(size: str, res: dict[str, Any]) -> list[tuple[str, bool, str]]:
         hand = 1 / fit["fit / hand loop"][1]  # as a time ratio
         out.append(("issue 7: fit <= 1.2x the hand loop's time", hand <= 1.2, f"{hand:.3f}x"))
     out += _issue29(size, res)
+    calls = max(v for k, v in res["calls"].items() if k.startswith("jaxstep"))
+    out.append(("issue 35: <= 60 Python calls per dispatch", calls <= 60, f"{calls} at most"))
     if size != "mlp":
         return out
     optional = [n for n, r in steps.items() if r["group"] == "optional" and "pmap" not in n]
@@ -783,6 +827,7 @@ def main() -> None:
         res = bench_steps(build_variants(setup), args, hlo)
         res["fit"] = bench_fit(setup, args)
         res["host"] = bench_host(setup, args)
+        res["calls"] = python_calls(setup)
         res["breakdown"] = bench_loop.breakdown(setup, args.fit_steps, max(args.rounds // 4, 1))
         if args.overlap != "none":
             kinds = tuple(args.overlap.split(","))

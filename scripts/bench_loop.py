@@ -27,7 +27,8 @@ import jaxstep
 from jaxstep.checkpoint._position import Source
 from jaxstep.loop._callbacks import Callbacks
 from jaxstep.loop._recorder import Recorder
-from jaxstep.step import driving
+from jaxstep.step import Runtime
+from jaxstep.step import runtime_of
 
 # The phases of fit's host path, in the order of a step, and the hand loop's.
 PHASES = ("pull", "check", "place", "dispatch", "call", "table read", "history", "callbacks")
@@ -74,25 +75,27 @@ def _timed(name: str, fn: Callable, clock: dict[str, float]) -> Callable:
 @contextlib.contextmanager
 def _phases(step: Any, clock: dict[str, float]) -> Iterator[None]:
     """Every phase of fit's host path timed into ``clock`` (wrappers, restored after)."""
-    saved = (Source.__next__, driving.dispatch, driving.raw_table)
-    saved += (Recorder.settled, Callbacks.on_step_end, dict(step._compiled))
+    runtime = runtime_of(step)
+    variants = runtime.programs.variants
+    saved = (Source.__next__, Runtime.dispatch, Runtime.raw_table)
+    saved += (Recorder.settled, Callbacks.on_step_end, dict(variants))
     try:
         Source.__next__ = _timed("pull", Source.__next__, clock)  # type: ignore[method-assign]
-        driving.dispatch = _timed("step", driving.dispatch, clock)
-        driving.raw_table = _timed("table read", driving.raw_table, clock)
+        Runtime.dispatch = _timed("step", Runtime.dispatch, clock)  # type: ignore[method-assign]
+        Runtime.raw_table = _timed("table read", Runtime.raw_table, clock)  # type: ignore[method-assign]
         Recorder.settled = _timed("history", Recorder.settled, clock)  # type: ignore[method-assign]
         Callbacks.on_step_end = _timed("callbacks", Callbacks.on_step_end, clock)  # type: ignore[method-assign]
-        step._inputs.check_batch = _timed("check", step._inputs.check_batch, clock)
-        step._backend.place_batch = _timed("place", step._backend.place_batch, clock)
-        for key, fn in step._compiled.items():
-            step._compiled[key] = _timed("call", fn, clock)
+        runtime.inputs.check_batch = _timed("check", runtime.inputs.check_batch, clock)  # type: ignore[method-assign]
+        runtime.backend.place_batch = _timed("place", runtime.backend.place_batch, clock)  # type: ignore[method-assign]
+        for key, fn in variants.items():
+            variants[key] = _timed("call", fn, clock)
         yield
     finally:
-        Source.__next__, driving.dispatch, driving.raw_table = saved[:3]  # type: ignore[method-assign]
+        Source.__next__, Runtime.dispatch, Runtime.raw_table = saved[:3]  # type: ignore[method-assign]
         Recorder.settled, Callbacks.on_step_end = saved[3:5]  # type: ignore[method-assign]
-        step._compiled.clear()
-        step._compiled.update(saved[5])
-        del step._inputs.check_batch, step._backend.place_batch
+        variants.clear()
+        variants.update(saved[5])
+        del runtime.inputs.check_batch, runtime.backend.place_batch
 
 
 def breakdown(setup: Any, steps: int, rounds: int) -> dict[str, Any]:

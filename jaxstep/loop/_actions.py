@@ -80,7 +80,7 @@ def actions(
         runner = StepWatchdog(runtime, options.step_timeout)
     feeder: Feeder = InTurn()
     if options.prefetch:  # placing ahead: a step placing batches itself, rows not carried
-        place = not carried and options.step_timeout is None and not runtime.stacked
+        place = not carried and options.step_timeout is None
         feeder = Prefetch(runtime, options.prefetch, presplit=options.presplit, place=place)
     recoverer = None
     if options.recover is not None:

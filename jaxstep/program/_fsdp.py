@@ -33,7 +33,6 @@ from jaxstep.core import TrainState
 from jaxstep.core import health
 from jaxstep.core import validate
 from jaxstep.core.names import leaf_name
-from jaxstep.program import _body as stages
 from jaxstep.program import _cross_checks as cross_checks
 from jaxstep.program._device import DeviceWork
 from jaxstep.program._device import loss as loss_of
@@ -41,6 +40,11 @@ from jaxstep.program._device import microbatched_work
 from jaxstep.program._device import status_bits
 from jaxstep.program._faults import Context
 from jaxstep.program._faults import poisoned
+from jaxstep.program._local import Beat
+from jaxstep.program._local import Here
+from jaxstep.program._local import LocalPart
+from jaxstep.program._local import chunk_key
+from jaxstep.program._local import row_of
 from jaxstep.program._options import Options
 from jaxstep.program._shards import Plan
 
@@ -138,54 +142,31 @@ def gathered_work(
     reduce-scattered (this device's shard of the sum), each replicated leaf's local;
     its health: the local cotangents'. ``keep``: under ``drop``, 0 leaves this
     device's cotangents out of the sums (None: by what its forward pass tells);
-    ``replicas``: the gathered copies' fingerprints come back too. It is long because
-    its steps share one trace's locals (the vjp, its aux and probes)."""
+    ``replicas``: the gathered copies' fingerprints come back too."""
     if ctx is not None:
         batch = options.injector.input(batch, ctx)
-    scaler, scale = options.loss_scale, state.loss_scale
-    masked = options.on_failure == "drop"
     in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))  # before the backward
-    shards, treedef = jax.tree.flatten(state.params)
-    names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
-    gathered = [i for i, a in enumerate(plan.params) if a is not None]
-    poisons: list[jax.Array | None] = [None] * len(shards)
-    if ctx is not None:
-        poisons = [options.injector.leaf_value("grad", names, i, ctx) for i in range(len(shards))]
     validate.rng_for(options.loss_fn, key is not None)  # at trace time only
-
-    scaling = scaler is not None and scale is not None
-    factor = scale.scale if scale is not None and scaling else jnp.ones((), jnp.float32)
-    none = jnp.zeros((), jnp.float32)
+    shards, treedef = jax.tree.flatten(state.params)
+    gathering = Gathering(options, plan, state, ctx)
+    args = (batch,) if key is None else (batch, key)
 
     def f(shards: list[jax.Array], probes: list[jax.Array], one: jax.Array) -> Any:
-        full, sink = list(shards), jnp.zeros((), jnp.float32)
-        for k, i in enumerate(gathered):
-            poison = poisons[i]
-            x, z = checked_gather(
-                shards[i],
-                probes[k],
-                one,
-                none if poison is None else poison,
-                factor,
-                plan.params[i],
-                options.axis_name,
-                (masked, poison is not None, scaling),
-            )
-            full[i] = checkpoint_name(x, GATHERED)
-            sink = sink + z
+        full, sink = gathering.gather(shards, probes, one)
         params = jax.tree.unflatten(treedef, full)
-        args = (params, batch) if key is None else (params, batch, key)
-        value, aux = loss_of(options, *args, ctx=ctx, model_state=model_state)
-        scaled = value if scaler is None or scale is None else scaler.scale_loss(scale, value)
+        value, aux = loss_of(options, params, *args, ctx=ctx, model_state=model_state)
         copies = None
         if replicas:  # this device's gathered copies: a bad link shows here
             copies = (cross_checks.fingerprint(full), health.first_nonfinite(full)[1])
-        return (scaled, sink), (value, aux, copies)
+        return (gathering.scaled(value), sink), (value, aux, copies)
 
-    f = jax.checkpoint(f, policy=regather_policy)
-    probes = [jnp.zeros((), jnp.float32) for _ in gathered]
+    probes = [jnp.zeros((), jnp.float32) for _ in gathering.indices]
     (scaled, _), vjp, (value, aux, copies) = jax.vjp(
-        f, shards, probes, jnp.ones((), jnp.float32), has_aux=True
+        jax.checkpoint(f, policy=regather_policy),
+        shards,
+        probes,
+        jnp.ones((), jnp.float32),
+        has_aux=True,
     )
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
@@ -193,25 +174,11 @@ def gathered_work(
     check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
     if keep is None:  # what the forward tells, before any cotangent is scattered
         forward = in_bad | ~jnp.isfinite(value) | ms_bad | health.any_true(check_failed)
+        masked = options.on_failure == "drop"
         keep = jnp.where(forward, 0.0, 1.0) if masked else jnp.ones((), jnp.float32)
     grads, flags, _ = vjp((jnp.ones_like(scaled), keep))
-    local = [i for i, a in enumerate(plan.params) if a is None]
-    for i in local:  # the replicated leaves' faults, on their local gradients
-        grads[i] = poisoned(grads[i], poisons[i])
-    if scaler is not None and scale is not None:  # the gathered leaves' are unscaled already
-        unscaled = scaler.unscale(scale, [grads[i] for i in local])
-        for i, g in zip(local, unscaled, strict=True):
-            grads[i] = g
-    squares, first_local, _ = health.gradient_health([grads[i] for i in local])
-    gathered_squares = sum(flags, jnp.zeros((), jnp.float32))
-    gathered_first = health.first_true([~jnp.isfinite(q) for q in flags], gathered)
-    local_first = jnp.where(
-        first_local >= 0, jnp.asarray(local or [0], jnp.int32)[jnp.maximum(first_local, 0)], -1
-    )
-    grad_leaf = health.earliest(gathered_first, local_first)
-    squares = squares + gathered_squares
-    grad_bad = ~jnp.isfinite(squares)
-    status = status_bits(options, in_bad, value, grad_bad, ms_bad, check_failed)
+    grads, squares, grad_leaf = gathering.local_health(grads, flags)
+    status = status_bits(options, in_bad, value, ~jnp.isfinite(squares), ms_bad, check_failed)
     prints, param_leaf = (None, None) if copies is None else copies
     work = DeviceWork(
         jax.tree.unflatten(treedef, grads),
@@ -230,46 +197,127 @@ def gathered_work(
     return work, tuple(checks)
 
 
+class Gathering:
+    """One device's gathers of its sharded parameters (traced): each through a
+    :func:`checked_gather` with this device's injected gradient fault and the loss
+    scale, and what its backward tells (the gathered leaves' squares and first
+    non-finite one) joined with the replicated leaves' own health."""
+
+    def __init__(self, options: Options, plan: Plan, state: TrainState, ctx: Context | None):
+        self.options, self.plan = options, plan
+        self.scaler, self.scale = options.loss_scale, state.loss_scale
+        self.scaling = self.scaler is not None and self.scale is not None
+        #: the positions of the gathered (sharded) leaves, and of the replicated ones
+        self.indices = [i for i, a in enumerate(plan.params) if a is not None]
+        self.local = [i for i, a in enumerate(plan.params) if a is None]
+        names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+        self.poisons: list[jax.Array | None] = [None] * len(names)
+        if ctx is not None:
+            self.poisons = [
+                options.injector.leaf_value("grad", names, i, ctx) for i in range(len(names))
+            ]
+
+    def gather(
+        self, shards: list[jax.Array], probes: list[jax.Array], one: jax.Array
+    ) -> tuple[list[jax.Array], jax.Array]:
+        """The whole parameters (the replicated leaves as they are) and the sink the
+        drop mask's cotangent flows back through."""
+        full, sink = list(shards), jnp.zeros((), jnp.float32)
+        factor = (
+            self.scale.scale
+            if self.scaling and self.scale is not None
+            else jnp.ones((), jnp.float32)
+        )
+        masked = self.options.on_failure == "drop"
+        for k, i in enumerate(self.indices):
+            poison = self.poisons[i]
+            x, z = checked_gather(
+                shards[i],
+                probes[k],
+                one,
+                jnp.zeros((), jnp.float32) if poison is None else poison,
+                factor,
+                self.plan.params[i],
+                self.options.axis_name,
+                (masked, poison is not None, self.scaling),
+            )
+            full[i] = checkpoint_name(x, GATHERED)
+            sink = sink + z
+        return full, sink
+
+    def scaled(self, value: jax.Array) -> jax.Array:
+        """The loss the backward starts from (times the loss scale, when there is one)."""
+        if self.scaler is None or self.scale is None:
+            return value
+        return self.scaler.scale_loss(self.scale, value)
+
+    def local_health(
+        self, grads: list[jax.Array], flags: list[jax.Array]
+    ) -> tuple[list[jax.Array], jax.Array, jax.Array]:
+        """The replicated leaves' local gradients with their faults and unscaled (the
+        gathered leaves' came back unscaled), the squared norm of every local cotangent
+        and the first non-finite leaf in tree order (``flags``: the gathered leaves'
+        squares from their backward)."""
+        grads = list(grads)
+        for i in self.local:  # the replicated leaves' faults, on their local gradients
+            grads[i] = poisoned(grads[i], self.poisons[i])
+        if self.scaler is not None and self.scale is not None:
+            unscaled = self.scaler.unscale(self.scale, [grads[i] for i in self.local])
+            for i, g in zip(self.local, unscaled, strict=True):
+                grads[i] = g
+        squares, first_local, _ = health.gradient_health([grads[i] for i in self.local])
+        gathered_first = health.first_true([~jnp.isfinite(q) for q in flags], self.indices)
+        local_first = jnp.where(
+            first_local >= 0,
+            jnp.asarray(self.local or [0], jnp.int32)[jnp.maximum(first_local, 0)],
+            -1,
+        )
+        gathered_squares = sum(flags, jnp.zeros((), jnp.float32))
+        return grads, squares + gathered_squares, health.earliest(gathered_first, local_first)
+
+
 def local_part(
     options: Options,
     plan: Plan,
     state: TrainState,
     batch: Batch,
-    ctx: Context | None,
-    token: jax.Array,
-    index: jax.Array,
-    chunk: jax.Array,
+    at: Here,
     *,
-    beat: stages.Beat | None,
+    beat: Beat | None,
     replicas: bool,
     sharded: Sequence[bool],
-) -> tuple[stages.LocalPart, Callable[[jax.Array], tuple[PyTree, PyTree]]]:
-    """:func:`jaxstep.program._body.local_part` under ``"params"``: the parameters'
+) -> tuple[LocalPart, Callable[[jax.Array], tuple[PyTree, PyTree]]]:
+    """:func:`jaxstep.program._local.local_part` under ``"params"``: the parameters'
     gathers are its first collectives, so the heartbeat comes before them (a device
     that stalls blocks the others in its first gather). Returns the part and its
     ``rerun(left_out)``: the work again with this device's cotangents zeroed when
     ``left_out`` (``drop``: after a failure only its gradients showed)."""
+    token = at.token
     if beat is not None:  # every gather waits for the beat
         done = io_callback(
-            beat, jax.ShapeDtypeStruct((), jnp.int32), index, state.step, jnp.maximum(token, 0)
+            beat,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            at.position,
+            state.step,
+            jnp.maximum(token, 0),
         )
         zero = jnp.minimum(done, 0)
         token = token + zero
         params = jax.tree.map(lambda x: x + zero.astype(x.dtype), state.params)
         state = dataclasses.replace(state, params=params)
-    key = stages.chunk_key(state, chunk)
+    key = chunk_key(state, at.chunk)
 
     def work(
         keep: jax.Array | None, checked: bool
     ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
         fn = functools.partial(gathered_work, plan=plan, replicas=checked, keep=keep)
         return microbatched_work(
-            options, state, batch, key, ctx, options.microbatches, fn, scattered=True
+            options, state, batch, key, at.ctx, options.microbatches, fn, scattered=True
         )
 
     found, microbatch, check_names = work(None, replicas)
     status = found.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
-    row = stages.row_of(found, found.grad_leaf, found.grad_squares, microbatch)
+    row = row_of(found, found.grad_leaf, found.grad_squares, microbatch)
     prints = None
     if replicas:
         n_params = len(plan.params)
@@ -285,4 +333,4 @@ def local_part(
         again = work(jnp.where(left_out, 0.0, 1.0), False)[0]
         return again.grads, again.model_state
 
-    return stages.LocalPart(found, found.grads, row, prints, check_names), rerun
+    return LocalPart(found, found.grads, row, prints, check_names), rerun

@@ -1,7 +1,7 @@
 """The step under a sharded layout (``make_train_step(shard_state=...)``).
 
 One program shape for both layouts: inside a ``shard_map`` each device runs its own
-part and checks as under the replicated layout (:mod:`jaxstep.program._body`), then the
+part and checks as under the replicated layout (:mod:`jaxstep.program._local`), then the
 gradients are reduce-scattered along each sharded leaf's axis (``"params"``: inside the
 backward, :mod:`jaxstep.program._fsdp`) while the replicated leaves, the float model
 state and the health rows ride in one ``psum`` as today; the ``shard_map`` returns the
@@ -32,7 +32,6 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxstep.core import COL
 from jaxstep.core import Batch
 from jaxstep.core import Params
 from jaxstep.core import PyTree
@@ -41,14 +40,27 @@ from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import health
-from jaxstep.program import _body as stages
 from jaxstep.program import _drop as drop
 from jaxstep.program import _fsdp as fsdp
+from jaxstep.program._body import outputs
 from jaxstep.program._device import device_work
 from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
+from jaxstep.program._local import Beat
+from jaxstep.program._local import Here
+from jaxstep.program._local import LocalPart
+from jaxstep.program._local import chunk_key
+from jaxstep.program._local import here
+from jaxstep.program._local import local_part
 from jaxstep.program._options import Options
+from jaxstep.program._reduce import Reduced
+from jaxstep.program._reduce import compare_devices
+from jaxstep.program._reduce import floats_of
+from jaxstep.program._reduce import received
+from jaxstep.program._reduce import send
+from jaxstep.program._reduce import with_floats
 from jaxstep.program._shards import Plan
+from jaxstep.program._verdict import Gathered
 from jaxstep.program._verdict import Seen
 from jaxstep.program._verdict import times_share
 from jaxstep.program._verdict import update
@@ -65,17 +77,12 @@ Rerun = Callable[[jax.Array], tuple[PyTree, PyTree]]
 
 
 class Parted(NamedTuple):
-    """What the ``shard_map`` hands the update: the reduced gradients (a shard of each
-    sharded leaf, the sum of each replicated one), the new model state, and the
-    gathered health (every device's loss, status and row, the step-wide facts)."""
+    """What the ``shard_map`` hands the update: what the collective gathered (the
+    reduced gradients, a shard of each sharded leaf and the sum of each replicated one,
+    the new model state, every device's loss, status and row, the step-wide facts), the
+    extras it changed, and each device's ``aux``."""
 
-    grad_sums: PyTree
-    model_state: PyTree
-    losses: jax.Array
-    status: jax.Array
-    seen: Seen
-    columns: dict[str, jax.Array]
-    rows: jax.Array
+    gathered: Gathered
     extras: dict[str, Any]
     aux: PyTree
     info: StepInfo
@@ -95,7 +102,7 @@ def sharded_step(
     batch: Batch,
     extras: dict[str, Any],
     *,
-    beat: stages.Beat | None,
+    beat: Beat | None,
     replicas: bool,
 ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
     """The whole step on global arrays (traced inside the backend's ``jit``): each
@@ -109,9 +116,10 @@ def sharded_step(
         out = device_part(options, plan, state, batch, extras, beat=beat, replicas=replicas)
         return out._replace(aux=jax.tree.map(lambda x: x[None], out.aux))
 
-    out_specs = Parted._make(
-        [plan.grad_specs(state.params, axis), *[P()] * 6, dict(extra_specs), P(axis), P()]
-    )
+    grads = plan.grad_specs(state.params, axis)
+    seen = Seen._make([P()] * len(Seen._fields))
+    gathered = Gathered._make([P(), P(), seen, P(), grads, P(), P()])
+    out_specs = Parted._make([gathered, dict(extra_specs), P(axis), P()])
     mapped = jax.shard_map(
         part,
         mesh=mesh,
@@ -121,11 +129,8 @@ def sharded_step(
     )
     p = mapped(state, batch, extras)
     shards = _Shards(options, plan, mesh, state, extras, dict(extra_specs), rows)
-    new_state, status, columns = update(
-        options, state, p.losses, p.status, p.seen, p.columns, p.grad_sums, p.model_state,
-        None, None, shards,
-    )  # fmt: skip
-    table, metrics = stages.outputs(options, p.rows, status, columns, p.losses)
+    new_state, status, columns = update(options, state, p.gathered, shards=shards)
+    table, metrics = outputs(options, p.gathered.rows, status, columns, p.gathered.losses)
     placed = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     new_state = jax.lax.with_sharding_constraint(new_state, placed)
     return new_state, StepOutput(metrics=metrics, health=table, aux=p.aux, info=p.info), p.extras
@@ -138,76 +143,65 @@ def device_part(
     batch: Batch,
     extras: dict[str, Any],
     *,
-    beat: stages.Beat | None,
+    beat: Beat | None,
     replicas: bool,
 ) -> Parted:
     """One device's step up to the update (inside the ``shard_map``): its local part and
     checks, the reduction, the checks that compare the devices' rows."""
-    index = jax.lax.axis_index(options.axis_name)
+    at = here(options, state, batch, extras)
     shards = shard_mask(plan, state)
     dropping = options.on_failure == "drop"
     repair = None
     if dropping and replicas:  # the replicated leaves' diverged copies, repaired first
-        state, repair = drop.repair_replicas(options, state, index, shards)
-    chunk = extras["chunk"].reshape(-1)[0]
-    ctx, token = stages.fault_context(options, state, batch, extras, index, chunk)
+        state, repair = drop.repair_replicas(options, state, at.position, shards)
     rerun: Rerun
     if options.shard_state == "params":
         part, rerun = fsdp.local_part(
-            options, plan, state, batch, ctx, token, index, chunk,
-            beat=beat, replicas=replicas, sharded=shards,
-        )  # fmt: skip
+            options, plan, state, batch, at, beat=beat, replicas=replicas, sharded=shards
+        )
     else:
         work_fn = functools.partial(device_work, input_apart=True) if dropping else None
-        part = stages.local_part(
-            options, state, batch, ctx, token, index, chunk,
-            beat=beat, replicas=replicas, sharded=shards, work_fn=work_fn,
-        )  # fmt: skip
+        part = local_part(
+            options, state, batch, at, beat=beat, replicas=replicas, sharded=shards, work_fn=work_fn
+        )
         if dropping and replicas:
             part = part._replace(prints=None)  # compared before (drop.repair_replicas)
 
         def rerun(left_out: jax.Array) -> tuple[PyTree, PyTree]:
-            key = stages.chunk_key(state, chunk)
+            key = chunk_key(state, at.chunk)
             again = microbatched_work(
-                options, state, batch, key, ctx, options.microbatches, work_fn
+                options, state, batch, key, at.ctx, options.microbatches, work_fn
             )
             return again[0].grads, again[0].model_state
 
-    reduced = reduce(options, plan, state, part, ctx, index, rerun)
-    status, seen, columns, extras = stages.compare_devices(
-        options, reduced, part, ctx, extras, repair
-    )
-    seen = seen._replace(late=jnp.asarray(seen.late))  # an array: it leaves the shard_map
-    losses = reduced.rows[:, COL["loss"]]
-    return Parted(
-        reduced.grad_sums, reduced.model_state, losses, status, seen, columns,
-        reduced.rows, extras, part.work.aux, StepInfo(checks=part.checks),
-    )  # fmt: skip
+    reduced = reduce(options, plan, state, part, at, rerun)
+    gathered, extras = compare_devices(options, reduced, part, at, extras, repair)
+    seen = gathered.seen._replace(late=jnp.asarray(gathered.seen.late))  # leaves the shard_map
+    return Parted(gathered._replace(seen=seen), extras, part.work.aux, StepInfo(part.checks))
 
 
 def reduce(
     options: Options,
     plan: Plan,
     state: TrainState,
-    part: stages.LocalPart,
-    ctx: Context | None,
-    index: jax.Array,
+    part: LocalPart,
+    at: Here,
     rerun: Rerun,
-) -> stages.Reduced:
+) -> Reduced:
     """The reduction of a sharded layout: each sharded leaf's gradient reduce-scattered
     (under ``"params"`` already, in its backward), the replicated leaves, the float
-    model state and the health rows in one ``psum`` (:func:`jaxstep.program._body.send`:
+    model state and the health rows in one ``psum`` (:func:`jaxstep.program._reduce.send`:
     the same rows as the replicated step). Under ``drop``: a device left out by what
     its forward pass tells, and the rerun after a failure only the gradients showed."""
-    summed, sent = stages.send(options, state, part, ctx, index)
+    summed, sent = send(options, state, part, at)
     leaves, treedef = jax.tree.flatten(part.grads)
-    floats = stages.floats_of(part.work.model_state)
+    floats = floats_of(part.work.model_state)
     scattered = options.shard_state == "params"
     if options.on_failure == "drop":
         leaves, floats = _left_out(plan, part.work.forward_failed, leaves, floats, scattered)
     grad_sums, floats, gathered = _sums(options, plan, leaves, floats, sent, scattered)
     assert gathered is not None  # sent rode along
-    reduced = stages.received(
+    reduced = received(
         options, part, summed, jax.tree.unflatten(treedef, grad_sums), floats, gathered
     )
     if options.on_failure != "drop":
@@ -222,13 +216,13 @@ def reduce(
     healthy = jnp.maximum(options.n - reduced.seen.failing, 1)
 
     def once_more(_: Any) -> tuple[PyTree, PyTree]:
-        grads, model_state = rerun(left[index])
+        grads, model_state = rerun(left[at.position])
         leaves, treedef = jax.tree.flatten(grads)
-        floats = stages.floats_of(model_state)
-        leaves, floats = _left_out(plan, left[index], leaves, floats, scattered)
+        floats = floats_of(model_state)
+        leaves, floats = _left_out(plan, left[at.position], leaves, floats, scattered)
         sums, floats, _ = _sums(options, plan, leaves, floats, None, scattered)
         floats = [times_share(x, healthy) for x in floats]
-        return jax.tree.unflatten(treedef, sums), stages.with_floats(model_state, floats)
+        return jax.tree.unflatten(treedef, sums), with_floats(model_state, floats)
 
     def as_reduced(_: Any) -> tuple[PyTree, PyTree]:
         return reduced.grad_sums, reduced.model_state
@@ -292,9 +286,10 @@ class _Shards:
         axis = options.axis_name
         self._grad_specs = plan.grad_specs(state.params, axis)
         self._param_specs = plan.specs(state, axis).params
-        self._step, self._extras, self._extra_specs, self._rows = (
-            state.step, extras, extra_specs, rows,
-        )  # fmt: skip
+        self._step = state.step
+        self._extras = extras
+        self._extra_specs = extra_specs
+        self._rows = rows
 
     def _named(self, specs: PyTree) -> PyTree:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)

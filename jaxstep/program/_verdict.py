@@ -25,11 +25,12 @@ from jaxstep.core import Status
 from jaxstep.core import TrainState
 from jaxstep.core import health
 from jaxstep.program import _drop as drop
-from jaxstep.program._faults import Context
+from jaxstep.program._local import Here
 from jaxstep.program._options import Options
 
 __all__ = [
     "ALWAYS_HALT",
+    "Gathered",
     "Seen",
     "Sharded",
     "halting_status",
@@ -86,6 +87,19 @@ class Seen(NamedTuple):
         )
 
 
+class Gathered(NamedTuple):
+    """What every device holds once the step's collective gathered it: what the verdict
+    and the update take."""
+
+    losses: jax.Array  # (n,) every device's loss
+    status: jax.Array  # (n,) every device's Status bits, the cross-device checks' included
+    seen: Seen  # the step-wide facts
+    columns: dict[str, jax.Array]  # the table's columns found after the gather
+    grad_sums: PyTree  # the gradients summed over the devices (a shard of each sharded leaf)
+    model_state: PyTree  # the new model state, its float leaves averaged
+    rows: jax.Array  # (n, columns) every device's health row, as packed
+
+
 class Sharded(Protocol):
     """What :func:`update` needs of a sharded layout (``shard_state``), where it runs
     after the ``shard_map``, over global arrays: the parameters as the optimizer sees
@@ -101,24 +115,21 @@ class Sharded(Protocol):
 def update(
     options: Options,
     state: TrainState,
-    losses: jax.Array,
-    status: jax.Array,
-    seen: Seen,
-    columns: dict[str, jax.Array],
-    grad_sums: PyTree,
-    model_state: PyTree,
-    ctx: Context | None,
-    index: jax.Array | None,
+    gathered: Gathered,
+    *,
+    at: Here | None = None,
     shards: Sharded | None = None,
 ) -> tuple[TrainState, jax.Array, dict[str, jax.Array]]:
     """Decides, then updates. By default everything the verdict needs is known
     before the update, so a ``lax.cond`` skips it on failure: no second pass over
     the state and no extra memory. ``verify_update=True`` also checks the new
     parameters before committing them (one more pass, and a second collective).
-    ``grad_sums`` are the gradients summed over the devices (divided here, inside the
-    optimizer's pass). Returns the new state, every device's status and the table
-    columns to write. ``shards``: a sharded layout, where this runs outside the
-    ``shard_map`` on global arrays (``ctx`` and ``index`` None)."""
+    ``gathered.grad_sums`` are the gradients summed over the devices (divided here,
+    inside the optimizer's pass). Returns the new state, every device's status and the
+    table columns to write. ``at``: where this device stands (inside the
+    ``shard_map``); ``shards``: a sharded layout, where this runs outside the
+    ``shard_map`` on global arrays (``at`` None)."""
+    losses, status, seen, columns, grad_sums, model_state, _ = gathered
     mean: Callable[[jax.Array], jax.Array] = lambda g: g / options.n  # noqa: E731
     if options.on_failure == "drop":  # the mean over the devices not left out
         # times the reciprocal, not divided: a multiply by a scalar fuses into both of
@@ -141,9 +152,11 @@ def update(
     if options.verify_update:
         new = apply(old)
         if shards is None:
+            assert at is not None  # inside the shard_map
+            ctx = at.ctx
             checked = new[0] if ctx is None else options.injector.tree("param", new[0], ctx)
             leaf = health.first_nonfinite(jax.tree.leaves(checked))[1]
-            mine = jnp.arange(options.n) == index
+            mine = jnp.arange(options.n) == at.position
             leaves = jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
         else:  # each device checks the shard it computed
             leaves = shards.verify(new[0])

@@ -32,11 +32,11 @@ from jaxstep.core import PyTree
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
-from jaxstep.core import processes
 from jaxstep.core import to_host
 from jaxstep.program import Options
 from jaxstep.program import Plan
 from jaxstep.program import shard_spec
+from jaxstep.step._placement import BatchPlacement
 
 Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
@@ -82,18 +82,11 @@ class ShardMapBackend:
         self.devices = list(options.devices)
         self.shard_state = options.shard_state
         self.min_size = options.shard_min_size
-        axis_name = options.axis_name
-        # Across processes each one passes its own rows: where its devices sit, once.
-        self._local = (
-            processes.local_positions(self.devices)
-            if processes.spans_processes(self.devices)
-            else None
-        )
-        self.axis = axis_name
+        self.axis = axis_name = options.axis_name
         self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(axis_name))
-        self._equivalent: dict[tuple[int, int], tuple[Any, bool]] = {}
+        self.placement = BatchPlacement(self.mesh, axis_name)
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
         axis = self.axis
@@ -200,30 +193,7 @@ class ShardMapBackend:
 
     def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
         """``leaves``: ``jax.tree.leaves(batch)``, when the caller has them."""
-        leaves = jax.tree.leaves(batch) if leaves is None else leaves
-        for x in leaves:
-            if not (isinstance(x, jax.Array) and self._is_split(x)):
-                break
-        else:
-            return batch  # already where it belongs: no device_put (~0.7 ms of host time)
-        if self._local is not None:
-            return processes.place_local_batch(batch, self.devices, self.split, self._local)
-        return jax.device_put(batch, self.split)
-
-    def _is_split(self, x: jax.Array) -> bool:
-        """Whether ``x`` is split like ``self.split`` (any mesh axis name), cached per
-        sharding object: a batch placed by the user's own mesh needs no ``device_put``.
-        Keyed by identity (hashing a sharding costs more than the rest of the check);
-        the entry holds the sharding, so its id is not reused while cached."""
-        sharding = x.sharding
-        key = (id(sharding), x.ndim)
-        entry = self._equivalent.get(key)
-        if entry is None or entry[0] is not sharding:
-            entry = self._equivalent[key] = (
-                sharding,
-                sharding.is_equivalent_to(self.split, x.ndim) and auto_mesh(sharding),
-            )
-        return entry[1]
+        return self.placement.place(batch, leaves)
 
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
         return {
@@ -278,14 +248,3 @@ def whole(x: Any, copy: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def auto_mesh(sharding: jax.sharding.Sharding) -> bool:
-    """Whether ``sharding``'s mesh has only ``Auto`` axes. An array placed on a mesh
-    with ``Explicit`` axes (``jax.make_mesh``'s default since JAX 0.9, as the
-    shard_map tutorial builds it) carries its axis names into the types of what it
-    flows into: the step must take it on its own mesh first (``jax.device_put``
-    between equivalent shardings moves no data)."""
-    mesh = getattr(sharding, "mesh", None)
-    types = getattr(mesh, "axis_types", ())
-    return all(t == jax.sharding.AxisType.Auto for t in types)

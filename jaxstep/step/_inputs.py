@@ -163,10 +163,10 @@ class Inputs:
         """
         leaves, treedef = jax.tree.flatten(batch)
         # Hot path: the same structure, shapes and dtypes as the last good batch: no walk.
-        key = (
-            treedef,
-            tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves),
-        )
+        # (A device array's ``aval`` holds both as plain attributes: its own ``shape``
+        # and ``dtype`` are Python properties, a call each per leaf and step.)
+        avals = [getattr(x, "aval", x) for x in leaves]
+        key = (treedef, *[(getattr(a, "shape", None), getattr(a, "dtype", None)) for a in avals])
         if key == self._batch_key:
             return leaves
         validate.examples_list(batch)

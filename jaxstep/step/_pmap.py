@@ -1,8 +1,17 @@
-"""The ``pmap`` backend: the same per-device body under ``jax.pmap``, for code written
-in that style (state and outputs carry a leading device axis)."""
+"""The ``pmap`` backend: the same per-device body, for code written in that style (state
+and outputs carry a leading device axis).
+
+The step compiles what ``jax.pmap`` compiles in JAX 0.10 (``jax._src.pmap``: a ``jit`` of
+``shard_map`` over the stacked arrays, each device's block squeezed going in and its
+results expanded coming out), called directly: ``jax.pmap``'s own Python on every call
+(its argument flattening, its host-array handling) was most of a small step's host
+time. The batch comes split on its leading axis as under ``shard_map`` (the same
+placement, ahead of the step with ``fit``'s prefetch). The state's own moves (placing
+it stacked, the small programs beside the step) keep ``jax.pmap``."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -11,7 +20,6 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
@@ -23,20 +31,7 @@ from jaxstep.program import Plan
 from jaxstep.step._backends import Body
 from jaxstep.step._backends import Compiled
 from jaxstep.step._backends import ShardedBody
-from jaxstep.step._backends import auto_mesh
-
-
-def _own_placement(batch: Any, own: NamedSharding) -> Any:
-    """``batch`` with every device array on ``own`` (the step's devices, rows split
-    over its axis): an array placed on the user's mesh (other axis names, ``Explicit``
-    axes) cannot be reshaped under pmap as it is."""
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not auto_mesh(x.sharding):
-            return jax.device_put(x, own)
-        return x
-
-    return jax.tree.map(one, batch)
+from jaxstep.step._placement import BatchPlacement
 
 
 class PmapBackend:
@@ -53,14 +48,23 @@ class PmapBackend:
             lambda _, x: x, axis_name=axis_name, in_axes=(0, None), devices=self.devices
         )
         self._split = jax.pmap(lambda x: x, axis_name=axis_name, devices=self.devices)
-        # built once: a mesh and its sharding cost ~50 us, every batch
-        mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
-        self._own = NamedSharding(mesh, P(axis_name))
+        self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
+        self.placement = BatchPlacement(self.mesh, axis_name)
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
-        return jax.pmap(
-            body, axis_name=self.axis, devices=self.devices, donate_argnums=(0,) if donate else ()
+        """``body`` over the devices as ``jax.pmap`` maps it: each stacked input's block
+        squeezed, each result expanded back to a leading device axis."""
+
+        def blocks(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
+            squeeze = functools.partial(jax.lax.squeeze, dimensions=[0])
+            out = body(jax.tree.map(squeeze, state), batch, jax.tree.map(squeeze, extras))
+            return jax.tree.map(functools.partial(jax.lax.expand_dims, dimensions=[0]), out)
+
+        axis = P(self.axis)
+        mapped = jax.shard_map(
+            blocks, mesh=self.mesh, in_specs=axis, out_specs=axis, check_vma=False
         )
+        return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
     def compile_state_fn(
         self, fn: Callable[[Any], Any], out_specs: Any = None
@@ -83,9 +87,9 @@ class PmapBackend:
         return self._replicate(np.arange(len(self.devices)), state)
 
     def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
-        n = len(self.devices)
-        batch = _own_placement(batch, self._own)
-        return jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+        """Split on the leading axis, as under ``shard_map`` (each device's block is its
+        chunk: nothing to squeeze)."""
+        return self.placement.place(batch, leaves)
 
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any:
         return {

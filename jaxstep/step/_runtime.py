@@ -223,11 +223,9 @@ class Runtime:
     def place_ahead(self, batch: Batch, presplit: bool = False) -> Batch | None:
         """``batch`` placed on the devices and split as the step splits it, ahead of its
         dispatch (fit's prefetch thread): the step takes it without another copy. None:
-        nothing to place ahead (``pmap``, whose call takes host arrays, or a batch
-        already on devices). Raises what ``jax.device_put`` raises for a batch the
-        devices cannot take (the step, given the batch itself, says why)."""
-        if self.stacked:
-            return None
+        nothing to place ahead (a batch already on devices). Raises what
+        ``jax.device_put`` raises for a batch the devices cannot take (the step, given
+        the batch itself, says why)."""
         if presplit:
             batch = self.join(batch)
         if all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):
