@@ -183,7 +183,7 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         f"({args.per_device} per device), {args.steps} steps"
     )
     if step.options.shard_state is not None:
-        print(_held(step, state))
+        print(_bytes_held(step, state))
     if inj is not None:
         print(f"injected at step {inj.step} on device {inj.device_id}: {KINDS[inj.kind]}")
         if _recovers(args):
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     return EXIT_OK if error is None else EXIT_WORKER_FAILED
 
 
-def _held(step: TrainStep, state: TrainState) -> str:
+def _bytes_held(step: TrainStep, state: TrainState) -> str:
     """How much of the state each device holds under ``shard_state``."""
     import jax
 

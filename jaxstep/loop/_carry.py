@@ -99,7 +99,7 @@ def _unit(runtime: Runtime) -> int:
 
 class Carry:
     """The rows carried into the next step, and exactly where each came from: the
-    loop's own (:meth:`take` before each dispatch, :meth:`held` when the loop stops or
+    loop's own (:meth:`take` before each dispatch, :meth:`release` when the loop stops or
     goes back, :meth:`finish`).
 
     Args:
@@ -187,7 +187,7 @@ class Carry:
             return None
         return Item(rows, spans[-1][0], first=spans[0][0], offset=spans[0][1], spans=spans)
 
-    def held(self) -> list[Item]:
+    def release(self) -> list[Item]:
         """The carried rows as items to queue again or hand back (:meth:`requeue`)."""
         item = self.requeue()
         return [] if item is None else [item]
@@ -323,7 +323,7 @@ class Cut:
         """Nothing carried to queue again."""
         return None
 
-    def held(self) -> list[Item]:
+    def release(self) -> list[Item]:
         """Nothing carried to hand back."""
         return []
 

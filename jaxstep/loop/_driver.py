@@ -278,7 +278,7 @@ class Loop:
                 start=self.source.start,
                 presplit=self.presplit,
             )
-        carried = [] if self.carry is None else self.carry.held()
+        carried = [] if self.carry is None else self.carry.release()
         self.flight.restart(resume.items, pending.number, carried)
         self.state = resume.state
         self.number = int(np.asarray(self.runtime.read_first(resume.state.step)))
@@ -356,7 +356,7 @@ class Loop:
         pulled and never handed over, untrained, in the order they were pulled, and
         where the first is in the data (:func:`untrained_batches`); empties the queue
         and the carry."""
-        carried = [] if self.carry is None else self.carry.held()
+        carried = [] if self.carry is None else self.carry.release()
         untaken = self.actions.feeder.untaken()
         return untrained_batches([*left, *self.flight.drain_queue(), *carried, *untaken])
 

@@ -59,11 +59,11 @@ def attach(
         ]
     else:
         lines = ["jaxstep: the last good state is in error.state"]
-    held = len(untrained)
+    count = len(untrained)
     lines.append(
-        f"error.batches holds the {held} batch(es) pulled and not trained, in order: "
+        f"error.batches holds the {count} batch(es) pulled and not trained, in order: "
         "fit(step, error.state, itertools.chain(error.batches, rest)) loses nothing"
-        if held
+        if count
         else "every batch pulled was trained (error.batches is empty)"
     )
     if failed is not None:

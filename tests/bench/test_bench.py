@@ -62,7 +62,16 @@ def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) ->
     ]
     kinds = [k for k in tiny["overlap"] if k != "delay ms"]  # grain when installed
     assert kinds[0] == "sleep"
-    assert goals[6:] == [f"issue 29: prefetch overlap >= 0.90 ({kind})" for kind in kinds]
+    assert goals[6:-1] == [f"issue 29: prefetch overlap >= 0.90 ({kind})" for kind in kinds]
+    assert goals[-1] == "issue 35: <= 60 Python calls per dispatch"
+    # issue 35's count, next to the hand step's, under both backends
+    calls = tiny["calls"]
+    assert set(calls) == {
+        f"{who}, {kind} batches"
+        for who in ("hand step", "jaxstep shard_map", "jaxstep pmap")
+        for kind in ("host", "placed")
+    }
+    assert all(isinstance(v, int) and v >= 0 for v in calls.values())
     # issue 29's host path by phase, fit's and the hand loop's
     phases = ("pull", "check", "place", "dispatch", "call", "table read", "history", "callbacks")
     assert {f"fit {p}" for p in phases} | {"hand place", "hand call", "hand read"} <= set(

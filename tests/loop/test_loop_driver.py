@@ -126,7 +126,7 @@ def test_a_batch_the_carry_cannot_take_is_handed_back():
         def take(self, item):
             raise ValueError("refused")
 
-        def held(self):
+        def release(self):
             return []
 
     loop.carry = Refuse()
