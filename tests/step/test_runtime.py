@@ -112,6 +112,7 @@ def test_leaving_a_device_out_builds_a_new_runtime_and_leaves_the_old_one_as_it_
     assert int(step.table(out).step) == 1 and not step.table(out).failed
     runtime, again = before.without([jax.devices()[6].id], state)  # the old one still works
     assert [d.id for d in runtime.devices] == [d.id for d in jax.devices()[:6]] + [7]
+    assert int(runtime.read_first(again.step)) == 1
     assert runtime_of(step) is after  # and building one changed nothing of the step
 
 
