@@ -96,7 +96,7 @@ class CluWriter(_Writer):
           table: the step's :class:`jaxstep.HealthTable`.
         """
         record = self._record(table)
-        if not self._writes:
+        if not self.writes:
             return
         self.writer.write_scalars(record["step"], step_scalars(record))
         text = device_text(record)
@@ -111,7 +111,7 @@ class CluWriter(_Writer):
           record: the :class:`jaxstep.Recovery` taken.
         """
         self.recoveries += 1
-        if self._writes:
+        if self.writes:
             self.writer.write_scalars(record.step, {"recoveries": float(self.recoveries)})
             self.writer.write_texts(record.step, {"recovery": str(record)})
 
@@ -122,7 +122,7 @@ class CluWriter(_Writer):
         Args:
           error: the :class:`jaxstep.TrainingWorkerError` ``fit`` raises next.
         """
-        if self._writes:
+        if self.writes:
             self.writer.write_texts(int(error.step), {"failure": str(error)})
         self.flush()
 
@@ -137,5 +137,5 @@ class CluWriter(_Writer):
     def flush(self) -> None:
         """Waits until the writer has written everything it was given (CLU's
         ``AsyncWriter`` writes on a thread of its own)."""
-        if self._writes:
+        if self.writes:
             self.writer.flush()

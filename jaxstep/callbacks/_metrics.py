@@ -37,8 +37,10 @@ class _Writer:
     writing on one process only (every process of a multi-host run holds the same
     table, so one copy is the whole record)."""
 
-    _history: History | None = None
-    all_processes: bool
+    #: The run's History, from ``fit`` (None before ``fit`` started).
+    history: History | None = None
+    #: Whether every process of a multi-host run writes (else only process 0).
+    all_processes: bool = False
 
     def on_fit_start(self, step: TrainStep, history: History) -> None:
         """Called by ``fit`` before the first step: keeps the run's ``history``, which
@@ -48,20 +50,22 @@ class _Writer:
           step: the step ``fit`` runs.
           history: the :class:`jaxstep.History` ``fit`` fills.
         """
-        self._history = history
+        self.history = history
 
     @property
-    def _writes(self) -> bool:
+    def writes(self) -> bool:
+        """Whether this process writes: every process with ``all_processes``, else
+        process 0 alone."""
         return self.all_processes or jax.process_index() == 0
 
     def _entry(self) -> Entry:
         """The newest step's entries beside its table (what its record needs)."""
-        if self._history is None or not len(self._history):
+        if self.history is None or not len(self.history):
             raise RuntimeError(
                 f"{type(self).__name__} got a step before fit started; pass it to "
                 "jaxstep.fit(..., callbacks=[...]) rather than calling it by hand"
             )
-        return self._history.last()
+        return self.history.last()
 
     def _record(self, table: HealthTable) -> dict[str, Any]:
         return table_record(table, self._entry())
@@ -147,7 +151,7 @@ class JsonlWriter(_Writer):
         Raises:
           OSError: the writer thread could not write an earlier line.
         """
-        if self._writes:
+        if self.writes:
             self._write((table, self._entry()))
 
     def on_recovery(self, record: Recovery) -> None:
@@ -156,7 +160,7 @@ class JsonlWriter(_Writer):
         Args:
           record: the :class:`jaxstep.Recovery` taken.
         """
-        if self._writes:
+        if self.writes:
             self._write(recovery_record(record))
 
     def on_failure(self, error: TrainingWorkerError) -> None:
@@ -166,7 +170,7 @@ class JsonlWriter(_Writer):
         Args:
           error: the :class:`jaxstep.TrainingWorkerError` ``fit`` raises next.
         """
-        if self._writes:
+        if self.writes:
             self._write(failure_record(error))
         self.close()
 
@@ -226,7 +230,7 @@ class TensorBoardWriter(_Writer):
             ) from err
         self.logdir = os.fspath(logdir)
         self.all_processes = all_processes
-        self.writer = SummaryWriter(self.logdir) if self._writes else None
+        self.writer = SummaryWriter(self.logdir) if self.writes else None
         self.recoveries = 0  # written so far (the ``recoveries`` scalar)
 
     def on_step_end(self, table: HealthTable) -> None:
