@@ -27,6 +27,7 @@ from jaxstep.callbacks import CluWriter
 from jaxstep.callbacks import JsonlWriter
 from jaxstep.callbacks import Progress
 from jaxstep.callbacks import TensorBoardWriter
+from jaxstep.checkpoint import read_emergency
 from jaxstep.checkpoint import read_quarantine
 from jaxstep.checkpoint import restore
 from jaxstep.core import RESTART_EXIT_CODE
@@ -84,6 +85,7 @@ __all__ = [
     "fit",
     "make_train_step",
     "plot",
+    "read_emergency",
     "read_quarantine",
     "replica_state",
     "restore",
