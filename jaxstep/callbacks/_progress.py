@@ -133,8 +133,13 @@ class Progress:
             self._bar.start()
 
     def describe(self) -> str:
-        """The last finished step in one line: loss, examples/s, skips, aux scalars;
-        the time the loop waited for data, when it is 5% of a step or more."""
+        """The last finished step in one line, as the bar shows it.
+
+        Returns:
+          The loss, examples/s, the ``aux`` scalars, the time the loop waited for data
+          (when it is 5% of a step or more) and the counts (skipped, dropped, repaired,
+          recovered); ``""`` before the first step.
+        """
         h = self.history
         if h is None or not len(h):
             return ""

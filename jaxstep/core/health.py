@@ -20,8 +20,7 @@ import numpy as np
 class Status(enum.IntFlag):
     """Why a device failed a step. Flags combine: ``INPUT_NONFINITE | LOSS_NONFINITE``.
 
-    A device's status is in ``HealthTable.status`` (one row a device),
-    ``TrainingWorkerError.status`` (the device named) and ``History.status``.
+    Read in ``HealthTable.status``, ``TrainingWorkerError.status``, ``History.status``.
 
     Attributes:
       OK: nothing failed (0).
@@ -326,8 +325,7 @@ class HealthTable(NamedTuple):
       loss: each device's loss on its chunk (float32).
       grad_norm: each device's gradient norm, before the all-reduce (float32).
       step: the ``state.step`` the step started from.
-      halted: whether the state is halted after this step (``raise``, or too many
-        skips or drops in a row): later steps change nothing.
+      halted: whether the state is halted after this step: later steps change nothing.
       skipped: whether this step's update was discarded on every device.
       consecutive_skips: skipped steps in a row, this one included.
       failed: whether this step failed (an overflow alone is no failure).
@@ -381,8 +379,11 @@ class HealthTable(NamedTuple):
         return tuple.__new__(cls, fields)
 
     def to_array(self) -> np.ndarray:
-        """The table as the step returned it (``(n, len(COLUMNS))`` int32, float columns
-        bit-cast): the inverse of :meth:`from_array`."""
+        """The table packed as the step returned it: the inverse of :meth:`from_array`.
+
+        Returns:
+          An ``(n_devices, columns)`` int32 array, float columns bit-cast.
+        """
         n = len(self.status)
         table = np.empty((n, len(COLUMNS)), np.int32)
         for i, value in enumerate(self):

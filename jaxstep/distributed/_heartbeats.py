@@ -96,7 +96,11 @@ class PeerHeartbeats:
             time.sleep(0.1)
 
     def lost(self) -> dict[int, str]:
-        """Lost processes and why, so far (empty while everyone beats)."""
+        """The processes declared lost so far.
+
+        Returns:
+          ``{process index: why}``; empty while every process beats.
+        """
         with self._lock:
             return dict(self._lost)
 
