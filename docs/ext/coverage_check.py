@@ -1,13 +1,17 @@
-"""Fails the build when a public name has no entry in the API reference.
+"""Fails the build when a public name has no entry in the API reference, or a docstring
+that does not say what it takes and gives.
 
 optax checks its reference with a builder of its own (``docs/ext/coverage_check.py``;
 chex has ``make coverage_check``); here the check runs in every build, once every page
-is read: each name a user can reach must be an object of the Python domain, or the
-build stops listing those missing. The public names are each public module's
+is written: each name a user can reach must be an object of the Python domain, or the
+build fails listing those missing. The public names are each public module's
 ``__all__`` (:data:`PUBLIC_MODULES`) and, for each public class defined in jaxstep,
 its public members: methods, properties, dataclass and NamedTuple fields, enum
-members. An entry whose name has a private part (``jaxstep.step._build.x``) fails the
-build too: the reference never sends a user to an internal module.
+members. Each public function, method and class must describe every argument it takes
+(Google style: Args, or Attributes for a class's fields) and, when it returns
+something, what (Returns, or Yields). An entry whose name has a private part
+(``jaxstep.step._build.x``) fails the build too: the reference never sends a user to an
+internal module.
 
 ``python docs/ext/coverage_check.py`` prints the names the check requires.
 """
@@ -74,20 +78,75 @@ def module_names(module: Any) -> list[str]:
     return list(names)
 
 
-def public_names(modules: Iterable[str] = PUBLIC_MODULES) -> Iterator[str]:
-    """Every full name the reference must hold: each module, each name of its
-    ``__all__`` (a submodule is one of ``modules``) and each public class's members."""
+def public_objects(modules: Iterable[str] = PUBLIC_MODULES) -> Iterator[tuple[str, Any]]:
+    """Every full name the reference must hold, with what it names: each module, each
+    name of its ``__all__`` (a submodule is one of ``modules``) and each public class's
+    members (as the class holds them: a property, a function; None for a field)."""
     for modname in modules:
         module = importlib.import_module(modname)
-        yield modname
+        yield modname, module
         for name in module_names(module):
             obj = getattr(module, name)
             if inspect.ismodule(obj):
                 continue
             full = f"{modname}.{name}"
-            yield full
+            yield full, obj
             if inspect.isclass(obj) and is_ours(obj):
-                yield from (f"{full}.{member}" for member in class_members(obj))
+                for member in class_members(obj):
+                    raw = next((vars(c)[member] for c in obj.__mro__ if member in vars(c)), None)
+                    yield f"{full}.{member}", raw
+
+
+def public_names(modules: Iterable[str] = PUBLIC_MODULES) -> Iterator[str]:
+    """Every full name the reference must hold (:func:`public_objects`' names)."""
+    return (full for full, _ in public_objects(modules))
+
+
+def _documented_parameters(doc: str) -> tuple[set[str], bool]:
+    """The names a Google-style docstring describes (under Args, or Attributes for a
+    class's fields) and whether it says what comes back (Returns or Yields)."""
+    from sphinx.ext.napoleon import Config
+    from sphinx.ext.napoleon.docstring import GoogleDocstring
+
+    config = Config(napoleon_use_param=True, napoleon_use_rtype=False, napoleon_use_ivar=False)
+    names, returns = set(), False
+    for line in str(GoogleDocstring(doc, config, what="function")).splitlines():
+        if line.startswith(":param "):
+            for name in line[len(":param ") :].split(":")[0].split(","):
+                names.add(name.strip().replace("\\", "").lstrip("*").split()[-1])
+        elif line.startswith(".. attribute:: "):
+            names.add(line.split("::", 1)[1].strip())
+        elif line.startswith((":returns:", ":Yields:")):
+            returns = True
+    return names, returns
+
+
+def unsaid(obj: Any) -> list[str]:
+    """What a public function's, method's or class's docstring leaves unsaid: each
+    parameter it takes that no Args (or, for a class, Attributes) entry describes, and
+    what it returns when it returns something (Returns, or Yields). Only callables
+    defined in jaxstep are read; properties and enums are their entries alone."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if not callable(obj) or not is_ours(obj) or isinstance(obj, property):
+        return []
+    if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+        return []
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []
+    names, returns = _documented_parameters(inspect.getdoc(obj) or "")
+    out = [
+        f"argument {p.name!r}"
+        for p in signature.parameters.values()
+        if p.name not in ("self", "cls") and p.name not in names
+    ]
+    gives = signature.return_annotation
+    silent = gives in (signature.empty, None, "None", "NoReturn")
+    if not inspect.isclass(obj) and not silent and not returns:
+        out.append("what it returns")
+    return out
 
 
 def private_entries(documented: Iterable[str]) -> list[str]:
@@ -102,29 +161,38 @@ def private_entries(documented: Iterable[str]) -> list[str]:
     )
 
 
-def problems(required: Iterable[str], documented: set[str], excused: dict[str, str]) -> list[str]:
-    """What fails the check, one line a name (empty: the reference is whole)."""
-    required = list(required)
+def problems(required: dict[str, Any], documented: set[str], excused: dict[str, str]) -> list[str]:
+    """What fails the check, one line a name (empty: the reference is whole).
+
+    ``required``: the public names and what they name (:func:`public_objects`);
+    ``excused``: names whose entry or docstring may be missing yet (conf.py's
+    ``coverage_ignore``; an excuse no longer needed is a problem too, so none outlives
+    its reason)."""
     lost = sorted(set(required) - documented - set(excused))
+    gaps = {n: unsaid(obj) for n, obj in required.items()}
+    vague = sorted(n for n, gap in gaps.items() if gap and n not in excused)
     stale = sorted(set(excused) - set(required))
-    done = sorted(set(excused) & documented)
+    done = sorted(n for n in set(excused) & set(required) if n in documented and not gaps[n])
     return (
         [f"{n} is public and has no entry in the API reference (docs/api/)" for n in lost]
+        + [f"{n}'s docstring does not say {', '.join(gaps[n])}" for n in vague]
         + [
             f"{n} has an entry but names a private module or member"
             for n in private_entries(documented)
         ]
         + [f"{n} is in conf.py's coverage_ignore but is not public" for n in stale]
-        + [f"{n} is in conf.py's coverage_ignore but has an entry now: take it out" for n in done]
+        + [f"{n} is in conf.py's coverage_ignore but needs it no more: take it out" for n in done]
     )
 
 
-def _check(app: Any, env: Any) -> None:
+def _check(app: Any, exception: BaseException | None) -> None:
+    if exception is not None:
+        return
     log = logging.getLogger(__name__)
-    domain = env.domains["py"]
+    domain = app.env.domains["py"]
     # Aliases (autodoc's ``:canonical:`` names, where a class is defined) are no entries.
     documented = {n for n, e in domain.objects.items() if not e.aliased} | set(domain.modules)
-    required = list(public_names(app.config.coverage_modules))
+    required = dict(public_objects(app.config.coverage_modules))
     excused = dict(app.config.coverage_ignore)
     found = problems(required, documented, excused)
     for line in found:
@@ -136,7 +204,7 @@ def _check(app: Any, env: Any) -> None:
     else:
         log.info(
             f"coverage check: {len(required) - len(excused)} of {len(required)} public names "
-            "have an entry in the reference"
+            "have an entry in the reference and a docstring that says what they take and give"
         )
 
 
@@ -144,7 +212,9 @@ def setup(app: Any) -> dict[str, Any]:
     app.add_config_value("coverage_modules", list(PUBLIC_MODULES), "env")
     #: name -> why it has no entry yet (each is printed by every build)
     app.add_config_value("coverage_ignore", {}, "env")
-    app.connect("env-check-consistency", _check)
+    # At the end of every build, incremental ones too (where Sphinx checks no
+    # consistency when no page changed, though __all__ may have).
+    app.connect("build-finished", _check)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
 
 
