@@ -197,8 +197,9 @@ def _check(app: Any, exception: BaseException | None) -> None:
     found = problems(required, documented, excused)
     for line in found:
         log.warning(f"coverage check: {line}", type="coverage")
-    for name, why in sorted(excused.items()):
-        log.info(f"coverage check: {name} excused: {why}")
+    for why in sorted(set(excused.values())):
+        names = sorted(n for n, reason in excused.items() if reason == why)
+        log.info(f"coverage check: {len(names)} excused ({why}): {', '.join(names)}")
     if found:
         app.statuscode = 1  # fails the build with or without -W
     else:
