@@ -25,8 +25,10 @@ test: lint
 # The site, into docs/_build/html: the README as its landing page, the guides in docs/,
 # the notebooks executed, the API reference; any warning or a public name missing from
 # the reference fails it (tests/docs/test_docs.py runs the same build in the suite).
+# Every page is read afresh (-E): the notebooks' outputs follow the package's code,
+# which Sphinx does not watch.
 docs: $(STAMP)
-	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(BIN)/python -m sphinx -E -W --keep-going -b html docs docs/_build/html
 
 # Notebooks are committed without outputs (the docs build runs them).
 strip-notebooks: $(STAMP)
