@@ -72,6 +72,9 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 napoleon_use_ivar = False  # an Attributes entry is an object: searchable, linkable
+# An attribute's type would be written where it is defined (jaxstep.core._state.X): the
+# class's signature shows the types, as the code writes them.
+napoleon_attr_annotations = False
 # A reference to a name the site does not document is a warning, and so an error: a
 # docstring that points at a renamed, removed or internal name fails the build.
 nitpicky = True
