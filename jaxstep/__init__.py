@@ -1,23 +1,20 @@
 """jaxstep: data-parallel training in JAX that says which device failed, and why.
 
-The public face: ``import jaxstep`` and nothing deeper. The layers behind it (data
-flows down; nothing imports a layer above it; docs/internals.md):
+Each device checks its own input, loss and gradients before the gradient all-reduce;
+a failure raises :class:`jaxstep.TrainingWorkerError` naming the device, the step, the
+tensor and the cause, with the last good state intact.
 
-    cli/          jaxstep demo, doctor
-    testing/, flax.py, data.py
-                  the users' kits: the testing kit, the Flax adapters, the digits
-                  the demo and the notebooks train on (jaxstep.data)
-    callbacks/, plot.py
-                  progress, metric writers; pictures of a run (jaxstep.plot)
-    loop/         fit, History, the watchdog, the replay diagnosis
-    checkpoint/   the orbax store, the data position, the emergency save
-    distributed/  jax.distributed runtime, heartbeats, reports, launcher
-    step/         make_train_step, TrainStep: validate, place, dispatch, replay
-    program/      the traced per-device program: checks, one all-reduce, verdict
-    core/         the vocabulary: state, health, errors, processes, validation
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-3))
+    state = jaxstep.fit(step, step.init(params), batches)
+
+The public face is this module's ``__all__`` and the kits ``jaxstep.testing``,
+``jaxstep.flax``, ``jaxstep.distributed``, ``jaxstep.plot`` and ``jaxstep.data``:
+``import jaxstep`` and nothing deeper. The API reference lists every name
+(``make docs``); how the package is built inside is docs/internals.md.
 """
 
 import importlib
+import importlib.metadata as _metadata
 from typing import Any
 
 from jaxstep import distributed
@@ -27,6 +24,7 @@ from jaxstep.callbacks import CluWriter
 from jaxstep.callbacks import JsonlWriter
 from jaxstep.callbacks import Progress
 from jaxstep.callbacks import TensorBoardWriter
+from jaxstep.checkpoint import read_emergency
 from jaxstep.checkpoint import read_quarantine
 from jaxstep.checkpoint import restore
 from jaxstep.core import RESTART_EXIT_CODE
@@ -49,7 +47,10 @@ from jaxstep.program import LossSpike
 from jaxstep.step import TrainStep
 from jaxstep.step import make_train_step
 
-__version__ = "0.1.0"
+try:  # pyproject.toml holds the version; the installed metadata carries it here
+    __version__ = _metadata.version("jaxstep")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str) -> Any:
@@ -84,6 +85,7 @@ __all__ = [
     "fit",
     "make_train_step",
     "plot",
+    "read_emergency",
     "read_quarantine",
     "replica_state",
     "restore",

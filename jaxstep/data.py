@@ -15,7 +15,12 @@ __all__ = ["Split", "batches", "digits"]
 
 
 class Split(NamedTuple):
-    """Images ``(n, 8, 8, 1)`` float32 in [0, 1] and labels ``(n,)`` int32."""
+    """A split of the digits; ``len(split)`` is its number of examples.
+
+    Attributes:
+      image: the images, ``(n, 8, 8, 1)`` float32 in [0, 1].
+      label: the digits shown, ``(n,)`` int32 in 0..9.
+    """
 
     image: np.ndarray
     label: np.ndarray
@@ -46,10 +51,25 @@ def _digits_table() -> np.ndarray:
 
 
 def digits(*, test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
-    """scikit-learn's digits, shuffled with ``seed`` and split into (train, test).
+    """scikit-learn's digits (1797 8x8 images), shuffled with ``seed`` and split in
+    two. Nothing is downloaded: the data ships with scikit-learn.
+
+    Args:
+      test_fraction: the share of the examples in the test split, in (0, 1).
+      seed: the seed of the shuffle.
+
+    Returns:
+      ``(train, test)``, two :class:`Split` s.
 
     Raises:
       ImportError: scikit-learn is missing (``pip install 'jaxstep[demo]'``).
+      ValueError: ``test_fraction`` is not in (0, 1).
+
+    Example:
+      >>> from jaxstep import data
+      >>> train, test = data.digits()
+      >>> len(train), len(test), train.image.shape[1:]
+      (1438, 359, (8, 8, 1))
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
@@ -70,7 +90,30 @@ def batches(
 
     Each epoch is a fresh shuffle (``seed``, epoch) cut into ``len(data) //
     batch_size`` batches, so batch ``i`` is the same whenever it is made: resuming at
-    ``start`` sees the data a run that never stopped would have seen.
+    ``start`` sees the data a run that never stopped would have seen (what
+    ``fit(..., batches=lambda start: data.batches(train, size, start=start))`` needs to
+    resume exactly).
+
+    Args:
+      data: a :class:`Split`.
+      batch_size: examples a batch, at most ``len(data)`` (the last partial batch of
+        each epoch is left out).
+      seed: the seed of the shuffles.
+      start: the first batch's number.
+      stop: the number after the last batch's, or None for no end.
+
+    Yields:
+      ``{"image": (batch_size, 8, 8, 1) float32, "label": (batch_size,) int32}``.
+
+    Raises:
+      ValueError: ``batch_size`` is not in ``1..len(data)`` (at the first batch).
+
+    Example:
+      >>> from jaxstep import data
+      >>> train, _ = data.digits()
+      >>> first = next(data.batches(train, 64))
+      >>> first["image"].shape, first["label"].shape
+      ((64, 8, 8, 1), (64,))
     """
     if not 0 < batch_size <= len(data):
         raise ValueError(f"batch_size must be in 1..{len(data)}, got {batch_size}")

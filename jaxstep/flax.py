@@ -91,7 +91,20 @@ def linen_split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 
 def linen_merge(params: Any, model_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The inverse of :func:`linen_split`: ``variables`` for ``module.apply``."""
+    """The inverse of :func:`linen_split`: ``variables`` for ``module.apply``.
+
+    Args:
+      params: the parameters (``step.host_state(state).params``).
+      model_state: the other collections (``.model_state``), or None.
+
+    Returns:
+      ``{"params": params, **model_state}``.
+
+    Example:
+      >>> from jaxstep.flax import linen_merge
+      >>> sorted(linen_merge({"w": 1.0}, {"batch_stats": {"mean": 0.0}}))
+      ['batch_stats', 'params']
+    """
     return {"params": params, **(model_state or {})}
 
 
@@ -229,9 +242,21 @@ def nnx_split(module: nnx.Module) -> tuple[NNXGraph, dict[str, Any], dict[str, A
 def nnx_merge(
     graph: NNXGraph, params: Mapping[str, Any], model_state: Mapping[str, Any] | None = None
 ) -> nnx.Module:
-    """Rebuilds the module from trained halves, e.g. ``step.host_state(state).params``
-    and ``.model_state``, for evaluation or saving. Its RNG streams are the ones it
-    had at :func:`nnx_split`."""
+    """Rebuilds the module from trained halves, for evaluation or saving. Its RNG
+    streams are the ones it had at :func:`nnx_split`.
+
+    Args:
+      graph: from :func:`nnx_split`.
+      params: the trained parameters (``step.host_state(state).params``).
+      model_state: the trained model state (``.model_state``); None only for a module
+        without one.
+
+    Returns:
+      A new ``nnx.Module``.
+
+    Raises:
+      ValueError: ``model_state`` is missing for a module that has one.
+    """
     _require_state(graph, model_state)
     return nnx.merge(
         graph.graphdef,

@@ -36,11 +36,15 @@ __all__ = [
 
 #: Status bits that are recorded but are not failures (loss-scale overflows).
 _NOT_FAILURES = int(Status.OVERFLOW)
+#: The colour of a failure: the heatmap's cross, the loss panel's dashed line.
 FAILURE_COLOR = "#e41a1c"
+#: The colour of a loss-scale overflow's dot on the heatmap.
 OVERFLOW_COLOR = "#ff7f00"
 DROPPED_COLOR = "#ffffff"  # the outline of a chunk left out (on_failure="drop")
 REPAIRED_COLOR = "#4daf4a"  # the outline of a replica repaired from the majority
-RECOVERY_COLOR = "#377eb8"  # the line at a step fit(..., recover=...) recovered
+#: The colour of the line at a step ``fit(..., recover=...)`` recovered.
+RECOVERY_COLOR = "#377eb8"
+#: The heatmap colour bar's label.
 COLORBAR_LABEL = "gradient norm (before averaging)"
 
 
@@ -67,10 +71,20 @@ def _arrays(history: History) -> dict[str, np.ndarray]:
 
 
 def marks(history: History) -> dict[str, np.ndarray]:
-    """Where the pictures put their marks, as ``(step, device_id)`` pairs
-    (``failures``, ``overflows``, and under ``on_failure="drop"`` the chunks left out,
-    ``dropped``, and the replicas repaired, ``repaired``) and steps (``skipped``, and
-    under ``fit(..., recover=...)`` each recovery action's, ``recoveries``)."""
+    """Where the pictures put their marks: what a test of a run's picture checks.
+
+    Args:
+      history: a run's :class:`jaxstep.History`.
+
+    Returns:
+      ``failures``, ``overflows``, and under ``on_failure="drop"`` the chunks left out
+      (``dropped``) and the replicas repaired (``repaired``), each an ``(n, 2)`` array
+      of ``(step, device_id)`` pairs; ``skipped``, and under ``fit(..., recover=...)``
+      each recovery action's (``recoveries``), arrays of steps.
+
+    Raises:
+      ValueError: the history is empty.
+    """
     a = _arrays(history)
     steps = a["step"].astype(np.int64)
     at = _rows(history, a)
@@ -168,7 +182,20 @@ def _colorbar(fig: FigureBase, image: AxesImage, axes: Axes | list[Axes], **kwar
 def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: bool = True) -> Axes:
     """Gradient norm of each device (rows) at each step (columns), log colour scale.
     Failures are red crosses, overflows orange dots, skipped steps grey bands;
-    non-finite norms are black. Returns the axes (the image is ``ax.images[0]``)."""
+    non-finite norms are black.
+
+    Args:
+      history: a run's :class:`jaxstep.History`.
+      ax: the matplotlib axes to draw on (default: a new figure's).
+      colorbar: draw the colour bar beside it.
+
+    Returns:
+      The axes (the image is ``ax.images[0]``).
+
+    Raises:
+      ValueError: the history is empty.
+      ImportError: matplotlib is missing (``pip install 'jaxstep[demo]'``).
+    """
     plt = _pyplot()
     from matplotlib.colors import LogNorm
 
@@ -242,7 +269,19 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
 def loss_curves(history: History, ax: Axes | None = None) -> Axes:
     """The loss of every device (thin lines) and their mean (black); steps with a
     failure get a red dashed line, each recovery of ``fit(..., recover=...)`` a blue
-    one labelled with its action. Returns the axes."""
+    one labelled with its action.
+
+    Args:
+      history: a run's :class:`jaxstep.History`.
+      ax: the matplotlib axes to draw on (default: a new figure's).
+
+    Returns:
+      The axes.
+
+    Raises:
+      ValueError: the history is empty.
+      ImportError: matplotlib is missing (``pip install 'jaxstep[demo]'``).
+    """
     plt = _pyplot()
     a = _arrays(history)
     ax = ax if ax is not None else plt.figure(figsize=(10, 3)).gca()
@@ -302,12 +341,29 @@ def _recoveries(history: History, ax: Axes, columns: list[int]) -> None:
 def overview(
     history: History, path: str | os.PathLike[str] | None = None, *, dpi: int = 100
 ) -> Figure:
-    """The heatmap above the loss curves in one figure, saved as PNG to ``path`` when
-    given. Returns the matplotlib ``Figure``.
+    """The heatmap (:func:`grad_norm_heatmap`) above the loss curves
+    (:func:`loss_curves`) in one figure, with one colour bar beside both.
+
+    Args:
+      history: a run's :class:`jaxstep.History`.
+      path: where to save it as PNG, or None.
+      dpi: the figure's resolution.
+
+    Returns:
+      The matplotlib ``Figure``.
 
     Raises:
       ValueError: the history is empty.
       ImportError: matplotlib is missing (``pip install 'jaxstep[demo]'``).
+
+    Example:
+      >>> import jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> history = jaxstep.History()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(4), history=history)
+      >>> fig = jaxstep.plot.overview(history)
+      >>> len(fig.axes)  # the heatmap, the loss curves, the colour bar
+      3
     """
     plt = _pyplot()
     rows = len(_arrays(history)["device_ids"])

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from jaxstep.callbacks._metrics import _Writer
-from jaxstep.callbacks._metrics import step_scalars
+from jaxstep.callbacks._step_records import step_scalars
 from jaxstep.core import HealthTable
 from jaxstep.core import TrainingWorkerError
 from jaxstep.loop import History
@@ -44,11 +44,11 @@ class CluWriter(_Writer):
     ``MultiWriter``, ``LoggingWriter``, or any ``MetricWriter``).
 
     Per step, at its step number, ``write_scalars`` gets the scalars
-    :class:`TensorBoardWriter` writes (:func:`step_scalars`: ``loss``,
-    ``examples_per_sec``, ``skipped``, ``dropped``, ``metrics/<name>``, and
-    ``device_<id>/loss``, ``/grad_norm``, ``/failed``, ``/dropped``; a non-finite value
-    is NaN), and on a step where a device did not simply succeed ``write_texts`` gets
-    ``devices`` (:func:`device_text`: ``"device 4: GRAD_NONFINITE"``). Each recovery
+    :class:`TensorBoardWriter` writes (``loss``, ``examples_per_sec``, ``data_wait``,
+    ``skipped``, ``dropped``, ``metrics/<name>``, and ``device_<id>/loss``,
+    ``/grad_norm``, ``/failed``, ``/dropped``; a non-finite value is NaN), and on a
+    step where a device did not simply succeed ``write_texts`` gets ``devices``, those
+    devices in words (``"device 4: GRAD_NONFINITE; device 6: OK repaired"``). Each recovery
     under ``fit(..., recover=...)`` adds the scalar ``recoveries`` (the count so far)
     and the text ``recovery`` (the record in words) at its step; a failure, the text
     ``failure`` (the error's message) at its step. The writer is flushed when ``fit``
@@ -89,6 +89,12 @@ class CluWriter(_Writer):
         self.recoveries = 0  # written so far (the ``recoveries`` scalar)
 
     def on_step_end(self, table: HealthTable) -> None:
+        """Called by ``fit`` after each step: its scalars, and the devices that did not
+        simply succeed, at its step.
+
+        Args:
+          table: the step's :class:`jaxstep.HealthTable`.
+        """
         record = self._record(table)
         if not self.writes:
             return
@@ -98,17 +104,34 @@ class CluWriter(_Writer):
             self.writer.write_texts(record["step"], {"devices": text})
 
     def on_recovery(self, record: Recovery) -> None:
+        """Called by ``fit(recover=...)`` after each recovery: the scalar
+        ``recoveries`` (the count so far) and the text ``recovery`` at its step.
+
+        Args:
+          record: the :class:`jaxstep.Recovery` taken.
+        """
         self.recoveries += 1
         if self.writes:
             self.writer.write_scalars(record.step, {"recoveries": float(self.recoveries)})
             self.writer.write_texts(record.step, {"recovery": str(record)})
 
     def on_failure(self, error: TrainingWorkerError) -> None:
+        """Called by ``fit`` when a step fails: the message as the text ``failure`` at
+        the failed step, then :meth:`flush`.
+
+        Args:
+          error: the :class:`jaxstep.TrainingWorkerError` ``fit`` raises next.
+        """
         if self.writes:
             self.writer.write_texts(int(error.step), {"failure": str(error)})
         self.flush()
 
     def on_fit_end(self, history: History) -> None:
+        """Called by ``fit`` when it returns: :meth:`flush` (the writer stays open).
+
+        Args:
+          history: the run's :class:`jaxstep.History`.
+        """
         self.flush()
 
     def flush(self) -> None:

@@ -90,6 +90,13 @@ class Progress:
         return self.file if self.file is not None else sys.stdout
 
     def on_fit_start(self, step: TrainStep, history: History) -> None:
+        """Called by ``fit`` before the first step: starts the live bar (or the plain
+        lines). A ``Progress`` passed to several ``fit`` calls goes on counting.
+
+        Args:
+          step: the step ``fit`` runs (its ``failures`` name who failed a skipped step).
+          history: the :class:`jaxstep.History` ``fit`` fills (what the line shows).
+        """
         self.history = history
         self._step = step  # a Progress used for several fits keeps counting
         self._first = None
@@ -126,8 +133,13 @@ class Progress:
             self._bar.start()
 
     def describe(self) -> str:
-        """The last finished step in one line: loss, examples/s, skips, aux scalars;
-        the time the loop waited for data, when it is 5% of a step or more."""
+        """The last finished step in one line, as the bar shows it.
+
+        Returns:
+          The loss, examples/s, the ``aux`` scalars, the time the loop waited for data
+          (when it is 5% of a step or more) and the counts (skipped, dropped, repaired,
+          recovered); ``""`` before the first step.
+        """
         h = self.history
         if h is None or not len(h):
             return ""
@@ -158,6 +170,12 @@ class Progress:
         return "  ".join(parts)
 
     def on_step_end(self, table: HealthTable) -> None:
+        """Called by ``fit`` after each step: moves the bar (or prints a line every
+        ``every`` steps), and says who failed a skipped step or was left out of one.
+
+        Args:
+          table: the step's :class:`jaxstep.HealthTable`.
+        """
         if self._first is None:
             self._first, self._before = table.step, self._done
         # Counted by step number, not by row: under fit(recover=...) a failed step (its
@@ -216,21 +234,39 @@ class Progress:
             print(line, file=self._out())
 
     def on_recovery(self, record: Recovery) -> None:
+        """Called by ``fit(recover=...)`` after each recovery: prints it, above the bar.
+
+        Args:
+          record: the :class:`jaxstep.Recovery` taken.
+        """
         self._print(f"recovered at {record}")
         if self._bar is not None and self._task is not None:
             text = self.describe()  # with the new count; "" before the first step
             self._bar.update(self._task, text=text or "compiling...")
 
     def on_failure(self, error: TrainingWorkerError) -> None:
-        self.close()  # the error itself reaches whoever called fit
+        """Called by ``fit`` when a step fails: stops the bar (the error itself reaches
+        whoever called ``fit``).
+
+        Args:
+          error: the :class:`jaxstep.TrainingWorkerError` ``fit`` raises next.
+        """
+        self.close()
 
     def on_fit_end(self, history: History) -> None:
+        """Called by ``fit`` when it returns: prints the recoveries' summary, if any,
+        and stops the bar.
+
+        Args:
+          history: the run's :class:`jaxstep.History`.
+        """
         summary = history.recovery_summary()
         if summary:
             self._print(summary)  # above the bar's last state
         self.close()
 
     def close(self) -> None:
+        """Stops the live bar, showing the last step's line (``fit`` calls it)."""
         if self._bar is not None:
             if self._task is not None and self.history is not None and len(self.history):
                 self._bar.update(self._task, text=self.describe())  # the last step's

@@ -161,12 +161,32 @@ class Emergency:
 
 
 def read_emergency(where: str | os.PathLike[str], *, process: int | None = None) -> Emergency:
-    """Reads the batch and report of an emergency save (``error.checkpoint``).
+    """Reads the batch and report of an emergency save (``error.checkpoint``): what
+    ``fit(..., checkpoint_dir=...)`` saved when a step failed. The state comes back with
+    :func:`jaxstep.restore` (``restore(step, error.checkpoint)`` is ``error.state``).
 
     Args:
       where: ``error.checkpoint``.
       process: of a multi-process run's save, whose rows and report to read (default:
         this process's).
+
+    Returns:
+      ``.step`` (the failed step), ``.batch`` (the failing batch, or this process's
+      rows of it: it reproduces the failure; None when it was not saved) and
+      ``.report`` (the JSON report: device, process, host, step, status, leaf, reason,
+      the diagnosis when there was one, every failing device, the message).
+
+    Raises:
+      FileNotFoundError: there is no emergency save at ``where`` (or no part of
+        ``process`` in it).
+
+    Example::
+
+        try:
+            state = jaxstep.fit(step, state, batches, checkpoint_dir="ckpt")
+        except jaxstep.TrainingWorkerError as err:
+            saved = jaxstep.read_emergency(err.checkpoint)
+            print(saved.step, saved.report["reason"])
     """
     path = as_path(where)
     part = path / _part(jax.process_index() if process is None else process)

@@ -109,26 +109,35 @@ class Quarantine(dict[int, tuple[int, ...]]):
 
 def read_quarantine(directory: str | os.PathLike[str]) -> Quarantine:
     """The examples quarantined by ``fit(..., recover=jaxstep.Recover(), checkpoint_dir=
-    directory)``: ``{batch: examples}``, the batch counted from the first a fit call was
-    given (0) and the examples as indices into it, sorted, the lines of every fit call
-    together; empty when nothing was quarantined. ``.ids``: the example ids recorded
-    with ``Recover(example_id=...)``; ``.lines``: each line as written.
+    directory)``, read from the directory's ``quarantine.jsonl``. A line cut short by a
+    crash is passed over.
 
-    A line cut short by a crash is passed over.
+    Args:
+      directory: the ``checkpoint_dir`` the fit calls were given.
 
-    Example: the batches come in the same order every epoch: skip the examples by
-    position::
+    Returns:
+      ``{batch: examples}`` (a dict): the batch counted from the first a fit call was
+      given (0) and the examples as indices into it, sorted, the lines of every fit
+      call together; empty when nothing was quarantined (or there is no file). Its
+      ``.ids`` are the example ids recorded with ``Recover(example_id=...)`` (a
+      frozenset), its ``.lines`` each line as written.
 
-        bad = jaxstep.read_quarantine(checkpoint_dir)
-        def clean(i, batch):
-            keep = np.setdiff1d(np.arange(len(batch["x"])), bad.get(i, ()))
-            return {k: v[keep] for k, v in batch.items()}
+    Raises:
+      OSError: the file exists but cannot be read.
 
-    Shuffled data: by id (each example carries its id in ``batch["id"]``, and ``fit``
-    was given ``recover=jaxstep.Recover(example_id="id")``)::
+    Example:
+      The batches come in the same order every epoch: skip the examples by position::
 
-        bad = jaxstep.read_quarantine(checkpoint_dir).ids
-        records = [r for r in records if r["id"] not in bad]  # or a grain Filter
+          bad = jaxstep.read_quarantine(checkpoint_dir)
+          def clean(i, batch):
+              keep = np.setdiff1d(np.arange(len(batch["x"])), bad.get(i, ()))
+              return {k: v[keep] for k, v in batch.items()}
+
+      Shuffled data: by id (each example carries its id in ``batch["id"]``, and ``fit``
+      was given ``recover=jaxstep.Recover(example_id="id")``)::
+
+          bad = jaxstep.read_quarantine(checkpoint_dir).ids
+          records = [r for r in records if r["id"] not in bad]  # or a grain Filter
     """
     path = Path(directory) / FILE
     if not path.exists():

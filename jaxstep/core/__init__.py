@@ -3,10 +3,10 @@ status flags, the error, the processes of a run, argument validation, and the ty
 layers share (pytrees, the modes: ``BackendName``, ``Policy``, ``Verdict``, ...). Imports
 nothing else of jaxstep."""
 
-from jaxstep.core._errors import Failure as Failure
 from jaxstep.core._errors import TrainingWorkerError as TrainingWorkerError
-from jaxstep.core._errors import failed_alike as failed_alike
-from jaxstep.core._errors import failures_from_table as failures_from_table
+from jaxstep.core._failures import Failure as Failure
+from jaxstep.core._failures import failed_alike as failed_alike
+from jaxstep.core._failures import failures_from_table as failures_from_table
 from jaxstep.core._restart import ENV_RESTART as ENV_RESTART
 from jaxstep.core._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 from jaxstep.core._restart import under_restarting_launcher as under_restarting_launcher

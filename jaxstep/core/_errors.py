@@ -3,9 +3,6 @@ and what to try next; with the last good state attached."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,44 +11,63 @@ import numpy as np
 from jaxstep.core._causes import CAUSES
 from jaxstep.core._causes import HINTS
 from jaxstep.core._causes import VERDICT_HINTS
-from jaxstep.core._causes import describe
 from jaxstep.core._causes import rank
-from jaxstep.core.health import HealthTable
+from jaxstep.core._failures import Failure
 from jaxstep.core.health import Status
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """One failing device of one step."""
-
-    device_id: int
-    process_index: int
-    step: int
-    status: Status
-    reason: str
-    leaf: str | None
-    rows: tuple[int, int] | None = None  # [start, stop) of the global batch on it
-    microbatch: int | None = None  # the first failing micro-batch (microbatches > 1)
-    host: str | None = None  # host name of the process holding the device (many hosts)
 
 
 class TrainingWorkerError(RuntimeError):
     """A training step failed on one or more devices.
 
-    The message starts with ``training worker on device {device_id} failed: `` and the
-    fields repeat it for code: ``device_id`` (``jax.Device.id``), ``process_index``,
-    ``step``, ``status``, ``reason``, ``leaf``, every failing device of the step in
-    ``failures`` (root cause first, then the step's device order) and the last good
-    ``state``; ``batches`` (the failing batch and those pulled after it, untrained) and
-    ``checkpoint`` (where ``fit``'s emergency save went) when :func:`jaxstep.fit` raised
-    it.
+    The message starts with ``training worker on device {device_id} failed: ``, says
+    what failed and where, and what to try next; the fields repeat it for code. It
+    pickles. :func:`jaxstep.fit` raises it; ``step.failures(table)`` gives its
+    ``failures`` for a step run by hand.
 
-    ``alike``: every device of the step failed, several of them first in the chain
-    alike (:func:`failed_alike`), so the step alone cannot tell which started it (a
-    collective in the model, cross-device BatchNorm, carries one device's failure to
-    all; or the cause is the model or the update). The first line then says that the
-    device named is only the first in device order, not a cause found, until a replay
-    (``diagnosis``) finds the devices it started from, which then lead.
+    Args:
+      failures: every failing device of the step, the root cause first.
+      state: the last good state.
+      note: lines shown in the message after the first.
+      history: the run's :class:`jaxstep.History`, when a loop raised it.
+      diagnosis: a replay's :class:`jaxstep.Diagnosis`, or None.
+      state_is_good: see the attribute.
+      batches: see the attribute.
+      checkpoint: see the attribute.
+      alike: see the attribute.
+      hint: what to try, when the status's own hint would mislead.
+
+    Attributes:
+      device_id: the ``jax.Device.id`` of the root-cause device (not its position).
+      process_index: the process holding that device.
+      step: the ``state.step`` the failed step started from.
+      status: the device's :class:`jaxstep.Status` flags.
+      reason: the status in words, with the leaf.
+      leaf: the ``jax.tree_util.keystr`` of the first non-finite leaf, or None.
+      microbatch: the first failing micro-batch (``microbatches > 1``), or None.
+      failures: every failing device of the step as a :class:`jaxstep.Failure`, root
+        cause first (input, then loss, gradient, model state, parameters), then in the
+        step's device order.
+      state: the last good :class:`jaxstep.TrainState`, usable as it is:
+        ``fit(step, err.state, ...)`` resumes from it.
+      state_is_good: False when ``state`` is the state as it stands but not a good one
+        (its parameters were already non-finite when the periodic check found them).
+      diagnosis: the replay's :class:`jaxstep.Diagnosis` (``fit(diagnose=True)``, or
+        a failure every device had alike), else None.
+      note: the lines the message shows after the first, or None.
+      history: the run's :class:`jaxstep.History` when ``fit`` raised it, else None.
+      batches: the failing batch and every batch pulled after it and not trained, in
+        order: ``fit(step, err.state, itertools.chain(err.batches, rest))`` loses
+        nothing.
+      checkpoint: where ``fit``'s emergency save went (None without
+        ``fit(checkpoint_dir=...)``).
+      alike: every device of the step failed, several of them alike and first in the
+        chain, so the step alone cannot tell which started it (a collective in the
+        model, such as cross-device BatchNorm, carries one device's failure to all; or
+        the cause is the model or the update). The first line then says that the
+        device named is only the first in device order, until a replay
+        (``diagnosis``) finds the devices it started from, which then lead.
+      hint: what to try, when the status's own hint would mislead (a replay's
+        verdict wins), or None.
     """
 
     def __init__(
@@ -83,17 +99,10 @@ class TrainingWorkerError(RuntimeError):
         self.note = note
         self.history = history
         self.diagnosis = diagnosis
-        #: False when ``state`` is the state as it stands but not a good one (its
-        #: parameters were already non-finite when the periodic check found them).
         self.state_is_good = state_is_good
-        #: The failing batch and every batch pulled after it and not trained, in order:
-        #: ``fit(step, error.state, itertools.chain(error.batches, rest))`` loses nothing.
         self.batches = list(batches)
-        #: Where the emergency save went (None without ``fit(checkpoint_dir=...)``).
         self.checkpoint = checkpoint
-        #: Every device of the step failed alike: the device named is only the first.
         self.alike = alike
-        #: What to try when the status's own hint would mislead (a replay's verdict wins).
         self.hint = hint
         super().__init__(self._message())
 
@@ -226,7 +235,14 @@ class TrainingWorkerError(RuntimeError):
     def with_diagnosis(self, diagnosis: Any) -> TrainingWorkerError:
         """A copy of this error with ``diagnosis`` set (and shown in the message). When
         the diagnosis found where a failure that spread through a collective started
-        (``diagnosis.root_devices``), those devices lead ``failures``."""
+        (``diagnosis.root_devices``), those devices lead ``failures``.
+
+        Args:
+          diagnosis: a :class:`jaxstep.Diagnosis` of this failure.
+
+        Returns:
+          The new error; this one is unchanged.
+        """
         roots = tuple(getattr(diagnosis, "root_devices", ()) or ())
         failures = self.failures
         if roots and failures[0].device_id not in roots:
@@ -240,12 +256,30 @@ class TrainingWorkerError(RuntimeError):
 
     def with_note(self, line: str) -> TrainingWorkerError:
         """A copy of this error with ``line`` added to its note (shown in the message,
-        after the first line)."""
+        after the first line).
+
+        Args:
+          line: the text to add.
+
+        Returns:
+          The new error; this one is unchanged.
+        """
         return self.replace(note=line if not self.note else f"{self.note}\n{line}")
 
     def replace(self, **changes: Any) -> TrainingWorkerError:
-        """A copy of this error with some of its constructor's arguments changed (``note``,
-        ``diagnosis``, ``batches``, ``checkpoint``, ...); the message follows them."""
+        """A copy of this error with some of its constructor's arguments changed; the
+        message follows them.
+
+        Args:
+          **changes: constructor arguments by name (``note``, ``diagnosis``,
+            ``batches``, ``checkpoint``, ...).
+
+        Returns:
+          The new error; this one is unchanged.
+
+        Raises:
+          TypeError: a name is not one of the constructor's arguments.
+        """
         fields = {
             "failures": self.failures,
             "state": self.state,
@@ -284,18 +318,6 @@ class TrainingWorkerError(RuntimeError):
                 self.hint,
             ),
         )
-
-
-def failed_alike(failures: Sequence[Failure], devices: int) -> bool:
-    """Whether the step cannot tell which of its devices started ``failures`` (root
-    cause first, as :func:`failures_from_table` orders them): every one of its
-    ``devices`` failed, and more than one failed first in the chain (the same earliest
-    cause). One device's bad rows fail every device alike through a collective in the
-    model; when only some devices fail, each failed on its own rows."""
-    if devices < 2 or len({f.device_id for f in failures}) < devices:
-        return False
-    lead = rank(failures[0].status)
-    return sum(rank(f.status) == lead for f in failures) > 1
 
 
 def _where(failure: Failure) -> str:
@@ -337,57 +359,3 @@ def _rebuild(
         alike=alike,
         hint=hint,
     )
-
-
-def failures_from_table(
-    table: HealthTable,
-    devices: Sequence[Any],
-    names: Mapping[str, Sequence[str]],
-    rows_per_device: int | None,
-    microbatches: int = 1,
-    hosts: Callable[[int], str | None] | None = None,
-) -> list[Failure]:
-    """Turns a decoded health table into Failures, root cause first: the device whose
-    failure came earliest in the chain input -> loss -> gradient -> parameters leads
-    (a NaN input on one device outranks the non-finite losses a collective in the
-    model spread from it), then device order. ``hosts`` maps a process index to its
-    host name (runs over many hosts)."""
-    out = []
-    for i, dev in enumerate(devices):
-        status = Status(int(table.status[i]))
-        if not status:
-            continue
-        leaves = {
-            flag: names[kind][int(column[i])]
-            for flag, column, kind in (
-                (Status.INPUT_NONFINITE, table.input_leaf, "input"),
-                (Status.GRAD_NONFINITE, table.grad_leaf, "params"),
-                (Status.OVERFLOW, table.grad_leaf, "params"),
-                (Status.MODEL_STATE_NONFINITE, table.model_state_leaf, "model_state"),
-                (Status.PARAM_NONFINITE, table.param_leaf, "params"),
-                (Status.DIVERGED, table.diverged_leaf, "state"),
-            )
-            if flag in status and column[i] >= 0
-        }
-        # The leaf of the first cause: the input leaf if the data was bad, and so on.
-        leaf = next(iter(leaves.values()), None)
-        check = names["checks"][int(table.check[i])] if table.check[i] >= 0 else None
-        rows = (i * rows_per_device, (i + 1) * rows_per_device) if rows_per_device else None
-        micro = int(table.microbatch[i]) if microbatches > 1 and table.microbatch[i] >= 0 else None
-        if rows is not None and micro is not None and rows_per_device:
-            size = rows_per_device // microbatches
-            rows = (rows[0] + micro * size, rows[0] + (micro + 1) * size)
-        out.append(
-            Failure(
-                device_id=int(dev.id),
-                process_index=int(dev.process_index),
-                step=table.step,
-                status=status,
-                reason=describe(status, leaves, check),
-                leaf=leaf,
-                rows=rows,
-                microbatch=micro,
-                host=None if hosts is None else hosts(dev.process_index),
-            )
-        )
-    return sorted(out, key=lambda f: rank(f.status))  # stable: device order within a rank

@@ -47,8 +47,9 @@ class TrainState:
       model_state: the model's non-trained variables (BatchNorm statistics,
         counters), or None: ``loss_fn(..., model_state=ms)`` returns the new one as
         ``aux["model_state"]``; float leaves are averaged over the devices each step.
-      loss_scale: a :class:`LossScaleState` with a
-        :class:`jaxstep.DynamicLossScale`, or None.
+      loss_scale: with a :class:`jaxstep.DynamicLossScale`, its state: ``.scale``
+        (float32) and ``.good_steps`` (int32, the good steps in a row since the scale
+        last changed; flax's ``fin_steps``); else None.
       total_drops: with ``on_failure="drop"``, the device-steps left out of a step's
         mean so far (None under the other policies: their program does not carry it).
         The per-device memory of that policy (steps in a row each device was left out,
@@ -143,11 +144,13 @@ class StepOutput(NamedTuple):
 
     Attributes:
       metrics: ``{"loss": mean of the devices' losses}`` (replicated).
-      health: the packed health table, ``(n_devices, len(jaxstep.health.COLUMNS))``
-        int32, the same on every device; decode it with ``step.table(out)``.
+      health: the packed health table, an ``(n_devices, columns)`` int32 array, the
+        same on every device; ``step.table(out)`` reads and decodes it
+        (:class:`jaxstep.HealthTable`).
       aux: the ``aux`` of ``loss_fn`` without ``"checks"``, one entry per device
         (leading axis ``n_devices``), or None.
-      info: a :class:`StepInfo` (static: no arrays).
+      info: static facts of the compiled step, no arrays: ``info.checks``, the names
+        of the checks ``loss_fn`` returned in ``aux["checks"]``, in table order.
 
     Under the ``pmap`` backend each array carries one more leading device axis.
     """

@@ -24,6 +24,11 @@ class WeightedLoss:
     before the gradients' (it is needed to scale them). With micro-batches each
     micro-batch is normalised by its own global weight.
 
+    Attributes:
+      sum: the sum of the per-example (or per-token) losses over this device's chunk,
+        a float scalar.
+      weight: what counts in the chunk (examples, real tokens), a scalar >= 0.
+
     Example::
 
         def loss_fn(params, batch):

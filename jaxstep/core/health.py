@@ -18,7 +18,30 @@ import numpy as np
 
 
 class Status(enum.IntFlag):
-    """Why a device failed a step. Flags combine: ``INPUT_NONFINITE | LOSS_NONFINITE``."""
+    """Why a device failed a step. Flags combine: ``INPUT_NONFINITE | LOSS_NONFINITE``.
+
+    Read in ``HealthTable.status``, ``TrainingWorkerError.status``, ``History.status``.
+
+    Attributes:
+      OK: nothing failed (0).
+      INPUT_NONFINITE: a float leaf of this device's chunk of the batch holds a NaN or
+        an Inf (checked before the loss runs).
+      LOSS_NONFINITE: the device's loss is NaN or Inf.
+      GRAD_NONFINITE: a leaf of the device's own gradient, before the all-reduce, holds
+        a NaN or an Inf.
+      PARAM_NONFINITE: a parameter is not finite: after the update, with
+        ``verify_update=True``; else at the start of every ``divergence_every``-th step.
+      CHECK_FAILED: a check the loss returned in ``aux["checks"]`` is False.
+      DIVERGED: the device's copy of the state differs from the majority's (replica
+        fingerprints, every ``divergence_every`` steps).
+      HUNG: the device did not finish its part of the step in time
+        (``fit(step_timeout=...)``), or its process was lost.
+      LOSS_SPIKE: the loss jumped above its own recent range (:class:`LossSpike`).
+      OVERFLOW: the scaled gradients overflowed (``loss_scale``): recorded, the step
+        skipped and the scale lowered; no failure, unless the scale is at its minimum.
+      MODEL_STATE_NONFINITE: the new model state (e.g. BatchNorm statistics) is not
+        finite.
+    """
 
     OK = 0
     INPUT_NONFINITE = 1
@@ -282,7 +305,37 @@ _SCALARS = [(i, kind == "bool") for i, kind in enumerate(_KINDS) if kind in ("in
 
 
 class HealthTable(NamedTuple):
-    """A step's health table, decoded on the host. Row i is ``devices[i]`` of the step."""
+    """A step's health table, decoded on the host: ``step.table(out)``, and what
+    callbacks' ``on_step_end`` gets. Row i is ``step.devices[i]``.
+
+    Per-device fields are ``(n_devices,)`` arrays; the step-wide ones (the verdict
+    every device reached) are Python scalars. A leaf index counts in the list of
+    names ``step.names`` holds for that kind (``step.names["input"]``,
+    ``["params"]``, ``["checks"]``, ``["state"]``, ``["model_state"]``); -1 is none.
+
+    Attributes:
+      status: each device's :class:`Status` flags, as ints.
+      input_leaf: the first non-finite leaf of each device's chunk of the batch.
+      grad_leaf: the first non-finite gradient leaf (in ``step.names["params"]``).
+      param_leaf: the first non-finite parameter leaf.
+      check: the first failing check of ``aux["checks"]``.
+      diverged_leaf: the first state leaf whose copy differs from the majority's.
+      model_state_leaf: the first non-finite leaf of the new model state.
+      microbatch: the first failing micro-batch (``microbatches > 1``), or -1.
+      loss: each device's loss on its chunk (float32).
+      grad_norm: each device's gradient norm, before the all-reduce (float32).
+      step: the ``state.step`` the step started from.
+      halted: whether the state is halted after this step: later steps change nothing.
+      skipped: whether this step's update was discarded on every device.
+      consecutive_skips: skipped steps in a row, this one included.
+      failed: whether this step failed (an overflow alone is no failure).
+      dropped: ``on_failure="drop"``: 1 where the device's chunk was left out of the
+        step's mean.
+      repaired: ``on_failure="drop"``: 1 where the device's replica was replaced by a
+        majority copy in this step.
+      consecutive_drops: ``on_failure="drop"``: steps in a row each device was left
+        out, this one included.
+    """
 
     status: np.ndarray
     input_leaf: np.ndarray
@@ -305,6 +358,14 @@ class HealthTable(NamedTuple):
 
     @classmethod
     def from_array(cls, table: np.ndarray) -> HealthTable:
+        """Decodes the packed table a step returns (``out.health``, read to the host).
+
+        Args:
+          table: the ``(n_devices, len(COLUMNS))`` int32 array, float columns bit-cast.
+
+        Returns:
+          The decoded table (:meth:`to_array` is the inverse).
+        """
         # Read once per step by fit (when an action or callback takes the table): a
         # couple of microseconds, no per-column dispatch.
         table = np.asarray(table, np.int32)
@@ -318,8 +379,11 @@ class HealthTable(NamedTuple):
         return tuple.__new__(cls, fields)
 
     def to_array(self) -> np.ndarray:
-        """The table as the step returned it (``(n, len(COLUMNS))`` int32, float columns
-        bit-cast): the inverse of :meth:`from_array`."""
+        """The table packed as the step returned it: the inverse of :meth:`from_array`.
+
+        Returns:
+          An ``(n_devices, columns)`` int32 array, float columns bit-cast.
+        """
         n = len(self.status)
         table = np.empty((n, len(COLUMNS)), np.int32)
         for i, value in enumerate(self):
@@ -331,5 +395,6 @@ class HealthTable(NamedTuple):
 
     @property
     def mean_loss(self) -> float:
+        """The mean of the devices' losses (what ``out.metrics["loss"]`` holds)."""
         # np.mean's value (float32 sum, then divided) without its overhead (~15 us)
         return float(np.add.reduce(self.loss) / self.loss.size)

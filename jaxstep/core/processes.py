@@ -26,7 +26,14 @@ from jaxstep.core._types import Batch
 
 
 def local_positions(devices: Sequence[jax.Device]) -> list[int]:
-    """Positions (in the step's device order) of the devices this process holds."""
+    """Positions (in the step's device order) of the devices this process holds.
+
+    Args:
+      devices: the step's devices (``step.devices``).
+
+    Returns:
+      The positions, in increasing order.
+    """
     me = jax.process_index()
     return [i for i, d in enumerate(devices) if d.process_index == me]
 
@@ -39,8 +46,22 @@ def local_rows(devices: Sequence[jax.Device], global_batch_size: int) -> np.ndar
     concatenated. With devices ``[0, 1, 2, 3, 2048, ..., 2051]`` process 0 passes
     rows ``0 .. B/2-1`` and process 1 the rest.
 
-    Example: ``local_batch = jax.tree.map(lambda x: x[local_rows(step.devices,
-    len(x))], global_batch)`` (every process reading the same global batch).
+    Args:
+      devices: the step's devices (``step.devices``).
+      global_batch_size: the rows of the global batch.
+
+    Returns:
+      The row indices, an int array.
+
+    Raises:
+      ValueError: ``global_batch_size`` does not divide by the number of devices.
+
+    Example:
+      Every process reads the same global batch and keeps its own rows (what
+      :func:`local_batch` does)::
+
+        rows = local_rows(step.devices, len(global_batch["x"]))
+        batch = jax.tree.map(lambda x: x[rows], global_batch)
     """
     n = len(devices)
     if global_batch_size % n:
@@ -64,6 +85,16 @@ def local_rotation(devices: Sequence[jax.Device], k: int = 1) -> np.ndarray:
     ``(i + k) % n``; a process with one device keeps its chunk. Reads only the device
     list, so every process computes the same array.
 
+    Args:
+      devices: the step's devices (anything with a ``process_index``).
+      k: how far to rotate.
+
+    Returns:
+      ``order``, an int array: ``order[i]`` is the chunk ``devices[i]`` gets.
+
+    Example:
+      Two processes, of two and three devices:
+
     >>> class D:
     ...     def __init__(self, p):
     ...         self.process_index = p
@@ -80,12 +111,32 @@ def local_rotation(devices: Sequence[jax.Device], k: int = 1) -> np.ndarray:
 
 
 def local_batch(batch: Batch, devices: Sequence[jax.Device]) -> Any:
-    """This process's rows of a global host batch (see :func:`local_rows`)."""
+    """This process's rows of a global host batch (see :func:`local_rows`).
+
+    Args:
+      batch: the global batch, a pytree of host arrays (every process reads the same).
+      devices: the step's devices (``step.devices``).
+
+    Returns:
+      The same pytree holding this process's rows, as numpy arrays: what this process
+      passes to the step (or to ``fit``).
+
+    Raises:
+      ValueError: the batch's leading axis does not divide by the number of devices.
+    """
     return jax.tree.map(lambda x: np.asarray(x)[local_rows(devices, len(x))], batch)
 
 
 def spans_processes(devices: Sequence[jax.Device]) -> bool:
-    """True when ``devices`` belong to more than one process: batches are then local."""
+    """Whether ``devices`` belong to more than one process: batches are then local
+    (each process passes its own rows).
+
+    Args:
+      devices: the step's devices.
+
+    Returns:
+      True when they span processes.
+    """
     return len({d.process_index for d in devices}) > 1
 
 
@@ -97,8 +148,20 @@ def place_local_batch(
 ) -> Any:
     """The global batch array built from this process's rows (see :func:`local_rows`):
     chunk j of the local rows goes to the j-th local device in the step's order. One
-    transfer per local device, no communication between processes. ``positions``:
-    ``local_positions(devices)``, when the caller keeps it (O(local devices) per call)."""
+    transfer per local device, no communication between processes.
+
+    Args:
+      batch: this process's rows, a pytree of host arrays (a leaf already placed with
+        ``sharding`` is kept as it is).
+      devices: the step's devices.
+      sharding: the global batch's ``jax.sharding.Sharding`` (the chunks over
+        ``devices``).
+      positions: :func:`local_positions` of ``devices``, when the caller keeps it (it
+        costs O(local devices) a call).
+
+    Returns:
+      The same pytree of global ``jax.Array`` s.
+    """
     positions = local_positions(devices) if positions is None else positions
     n_local, n = len(positions), len(devices)
 
@@ -118,7 +181,15 @@ def place_local_batch(
 
 def local_rows_per_device(batch: Batch, devices: Sequence[jax.Device]) -> int:
     """Rows per device of a batch as this process passes it: its own rows when the
-    devices span processes, else (or for a placed global array) the whole batch."""
+    devices span processes, else (or for a placed global array) the whole batch.
+
+    Args:
+      batch: a batch as this process passes it to the step.
+      devices: the step's devices.
+
+    Returns:
+      The rows each device's chunk holds.
+    """
     first = jax.tree.leaves(batch)[0]
     size = int(first.shape[0])
     if spans_processes(devices) and not (
@@ -146,8 +217,14 @@ def share(
     same processes (a count, the same everywhere, keeps each call's keys apart), as it
     runs the steps of those devices: after a step they all ran, each is there. Without
     several processes (or ``jax.distributed``): ``{this process: value}``. The call's
-    keys are deleted once every process has read them (:func:`release`): a long run
-    does not grow the store.
+    keys are deleted once every process has read them: a long run does not grow the
+    store.
+
+    Args:
+      name: what is shared (part of the keys, and of the timeout's message).
+      value: this process's value, anything JSON encodes.
+      devices: the devices whose processes share.
+      timeout_s: seconds to wait for each other process's value.
 
     Returns:
       ``{process index: value}`` for every process of ``devices``.
@@ -211,12 +288,26 @@ def _host_info(process_index: int) -> dict[str, Any]:
 
 
 def host_name(process_index: int) -> str | None:
-    """The host name of a process (published by :func:`jaxstep.distributed.initialize`),
-    or None."""
+    """The host name of a process, as :func:`jaxstep.distributed.initialize` published
+    it (this process's own without it).
+
+    Args:
+      process_index: the process (``jax.Device.process_index``).
+
+    Returns:
+      The host name, or None when that process did not publish one.
+    """
     return _host_info(int(process_index))["host"]
 
 
 def process_pid(process_index: int) -> int | None:
-    """The pid of a process (published by :func:`jaxstep.distributed.initialize`), or
-    None."""
+    """The pid of a process, as :func:`jaxstep.distributed.initialize` published it
+    (this process's own without it).
+
+    Args:
+      process_index: the process (``jax.Device.process_index``).
+
+    Returns:
+      The pid, or None when that process did not publish one.
+    """
     return _host_info(int(process_index))["pid"]

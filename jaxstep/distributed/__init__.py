@@ -1,11 +1,10 @@
 """Many processes, one run: ``jax.distributed`` set-up, which process feeds which rows,
-host names, the peer heartbeats that name a lost process (:func:`watch`,
-:func:`monitor`), error reports (:mod:`.reports`) and the local launcher
-(``python -m jaxstep.launch``). See docs/multihost.md.
+host names, the peer heartbeats that name a lost process, error reports and the local
+launcher (``python -m jaxstep.launch``). See docs/multihost.md.
 
 Every process runs the same program; a step's devices span all of them, and each
 process passes only the rows of the chunks whose devices it holds, in the step's
-device order (:func:`local_rows`). The health table is global, so every process
+device order (:func:`~jaxstep.distributed.local_rows`). The health table is global, so every process
 reaches the same verdict inside the step and raises the same error.
 """
 
@@ -20,6 +19,9 @@ from jaxstep.core.processes import process_pid as process_pid
 from jaxstep.core.processes import share as share
 from jaxstep.core.processes import spans_processes as spans_processes
 from jaxstep.distributed import reports as reports
+from jaxstep.distributed._failing import leave as leave
+from jaxstep.distributed._failing import record as record
+from jaxstep.distributed._failing import write_error_report as write_error_report
 from jaxstep.distributed._heartbeats import PeerHeartbeats as PeerHeartbeats
 from jaxstep.distributed._heartbeats import share_heartbeats as share_heartbeats
 from jaxstep.distributed._runtime import DEFAULT_LOST_TIMEOUT as DEFAULT_LOST_TIMEOUT
@@ -30,16 +32,13 @@ from jaxstep.distributed._runtime import ENV_PROCESS_ID as ENV_PROCESS_ID
 from jaxstep.distributed._runtime import finish_in_flight as finish_in_flight
 from jaxstep.distributed._runtime import initialize as initialize
 from jaxstep.distributed._runtime import is_multiprocess as is_multiprocess
-from jaxstep.distributed._runtime import leave as leave
 from jaxstep.distributed._runtime import log_stacks as log_stacks
 from jaxstep.distributed._runtime import lost_after as lost_after
 from jaxstep.distributed._runtime import lost_error as lost_error
 from jaxstep.distributed._runtime import lost_processes as lost_processes
 from jaxstep.distributed._runtime import monitor as monitor
-from jaxstep.distributed._runtime import record as record
 from jaxstep.distributed._runtime import wait_ready as wait_ready
 from jaxstep.distributed._runtime import watch as watch
-from jaxstep.distributed._runtime import write_error_report as write_error_report
 from jaxstep.distributed.reports import root_cause as root_cause
 
 __all__ = [

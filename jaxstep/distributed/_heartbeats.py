@@ -31,10 +31,17 @@ class PeerHeartbeats:
     step on this process's devices.
 
     A daemon thread sets ``jaxstep/alive/{me}`` to a counter every ``timeout / 10``
-    seconds and reads every process's counter in one call. A process whose counter
-    has not moved for ``timeout`` seconds (by this process's own clock: no clock skew)
-    is lost; if the store itself stops answering for ``timeout`` seconds, process 0,
-    which hosts it, is lost. A process that finished sets its key to ``done``.
+    seconds (at most every second) and reads every process's counter in one call. A
+    process whose counter has not moved for ``timeout`` seconds (by this process's own
+    clock: no clock skew) is lost; if the store itself stops answering for ``timeout``
+    seconds, process 0, which hosts it, is lost. A process that finished sets its key to
+    ``done``.
+
+    Args:
+      client: the coordination service's client (``jax.distributed``'s).
+      me: this process's index.
+      count: the number of processes in the run.
+      timeout: seconds without a beat before a process is lost.
     """
 
     def __init__(self, client: Any, me: int, count: int, timeout: float):
@@ -52,6 +59,7 @@ class PeerHeartbeats:
         self._thread = threading.Thread(target=self._run, name="jaxstep-heartbeat", daemon=True)
 
     def start(self) -> None:
+        """Starts the beating thread (:func:`jaxstep.distributed.watch` does)."""
         self._thread.start()
 
     def stop(self) -> None:
@@ -59,14 +67,22 @@ class PeerHeartbeats:
         self.mark("done")
 
     def mark(self, value: str) -> None:
-        """Stops beating and leaves ``value`` for the others: ``done`` (finished, not
-        lost), ``failed: why`` or ``exited`` (lost at once, no timeout to wait)."""
+        """Stops beating and leaves ``value`` for the others.
+
+        Args:
+          value: ``done`` (finished, not lost), ``failed: why`` or ``exited`` (lost at
+            once, no timeout to wait).
+        """
         self._done.set()
         with contextlib.suppress(Exception):  # the store may be gone already
             self.client.key_value_set(f"{KEY}alive/{self.me}", value, allow_overwrite=True)
 
     def wait_for_others(self, wait_s: float) -> None:
-        """Waits until every other process has left (``exited``/``done``) or is lost."""
+        """Waits until every other process has left (``exited``/``done``) or is lost.
+
+        Args:
+          wait_s: the most seconds to wait.
+        """
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
@@ -80,7 +96,11 @@ class PeerHeartbeats:
             time.sleep(0.1)
 
     def lost(self) -> dict[int, str]:
-        """Lost processes and why, so far (empty while everyone beats)."""
+        """The processes declared lost so far.
+
+        Returns:
+          ``{process index: why}``; empty while every process beats.
+        """
         with self._lock:
             return dict(self._lost)
 
@@ -130,6 +150,12 @@ class PeerHeartbeats:
 def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[set[int], list[int]]:
     """After a step timed out: publishes which of this process's device positions
     finished their local part of ``step``, and reads the others'.
+
+    Args:
+      step: the step that timed out.
+      local: the positions (in the step's device order) of this process's devices that
+        finished their part of it.
+      wait_s: the most seconds to wait for the other processes' reports.
 
     Returns:
       (every position that finished, on any process; processes that did not report

@@ -1,18 +1,16 @@
-"""Many processes, one run: ``jax.distributed`` set-up, which process feeds which rows,
-host names, error reports, and the peer heartbeats that name a lost process.
+"""Many processes, one run: ``jax.distributed`` set-up, the peer heartbeats that name a
+lost process, and the errors that name it.
 
 Every process runs the same program; a step's devices span all of them, and each
 process passes only the rows of the chunks whose devices it holds, in the step's
-device order (:func:`local_rows`, from :mod:`jaxstep.core.processes`). The health table is
-global, so every process reaches the same verdict inside the step and raises the same
-error. Processes meet in the coordination service of ``jax.distributed`` (on
-process 0), whose key-value store carries host names, heartbeats and the root-cause
-claim.
+device order. The health table is global, so every process reaches the same verdict
+inside the step and raises the same error. Processes meet in the coordination service
+of ``jax.distributed`` (on process 0), whose key-value store carries host names,
+heartbeats and the root-cause claim (``_failing.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -20,12 +18,8 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-from typing import NoReturn
-from typing import TypeVar
 
 import jax
 
@@ -42,7 +36,6 @@ from jaxstep.core.processes import local_rows_per_device as local_rows_per_devic
 from jaxstep.core.processes import place_local_batch as place_local_batch
 from jaxstep.core.processes import process_pid as process_pid
 from jaxstep.core.processes import spans_processes as spans_processes
-from jaxstep.distributed import reports
 from jaxstep.distributed._heartbeats import PeerHeartbeats
 
 log = logging.getLogger("jaxstep")
@@ -56,12 +49,14 @@ ENV_LOST_TIMEOUT = "JAXSTEP_LOST_TIMEOUT"
 #: ~40 s abort of a CPU collective with a missing peer, and below the coordination
 #: service's own heartbeat timeout (100 s), which kills every process without a word.
 DEFAULT_LOST_TIMEOUT = 10.0
-_KEY = KEY
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def is_multiprocess() -> bool:
-    """True when this run spans more than one process."""
+    """Whether this run spans more than one process.
+
+    Returns:
+      True after ``jax.distributed`` joined several processes.
+    """
     return jax.process_count() > 1
 
 
@@ -90,8 +85,10 @@ def initialize(
       **kwargs: passed to ``jax.distributed.initialize``.
 
     Raises:
-      ValueError: ``lost_timeout`` is not below ``heartbeat_timeout_seconds``, or the
-        environment variables are malformed.
+      ValueError: ``lost_timeout`` is not above 0 and below
+        ``heartbeat_timeout_seconds``, the launcher's environment variables are
+        malformed, or no multi-process environment was found (the message says what to
+        pass).
     """
     timeout = _lost_timeout(lost_timeout)
     if not timeout < heartbeat_timeout_seconds:
@@ -152,6 +149,9 @@ def watch(lost_timeout: float | None = None) -> PeerHeartbeats | None:
     Returns:
       The running heartbeats (as :func:`monitor` returns them), or None when this is
       not a multi-process run.
+
+    Raises:
+      ValueError: ``lost_timeout`` is not above 0.
     """
     global _peers
     client = _client()
@@ -159,7 +159,7 @@ def watch(lost_timeout: float | None = None) -> PeerHeartbeats | None:
         return _peers
     me = jax.process_index()
     client.key_value_set(
-        f"{_KEY}host/{me}",
+        f"{KEY}host/{me}",
         json.dumps({"host": socket.gethostname(), "pid": os.getpid()}),
         allow_overwrite=True,
     )
@@ -181,17 +181,26 @@ _peers: PeerHeartbeats | None = None
 
 
 def monitor() -> PeerHeartbeats | None:
-    """This process's peer heartbeats, as :func:`watch` started them: their
-    ``lost()`` names the processes declared lost so far, and why. None before
-    :func:`watch` (or :func:`initialize`) ran, and outside a multi-process run.
+    """This process's peer heartbeats, as :func:`watch` started them.
 
     Only whole processes are watched here; a hung step on this process's own
-    devices is the step watchdog's (``fit(step_timeout=...)``)."""
+    devices is the step watchdog's (``fit(step_timeout=...)``).
+
+    Returns:
+      The :class:`PeerHeartbeats` (their ``lost()`` names the processes declared lost
+      so far, and why), or None before :func:`watch` (or :func:`initialize`) ran, and
+      outside a multi-process run.
+    """
     return _peers
 
 
 def lost_processes() -> dict[int, str]:
-    """Processes declared lost so far, and why."""
+    """The processes the peer heartbeats declared lost so far.
+
+    Returns:
+      ``{process index: why}``; empty while every process beats, and outside a
+      multi-process run.
+    """
     return {} if _peers is None else _peers.lost()
 
 
@@ -199,6 +208,11 @@ def wait_ready(array: jax.Array, step: int, devices: Sequence[jax.Device]) -> No
     """Returns once ``array`` (a step's output) is ready. While it is not, watches for
     lost processes, and raises their error instead of waiting for a peer that will
     never come (single process: returns at once; the caller's read waits).
+
+    Args:
+      array: an output of the step (its health table, say).
+      step: the step's number, for the error.
+      devices: the step's devices, for the error.
 
     Raises:
       TrainingWorkerError: a process of the run is lost (status ``HUNG``, naming its
@@ -220,7 +234,12 @@ def finish_in_flight(array: jax.Array, err: BaseException) -> None:
     timeout) for the newest dispatched step, which every live peer has dispatched
     too, so that no process leaves in the middle of a collective (gloo aborts a
     peer that receives half a message). Returns at once when that step cannot
-    finish: a peer is lost, or ``err`` is a hang."""
+    finish: a peer is lost, or ``err`` is a hang.
+
+    Args:
+      array: an output of the newest dispatched step.
+      err: the exception about to be raised.
+    """
     if _peers is None or (isinstance(err, TrainingWorkerError) and err.status & Status.HUNG):
         return
     deadline = time.monotonic() + _peers.timeout
@@ -231,9 +250,19 @@ def finish_in_flight(array: jax.Array, err: BaseException) -> None:
 
 
 def lost_after(err: BaseException, step: int, devices: Sequence[jax.Device]) -> BaseException:
-    """For a runtime error from a collective: the lost-process error if a peer turns
-    out lost within the heartbeats' timeout (a dead peer's socket can fail the
-    collective before the heartbeats run out), else ``err`` itself."""
+    """What to raise for a runtime error from a collective: a dead peer's socket can
+    fail the collective before the heartbeats run out, so this waits for them (at most
+    the lost timeout).
+
+    Args:
+      err: the runtime's error.
+      step: the step's number, for the error.
+      devices: the step's devices, for the error.
+
+    Returns:
+      The lost-process error (:func:`lost_error`) if a peer turns out lost in time,
+      else ``err`` itself.
+    """
     if _peers is None:
         return err
     deadline = time.monotonic() + _peers.timeout + 2 * _peers.interval
@@ -248,7 +277,18 @@ def lost_after(err: BaseException, step: int, devices: Sequence[jax.Device]) -> 
 def lost_error(
     lost: dict[int, str], step: int, devices: Sequence[jax.Device]
 ) -> TrainingWorkerError:
-    """The ``HUNG`` error naming every device of each lost process (state: None)."""
+    """The error naming every device of each lost process, after logging the Python
+    stacks (:func:`log_stacks`).
+
+    Args:
+      lost: ``{process index: why}``, as :func:`lost_processes` returns it.
+      step: the step that cannot finish.
+      devices: the step's devices.
+
+    Returns:
+      A :class:`jaxstep.TrainingWorkerError` with status ``HUNG`` for each device of
+      the lost processes, and no state (a lost process's state cannot be read).
+    """
     names = ", ".join(f"process {p} (host {host_name(p)}, pid {process_pid(p)})" for p in lost)
     log_stacks(f"step {step} cannot finish: lost {names}")
     failures = [
@@ -273,121 +313,14 @@ def lost_error(
 
 
 def log_stacks(why: str) -> None:
-    """Every Python thread's stack to the ``jaxstep`` logger (before raising a hang)."""
+    """Logs every Python thread's stack to the ``jaxstep`` logger, as an error (before
+    raising a hang).
+
+    Args:
+      why: the first line of the message.
+    """
     stacks = "\n".join(
         f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
         for ident, frame in sys._current_frames().items()
     )
     log.error("%s; Python stacks:\n%s", why, stacks)
-
-
-# ------------------------------------------------------------------- reports
-def _origin(exc: BaseException) -> int | None:
-    """The process where ``exc`` started: the failing device's, a lost process, or
-    this one."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        return int(failures[0].process_index)
-    return jax.process_index()
-
-
-def write_error_report(
-    exc: BaseException, directory: str | os.PathLike[str] | None = None
-) -> Path | None:
-    """Writes this process's JSON report of ``exc`` (see :mod:`jaxstep.distributed.reports`).
-
-    Marks it the root cause when the failure started here (the failing device is
-    local, or the exception is not a verdict about another process) and no other
-    process claimed the root cause before: the first claim in the coordination
-    service's store wins, so exactly one report is marked even across hosts.
-
-    Args:
-      exc: the exception this process is about to die of.
-      directory: where (default ``$JAXSTEP_ERROR_DIR``; None and unset: nothing).
-
-    Returns:
-      The report's path, or None when no directory is set.
-    """
-    where = reports.error_dir(directory)
-    if where is None:
-        return None
-    me = jax.process_index() if _client() is not None else 0
-    origin = _origin(exc)
-    own = origin == me
-    root = own
-    client = _client()
-    if own and client is not None and is_multiprocess():
-        try:
-            client.key_value_set(f"{_KEY}root_cause", str(me), allow_overwrite=False)
-        except Exception as err:  # ALREADY_EXISTS: someone failed first; else no store
-            if "ALREADY_EXISTS" in str(err) or "already exists" in str(err):
-                root = False
-    report = reports.build(
-        exc, process_index=me, root_cause=root, root_cause_process=origin, host=host_name(me)
-    )
-    return reports.write(report, where)
-
-
-def record(fn: _F) -> _F:
-    """Decorator for a training script's ``main`` (torchrun's ``@record``): an exception
-    is written as this process's error report (``$JAXSTEP_ERROR_DIR``).
-
-    A verdict every process reached (the same ``TrainingWorkerError``) is re-raised as
-    usual. Any other failure leaves the others unable to finish their step: this process
-    tells them at once (they raise a lost-process error naming it at their next
-    heartbeat, not after the timeout), and, since the computation in flight can neither
-    finish nor be cancelled and JAX's exit would wait for the peers, it leaves with
-    ``os._exit(1)``, its output flushed (process 0, which hosts the coordination
-    service, waits up to 10 s for the others to leave first).
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException as exc:
-            if isinstance(exc, (SystemExit, KeyboardInterrupt)):
-                raise
-            path = write_error_report(exc)
-            if path is not None:
-                log.error("jaxstep: error report written to %s", path)
-            if not is_multiprocess() or _peers is None:
-                raise
-            if _shared_verdict(exc):
-                _peers.stop()
-                raise
-            traceback.print_exception(exc)
-            if isinstance(exc, TrainingWorkerError):  # a hang or a lost peer: all leave
-                leave(exit_code=1, note="exited")
-            first = (str(exc).splitlines() or [""])[0][:200]
-            leave(exit_code=1, note=f"failed: {type(exc).__name__}: {first}")
-            raise  # not reached
-        if _peers is not None:
-            _peers.stop()
-        return result
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _shared_verdict(exc: BaseException) -> bool:
-    """Whether every process raised this same error (a verdict from the health table)."""
-    if not isinstance(exc, TrainingWorkerError) or lost_processes():
-        return False
-    return not any(f.status & Status.HUNG for f in exc.failures)
-
-
-def leave(exit_code: int, note: str = "exited", wait_s: float = 10.0) -> NoReturn:
-    """Tells the others (``note``: ``exited`` or ``failed: why``, which they read as this
-    process lost, at once) and exits with ``os._exit(exit_code)``, its output and logs
-    flushed: after a hang or a lost peer the computation in flight can neither finish
-    nor be cancelled, and JAX's exit would wait for the peers. Process 0 first waits (up
-    to ``wait_s``) for the others to leave, since they abort when its coordination
-    service goes before them. One process: flushes and exits."""
-    if _peers is not None:
-        _peers.mark(note)
-        if _peers.me == 0:
-            _peers.wait_for_others(wait_s)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(exit_code)

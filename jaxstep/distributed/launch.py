@@ -22,14 +22,10 @@ processes and ``jax.distributed`` finds its peers itself (see ``docs/multihost.m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -40,61 +36,8 @@ from typing import NamedTuple
 from jaxstep.core import ENV_RESTART
 from jaxstep.core import RESTART_EXIT_CODE
 from jaxstep.distributed import reports
-
-#: Ports handed out by launchers on this host, a file each (``free_port``).
-PORTS = Path(tempfile.gettempdir()) / "jaxstep-ports"
-_HELD_S = 120.0  # a reservation outlives the seconds until the coordinator binds
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the coordinator binds it moments later,
-    once process 0 has imported JAX: seconds under load), and not handed out by another
-    launcher on this host within ``_HELD_S``. In that gap the OS may give a launcher
-    started at the same time the same port; its processes would then join this run's
-    coordinator as its tasks ("a different incarnation"), and both runs die. Drawn below
-    the kernel's ephemeral range first: there no outgoing connection (the collectives'
-    own sockets, another run's) can be given the port in that gap either."""
-    port = 0
-    for candidate in [*_below_ephemeral(16), *[0] * 64]:  # then the OS's own choice
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", candidate))
-                port = int(s.getsockname()[1])
-        except OSError:
-            continue  # in use
-        if _reserve(port):
-            return port
-    return port  # every draw reserved (or the folder unusable): the OS's word alone
-
-
-def _below_ephemeral(count: int) -> list[int]:
-    """``count`` random ports under the kernel's ephemeral range (Linux's
-    ``ip_local_port_range``; 32768 where it cannot be read), above 10000."""
-    low = 32768
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    if low <= 10001 + count:
-        return []
-    return random.sample(range(10000, low), count)
-
-
-def _reserve(port: int) -> bool:
-    """Whether ``port`` is now this launcher's: its file created, or found stale."""
-    mark = PORTS / str(port)
-    try:
-        PORTS.mkdir(mode=0o777, exist_ok=True)
-        os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-        return True
-    except FileExistsError:
-        try:
-            if time.time() - mark.stat().st_mtime < _HELD_S:
-                return False
-            os.utime(mark)  # stale: the run that held it bound it long ago
-            return True
-        except OSError:
-            return False
-    except OSError:
-        return True  # no folder to reserve in: as before, the OS's word alone
+from jaxstep.distributed._ports import free_port
+from jaxstep.distributed._ports import unreserve
 
 
 def child_env(
@@ -107,8 +50,21 @@ def child_env(
     *,
     restart: int = 0,
 ) -> dict[str, str]:
-    """The environment of process ``process_id``: where to meet, who it is, its devices,
-    and which attempt of the job this is (``restart``: 0 first)."""
+    """The environment of one process of a local job: where to meet, who it is, its
+    devices, and which attempt of the job this is.
+
+    Args:
+      process_id: the process's index.
+      num_processes: how many processes the job has.
+      port: the coordinator's port on 127.0.0.1.
+      devices_per_process: fake CPU devices in each process.
+      error_dir: where error reports go (``$JAXSTEP_ERROR_DIR``), or None.
+      base: the environment to start from (default ``os.environ``).
+      restart: the attempt (``$JAXSTEP_RESTART``; 0 first).
+
+    Returns:
+      A new dict of environment variables.
+    """
     env = dict(os.environ if base is None else base)
     env.update(
         JAXSTEP_COORDINATOR=f"127.0.0.1:{port}",
@@ -185,6 +141,10 @@ def launch(
     Returns:
       0 if every process of the last attempt exited with 0, else the exit code of the
       first that did not (128 + N for a signal N, 124 past ``timeout``).
+
+    Raises:
+      ValueError: ``num_processes``, ``devices_per_process`` or ``restarts`` is out of
+        range.
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -271,7 +231,7 @@ def _attempt(job: _Job, attempt: int, deadline: float | None) -> tuple[int, int]
     finally:
         for t in threads:
             t.join(timeout=5)
-        (PORTS / str(port)).unlink(missing_ok=True)  # the run is over: its port is free
+        unreserve(port)  # the run is over: its port is free
     for i, proc in enumerate(procs):
         codes.setdefault(i, _exit_code(proc.returncode))
     if job.error_dir is not None and any(codes.values()):
@@ -332,6 +292,15 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]], codes: dict[int, int]) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: ``python -m jaxstep.launch [-n N] [--restarts N] ...
+    script.py ARGS`` (``--help`` lists every option).
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+      The job's exit code, as :func:`launch` returns it.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m jaxstep.launch",
         description="Run a training script as N local jax.distributed processes on fake "

@@ -3,9 +3,13 @@
 Each process that fails writes what happened there (process, host, pid, the failing
 device, step, status, reason, traceback, time); the report of the failure that
 started it all has ``"root_cause": true`` (torchrun's convention: the earliest
-failure; see ``jaxstep.distributed.write_error_report`` for how the processes agree on
+failure; :func:`jaxstep.distributed.write_error_report` says how the processes agree on
 it). The directory comes from an argument or ``$JAXSTEP_ERROR_DIR``. This module needs
 no JAX, so a launcher can read and complete the reports.
+
+Each process writes its own with :func:`jaxstep.distributed.write_error_report` (or the
+:func:`jaxstep.distributed.record` decorator); :func:`root_cause` reads the one to look
+at first.
 """
 
 from __future__ import annotations
@@ -29,16 +33,44 @@ if TYPE_CHECKING:
 
     from jaxstep.core import Failure
 
+#: The environment variable naming the directory reports go to; unset, no reports.
 ENV_ERROR_DIR = "JAXSTEP_ERROR_DIR"
+
+__all__ = [
+    "ENV_ERROR_DIR",
+    "build",
+    "complete",
+    "error_dir",
+    "read",
+    "report_path",
+    "root_cause",
+    "write",
+]
 
 
 def error_dir(path: str | os.PathLike[str] | None = None) -> Path | None:
-    """``path``, else ``$JAXSTEP_ERROR_DIR``, else None (no reports)."""
+    """Where reports go.
+
+    Args:
+      path: a directory, or None for ``$JAXSTEP_ERROR_DIR``.
+
+    Returns:
+      ``path``, else ``$JAXSTEP_ERROR_DIR``, else None (no reports).
+    """
     chosen = path if path is not None else os.environ.get(ENV_ERROR_DIR)
     return Path(chosen) if chosen else None
 
 
 def report_path(directory: str | os.PathLike[str], process_index: int) -> Path:
+    """The report file of a process.
+
+    Args:
+      directory: the reports' directory.
+      process_index: the process.
+
+    Returns:
+      ``{directory}/error-p{process_index}.json``.
+    """
     return Path(directory) / f"error-p{process_index}.json"
 
 
@@ -57,7 +89,22 @@ def build(
     root_cause_process: int | None,
     host: str | None = None,
 ) -> dict[str, Any]:
-    """The report of ``exc`` as raised in this process (a plain JSON-able dict)."""
+    """The report of ``exc`` as raised in this process.
+
+    Args:
+      exc: the exception.
+      process_index: this process.
+      root_cause: whether this report is the root cause's.
+      root_cause_process: the process where the failure started, if known.
+      host: this process's host name (default: ``socket.gethostname()``).
+
+    Returns:
+      A plain JSON-able dict: ``process_index``, ``host``, ``pid``, ``time``,
+      ``time_utc``, ``exception``, ``message``, ``traceback``, ``root_cause``,
+      ``root_cause_process``, and for a :class:`jaxstep.TrainingWorkerError` the
+      failing ``device_id``, ``device_process_index``, ``device_host``, ``step``,
+      ``status``, ``reason``, ``leaf`` and every ``failures`` entry.
+    """
     now = time.time()
     report: dict[str, Any] = {
         "process_index": process_index,
@@ -96,7 +143,18 @@ def build(
 
 
 def write(report: Mapping[str, Any], directory: str | os.PathLike[str]) -> Path:
-    """Writes one report atomically (a reader never sees half a file)."""
+    """Writes one report atomically (a reader never sees half a file).
+
+    Args:
+      report: a report (:func:`build`).
+      directory: the reports' directory (made if missing).
+
+    Returns:
+      The file written (:func:`report_path`).
+
+    Raises:
+      OSError: the directory cannot be made or written.
+    """
     path = report_path(directory, int(report["process_index"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -106,7 +164,14 @@ def write(report: Mapping[str, Any], directory: str | os.PathLike[str]) -> Path:
 
 
 def read(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
-    """Every report in ``directory``, by process index."""
+    """Every report in ``directory``.
+
+    Args:
+      directory: the reports' directory.
+
+    Returns:
+      ``{process index: report}``; empty when there is none.
+    """
     out = {}
     for path in sorted(Path(directory).glob("error-p*.json")):
         report = json.loads(path.read_text())
@@ -115,7 +180,19 @@ def read(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
 
 
 def root_cause(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The report marked as the root cause, else the earliest one, else None."""
+    """The report of the failure that started it all.
+
+    Args:
+      directory: the reports' directory.
+
+    Returns:
+      The report marked as the root cause, else the earliest one, else None.
+
+    Example::
+
+        report = jaxstep.distributed.root_cause("errors/")
+        print(report["host"], report["device_id"], report["step"], report["reason"])
+    """
     found = read(directory)
     marked = [r for r in found.values() if r.get("root_cause")]
     pool = marked or list(found.values())
@@ -129,10 +206,15 @@ def complete(
 ) -> None:
     """After a local job: a report for each process that failed without writing one
     (killed by a signal, crashed in C++), and a root cause marked if none is.
-    ``returncodes`` (negative: a signal) come in the order the processes ended.
 
     A process that died without a word is the likeliest root cause: the others'
     reports then name it as lost, and do not claim the root cause themselves.
+
+    Args:
+      directory: the reports' directory.
+      returncodes: each process's exit code (negative: a signal; None: still running),
+        in the order the processes ended.
+      procs: the processes, by index (for their pids), when known.
     """
     found = read(directory)
     silent = [i for i, code in returncodes.items() if code and i not in found]

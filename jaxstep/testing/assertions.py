@@ -124,9 +124,18 @@ def assert_replicas_equal(step: TrainStep, tree: Any) -> None:
     ``TrainState``, ``state.params``, ... Data parallel training keeps the copies
     identical; one that differs is a diverged replica.
 
+    Args:
+      step: the step that placed ``tree``.
+      tree: the replicated pytree to compare.
+
     Raises:
       AssertionError: naming the devices whose copy differs from the majority's, and
         the leaves that differ (``chex.assert_trees_all_equal``'s report).
+
+    Example:
+      >>> from jaxstep.testing import assert_replicas_equal, tiny_step
+      >>> tiny = tiny_step(divergence_every=None)
+      >>> assert_replicas_equal(tiny.step, tiny.state())  # every copy alike: passes
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
     runtime = runtime_of(step)

@@ -30,9 +30,20 @@ def corrupt_replica(
         statistics).
       ulps: how many representable values to move (>= 1).
 
+    Returns:
+      A new state, placed as ``state`` is, whose replica on ``device_id`` differs.
+
     Raises:
       ValueError: an unknown leaf or device, a leaf that is not float, or a leaf held
         as shards (``shard_state``: a shard has one owner, no replica).
+
+    Example:
+      >>> from jaxstep.testing import corrupt_replica, replicas, tiny_step
+      >>> tiny = tiny_step(divergence_every=None)
+      >>> state = tiny.state()
+      >>> bad = corrupt_replica(tiny.step, state, tiny.step.devices[1].id, "['w']")
+      >>> [bool((c["w"] == 0).all()) for c in replicas(tiny.step, bad.params)][:3]
+      [True, False, True]
     """
     names = step.names["state"]
     k = state_leaf_index(names, leaf)
@@ -89,7 +100,14 @@ def state_leaf_index(names: list[str], leaf: str) -> int:
 
 
 def replicas(step: TrainStep, tree: Any) -> list[Any]:
-    """Each device's own copy of a replicated (or pmap-stacked) pytree, as numpy, in
-    the order of ``step.devices``."""
+    """Each device's own copy of a replicated (or pmap-stacked) pytree.
+
+    Args:
+      step: the step that placed ``tree``.
+      tree: a replicated pytree from ``step`` (a ``TrainState``, ``state.params``, ...).
+
+    Returns:
+      One copy a device, as numpy, in the order of ``step.devices``.
+    """
     runtime = runtime_of(step)
     return [runtime.read_at(tree, i) for i in range(len(step.devices))]

@@ -28,22 +28,44 @@ def tiny_loss(params: Any, batch: Any) -> jax.Array:
 
 
 class TinyStep(NamedTuple):
-    """A linear regression step (``step``) and what it trains on.
+    """A linear regression step and what it trains on (:func:`tiny_step` builds it):
+    the mean squared error of ``batch["x"] @ params["w"] + params["b"]``, the data drawn
+    from fixed weights.
 
-    ``params()`` are zeros (``{"w": (3, 1), "b": (1,)}``), ``state()`` is
-    ``step.init(params())``, ``batches(num)`` gives global batches of
-    ``{"x": (rows, 3), "y": (rows, 1)}`` with ``per_device`` rows for each device.
+    Attributes:
+      step: the :class:`jaxstep.TrainStep`.
     """
 
     step: TrainStep
 
     def params(self) -> dict[str, np.ndarray]:
+        """The first parameters: zeros, ``{"w": (3, 1), "b": (1,)}`` float32.
+
+        Returns:
+          A new dict of numpy arrays.
+        """
         return {"w": np.zeros((3, 1), np.float32), "b": np.zeros((1,), np.float32)}
 
     def state(self) -> TrainState:
+        """The first state: ``step.init(params())``.
+
+        Returns:
+          A :class:`jaxstep.TrainState` on the step's devices.
+        """
         return self.step.init(self.params())
 
     def batches(self, num: int, *, per_device: int = 2, seed: int = 0) -> list[dict[str, Any]]:
+        """Global batches ``{"x": (rows, 3), "y": (rows, 1)}`` float32, ``y`` exactly
+        linear in ``x``.
+
+        Args:
+          num: how many batches.
+          per_device: rows of each batch for each of the step's devices.
+          seed: the seed of the draw: the same seed, the same batches.
+
+        Returns:
+          A list of ``num`` dicts of numpy arrays.
+        """
         rng = np.random.default_rng(seed)
         rows = per_device * len(self.step.devices)
         out = []
@@ -59,9 +81,20 @@ def tiny_step(
     optimizer: optax.GradientTransformation | None = None,
     **options: Any,
 ) -> TinyStep:
-    """A :class:`TinyStep` built by ``make_train_step(tiny_loss, optimizer, backend=backend,
-    **options)`` (default optimizer: ``optax.sgd(0.1)``); ``options`` are
-    ``make_train_step``'s, e.g. ``faults=[Fault("grad", device_id=3, step=1)]``.
+    """A tiny linear regression step, for tests of the code around training (callbacks,
+    loops, checkpoints): it compiles in about a second.
+
+    Args:
+      backend: ``"shard_map"`` or ``"pmap"``.
+      optimizer: an optax transformation (default ``optax.sgd(0.1)``).
+      **options: more arguments of :func:`jaxstep.make_train_step`, e.g.
+        ``faults=[Fault("grad", device_id=3, step=1)]``.
+
+    Returns:
+      A :class:`TinyStep`: the step, and its parameters, state and batches.
+
+    Raises:
+      ValueError, TypeError: an option is invalid (as ``make_train_step`` raises it).
 
     Example:
       >>> from jaxstep.testing import tiny_step

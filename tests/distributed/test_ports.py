@@ -5,6 +5,7 @@ import socket
 import time
 from pathlib import Path
 
+from jaxstep.distributed import _ports
 from jaxstep.distributed import launch
 
 
@@ -34,7 +35,7 @@ class _Draws:
 
 
 def test_a_port_handed_out_moments_ago_is_not_handed_out_again(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "PORTS", tmp_path / "ports")
+    monkeypatch.setattr(_ports, "PORTS", tmp_path / "ports")
     # the OS gives both launchers 40001 (free until the first coordinator binds it)
     monkeypatch.setattr(socket, "socket", _Draws([40001, 40001, 40003]))
     assert launch.free_port() == 40001
@@ -42,7 +43,7 @@ def test_a_port_handed_out_moments_ago_is_not_handed_out_again(tmp_path, monkeyp
 
 
 def test_a_stale_reservation_is_taken_over(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "PORTS", tmp_path / "ports")
+    monkeypatch.setattr(_ports, "PORTS", tmp_path / "ports")
     (tmp_path / "ports").mkdir()
     old = tmp_path / "ports" / "40005"
     old.touch()
@@ -54,13 +55,13 @@ def test_a_stale_reservation_is_taken_over(tmp_path, monkeypatch):
 def test_without_a_folder_to_reserve_in_the_os_port_stands(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.touch()
-    monkeypatch.setattr(launch, "PORTS", blocker / "ports")  # cannot be created
+    monkeypatch.setattr(_ports, "PORTS", blocker / "ports")  # cannot be created
     monkeypatch.setattr(socket, "socket", _Draws([40007]))
     assert launch.free_port() == 40007
 
 
 def test_real_ports_are_distinct_and_bindable(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "PORTS", tmp_path / "ports")
+    monkeypatch.setattr(_ports, "PORTS", tmp_path / "ports")
     ports = [launch.free_port() for _ in range(20)]
     assert len(set(ports)) == 20
     with socket.socket() as s:
@@ -70,7 +71,7 @@ def test_real_ports_are_distinct_and_bindable(tmp_path, monkeypatch):
 def test_real_ports_are_drawn_where_no_outgoing_connection_is_given_one(tmp_path, monkeypatch):
     # below the kernel's ephemeral range: the collectives' own sockets, or another run's,
     # cannot take the port between the draw and the coordinator's bind
-    monkeypatch.setattr(launch, "PORTS", tmp_path / "ports")
+    monkeypatch.setattr(_ports, "PORTS", tmp_path / "ports")
     low = 32768
     ephemeral = "/proc/sys/net/ipv4/ip_local_port_range"
     if os.path.exists(ephemeral):

@@ -15,7 +15,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.core._errors import Failure
+from jaxstep.core import Failure
 from jaxstep.testing import Fault
 from jaxstep.testing import assert_fails
 from jaxstep.testing import assert_matches_reference
