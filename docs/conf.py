@@ -102,37 +102,6 @@ nitpick_ignore_regex += [
     ("py:class", rf"(jaxstep\.[\w.]*\._\w+\.)?{name}") for name in UNNAMED_TYPES
 ]
 
-# -- TEMPORARY (issue 37): docstrings in step/, loop/ and program/, rewritten on main in
-# the same round. Each name goes when its docstring lands: an excused name that needs
-# its excuse no more fails the coverage check, so none outlives its reason.
-_PENDING = "docstring rewritten on main (issue 37)"
-_PENDING_NAMES = [
-    # no entry yet (a field, or a method without a docstring)
-    *(f"DynamicLossScale.{n}" for n in ("scale", "growth_interval", "growth_factor")),
-    *(f"DynamicLossScale.{n}" for n in ("backoff_factor", "minimum_scale", "init")),
-    *(f"LossSpike.{n}" for n in ("window", "sigmas", "warmup", "min_rel", "init")),
-    *(f"History.{n}" for n in ("device_loss", "device_grad_norm", "status")),
-    # an entry whose docstring does not say every argument, or what comes back
-    *("DynamicLossScale", "LossSpike", "History", "TrainStep", "fit", "replica_state"),
-    *(f"DynamicLossScale.{n}" for n in ("at_minimum", "scale_loss", "unscale", "update")),
-    *(f"LossSpike.{n}" for n in ("check", "update")),
-    *(f"History.{n}" for n in ("append", "as_arrays", "last", "recovery_summary")),
-    "Recovery.to_json",
-    *(f"TrainStep.{n}" for n in ("check_state", "clear_halt", "compile", "failures")),
-    *(f"TrainStep.{n}" for n in ("host_state", "init", "lower", "place_state", "table")),
-]
-coverage_ignore = {f"jaxstep.{name}": _PENDING for name in _PENDING_NAMES}
-nitpick_ignore = [  # TrainStep's docstring
-    ("py:mod", "jaxstep.step.driving"),
-    ("py:class", "jaxstep.program.Options"),
-]
-#: object -> (text, replacement) applied to its docstring before it is parsed
-PENDING_DOCSTRING_FIXES = {
-    # "Args (flax's names and defaults):" is no section header: its lines became a
-    # block quote (docutils: "Unexpected indentation").
-    "jaxstep.DynamicLossScale": [("Args (flax's names and defaults):", "Args:")],
-}
-
 # -- HTML -----------------------------------------------------------------------------
 html_theme = "sphinx_book_theme"
 html_title = f"jaxstep {release}"
@@ -154,28 +123,6 @@ def _skip_member(app, what, name, obj, skip, options):
     return skip
 
 
-def _pending_fixes(app, what, name, obj, options, lines):
-    for old, new in PENDING_DOCSTRING_FIXES.get(name, ()):
-        lines[:] = [new if line == old else line for line in lines]
-
-
-def _unneeded_fixes(app, exception):
-    """A fix whose text its docstring no longer holds is one to take out."""
-    import importlib
-    import inspect
-
-    for name, fixes in PENDING_DOCSTRING_FIXES.items():
-        module, _, attr = name.rpartition(".")
-        doc = inspect.getdoc(getattr(importlib.import_module(module), attr)) or ""
-        for old, _ in fixes:
-            if exception is None and old not in doc.splitlines():
-                logging.getLogger(__name__).warning(
-                    f"PENDING_DOCSTRING_FIXES: {name}'s docstring no longer holds {old!r}: "
-                    "take the fix out of docs/conf.py"
-                )
-                app.statuscode = 1
-
-
 def _plain_attribute_docstring(self):
     """An attribute's or property's docstring as plain text: napoleon reads the first
     line of one as ``type: text`` when it holds a colon, and jaxstep's types are their
@@ -189,5 +136,3 @@ GoogleDocstring._parse_attribute_docstring = _plain_attribute_docstring
 
 def setup(app):
     app.connect("autodoc-skip-member", _skip_member)
-    app.connect("autodoc-process-docstring", _pending_fixes, priority=100)  # before napoleon
-    app.connect("build-finished", _unneeded_fixes)

@@ -27,6 +27,7 @@ from jaxstep.callbacks import TensorBoardWriter
 from jaxstep.checkpoint import read_emergency
 from jaxstep.checkpoint import read_quarantine
 from jaxstep.checkpoint import restore
+from jaxstep.checkpoint import save
 from jaxstep.core import RESTART_EXIT_CODE
 from jaxstep.core import Failure
 from jaxstep.core import HealthTable
@@ -89,5 +90,6 @@ __all__ = [
     "read_quarantine",
     "replica_state",
     "restore",
+    "save",
     "testing",
 ]

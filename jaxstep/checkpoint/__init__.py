@@ -8,6 +8,8 @@ from jaxstep.checkpoint._options import CheckpointOptions as CheckpointOptions
 from jaxstep.checkpoint._position import Cursor as Cursor
 from jaxstep.checkpoint._quarantine import append_quarantine as append_quarantine
 from jaxstep.checkpoint._quarantine import read_quarantine as read_quarantine
+from jaxstep.checkpoint._resume import begin_fit as begin_fit
+from jaxstep.checkpoint._save import save as save
 from jaxstep.checkpoint._saver import FitCheckpoints as FitCheckpoints
 from jaxstep.checkpoint._store import Store as Store
 from jaxstep.checkpoint._store import restore as restore
@@ -20,8 +22,10 @@ __all__ = [
     "FitCheckpoints",
     "Store",
     "append_quarantine",
+    "begin_fit",
     "read_emergency",
     "read_quarantine",
     "restore",
     "restore_on",
+    "save",
 ]

@@ -6,7 +6,6 @@ policy. :func:`jaxstep.restore` (:mod:`jaxstep.checkpoint._store`) places the re
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import jax
@@ -17,6 +16,7 @@ from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
 from jaxstep.checkpoint._position import Position
 from jaxstep.core import TrainState
+from jaxstep.core import warn
 from jaxstep.program import drop_memory
 from jaxstep.step import Runtime
 
@@ -79,10 +79,9 @@ def conform(step: Runtime, loaded: Loaded, template: TrainState | None = None) -
             if have[name] != spec and name.startswith(".monitor"):
                 if fresh is None:  # per-device windows: they restart on a new device count
                     fresh = _fresh(step, template)
-                    warnings.warn(
+                    warn(
                         f"the checkpoint's monitor windows are for another device count; "
                         f"they restart here ({len(step.devices)} devices)",
-                        stacklevel=3,
                     )
                 out.append(fresh[i])
                 continue
@@ -129,10 +128,9 @@ def conform(step: Runtime, loaded: Loaded, template: TrainState | None = None) -
             spike_memory = {**host.monitor["spike"], "losses": np.asarray(losses)[:, keep]}
             host = dataclasses.replace(host, monitor={**host.monitor, "spike": spike_memory})
         elif losses.shape[1] != n:
-            warnings.warn(
+            warn(
                 "the checkpoint's monitor windows are for another device count; they "
                 f"restart here ({n} devices)",
-                stacklevel=3,
             )
             host = dataclasses.replace(
                 host, monitor={**host.monitor, "spike": jax.device_get(spike.init(n))}

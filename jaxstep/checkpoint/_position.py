@@ -19,7 +19,6 @@ import base64
 import collections.abc
 import dataclasses
 import itertools
-import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from typing import NamedTuple
 from typing import cast
 
 from jaxstep.core import SourceKind
+from jaxstep.core import warn
 
 CALLABLE: Final = "callable"
 CHECKPOINTABLE: Final = "checkpointable"
@@ -144,19 +144,17 @@ class Source(Iterator[Any]):
             if self.kind == CHECKPOINTABLE and start.iterator_state is not None:
                 self._it.set_state(start.iterator_state)
             elif self.kind == CHECKPOINTABLE and resuming and start.index > 0:
-                warnings.warn(
+                warn(
                     f"resuming at data position {start.index}, but the checkpoint holds no "
                     "iterator state (it was made with another kind of batches): the "
                     "iterator goes on from wherever it stands",
-                    stacklevel=3,
                 )
         if self.kind == ITERATOR and resuming and start.index > 0:
-            warnings.warn(
+            warn(
                 f"resuming at data position {start.index} with a plain iterator: its "
                 "batches are taken from wherever it stands, not from that position. For an "
                 "exact resume pass a callable start -> iterable, a sequence, or a "
                 "checkpointable iterator (e.g. a grain.DataLoader's)",
-                stacklevel=3,
             )
         elif self.kind == ITERATOR and checkpointing:
             _warn_plain_once()
@@ -211,10 +209,9 @@ def _warn_plain_once() -> None:
     global _warned_plain
     if not _warned_plain:
         _warned_plain = True
-        warnings.warn(
+        warn(
             "checkpointing with a plain iterator of batches: a checkpoint records how many "
             "batches were used, but resuming cannot skip to that position. For an exact "
             "resume pass a callable start -> iterable, a sequence, or a checkpointable "
             "iterator (e.g. a grain.DataLoader's)",
-            stacklevel=4,
         )

@@ -1,27 +1,96 @@
-"""``fit(..., resume=True)``: the latest verified checkpoint of ``checkpoint_dir``,
-restored in place of the state passed (which then only gives the structure), with the
-data position to go on from; every process agrees on the step first."""
+"""A fit call's checkpointing begins (:func:`begin_fit`): with ``resume=True`` the latest
+verified checkpoint of ``checkpoint_dir`` is restored in place of the state passed
+(which then only gives the structure), with the data position to go on from (every
+process agrees on the step first); the data is opened there."""
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import numpy as np
 
 from jaxstep.checkpoint import _coordination as coordination
+from jaxstep.checkpoint._options import CheckpointOptions
 from jaxstep.checkpoint._position import Position
+from jaxstep.checkpoint._position import Source
+from jaxstep.checkpoint._position import is_callable_source
+from jaxstep.checkpoint._saver import FitCheckpoints
 from jaxstep.checkpoint._store import Loaded
+from jaxstep.checkpoint._store import Store
 from jaxstep.checkpoint._store import as_path
 from jaxstep.checkpoint._store import conform
 from jaxstep.checkpoint._store import load
 from jaxstep.core import TrainState
+from jaxstep.core import log
+from jaxstep.core import warn
 from jaxstep.step import Runtime
 
-log = logging.getLogger("jaxstep")
+
+def begin_fit(
+    step: Runtime,
+    state: TrainState,
+    batches: Any,
+    options: CheckpointOptions | None = None,
+    *,
+    lookahead: int = 0,
+    **keywords: Any,
+) -> tuple[TrainState, Source, FitCheckpoints]:
+    """One fit call's checkpointing begins: restores the latest verified checkpoint
+    when ``options.resume``, and opens
+    ``batches`` at the data position (``keywords``: the options, when ``options`` is
+    not given). ``step``: the step's runtime; ``lookahead``: batches fit pulls ahead
+    of the one it trains (its prefetch).
+
+    Returns:
+      (the state to train from, the batches to pull, the run).
+    """
+    if options is None:
+        options = CheckpointOptions(**keywords)
+    directory, every = options.checkpoint_dir, options.checkpoint_every
+    among = coordination.processes(step.devices)
+    if directory is not None and jax.process_count() > 1 and 0 not in among:
+        raise ValueError(
+            f"checkpoint_dir with a step on the devices of process(es) {among} only: "
+            "process 0 writes the checkpoints (orbax writes host arrays from process 0 "
+            "alone), so the step's devices must include process 0's (the default, "
+            "jax.devices())"
+        )
+    position = None
+    if options.resume:  # the state passed only gives the structure
+        assert directory is not None
+        state, position = latest(step, state, directory)
+    else:
+        step.check_state(state)
+    resuming = position is not None
+    first = int(np.asarray(state.step).reshape(-1)[0])
+    if position is None:
+        position = Position(first if is_callable_source(batches) else 0, "")
+    source = Source(
+        batches,
+        position,
+        resuming=resuming,
+        checkpointing=every is not None,
+        lookahead=lookahead,
+    )
+    store = None
+    if directory is not None:
+        store = Store(directory, keep=options.keep, create=True)
+        # (On resume, steps after the restored one were passed over as unreadable or
+        # unverified: they are never restored, and never overwritten.)
+        ahead = [n for n in store.steps() if n > first]
+        if ahead and every is not None and not resuming:
+            store.close()
+            raise ValueError(
+                f"{str(directory)!r} holds checkpoints of steps {ahead}, ahead of "
+                f"this state (step {first}): they come from another run, and "
+                "resume=True would pick them. Use a new checkpoint_dir, delete them, or "
+                "pass resume=True to go on from the latest"
+            )
+    return state, source, FitCheckpoints(step, store, every, source, first)
 
 
 def latest(
@@ -36,10 +105,9 @@ def latest(
         directory, None if loaded is None else loaded.meta["step"], step.devices
     )
     if loaded is None:
-        warnings.warn(
+        warn(
             f"resume=True but {str(directory)!r} holds no checkpoint yet: "
-            "training from the given state",
-            stacklevel=4,  # fit's caller: fit -> FitCheckpoints.begin -> here
+            "training from the given state"
         )
         return state, None
     _check_positions(loaded, step.devices)

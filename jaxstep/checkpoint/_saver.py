@@ -3,17 +3,17 @@ each checkpoint step, written from a worker thread once that step's replica chec
 passed (so every checkpoint is verified); on a failure, an emergency save of the last
 good state, the failing batch and the error report; on an early stop, the state.
 
-In fit's order: :meth:`FitCheckpoints.begin` (resume, open the data), then
+In fit's order: :func:`jaxstep.checkpoint._resume.begin_fit` (resume, open the data), then
 :meth:`~FitCheckpoints.before` (each dispatch), :meth:`~FitCheckpoints.settled` (each
-health table read), :meth:`~FitCheckpoints.failed` or :meth:`~FitCheckpoints.stopped`,
-and :meth:`~FitCheckpoints.close` (the loop's checkpoint action calls them).
+health table read), then :meth:`~FitCheckpoints.finished` (the last state) or
+:meth:`~FitCheckpoints.failed` or :meth:`~FitCheckpoints.stopped`, and
+:meth:`~FitCheckpoints.close` (the loop's checkpoint action calls them).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -24,23 +24,19 @@ import numpy as np
 from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint import _emergency as emergency
-from jaxstep.checkpoint import _resume
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
-from jaxstep.checkpoint._options import CheckpointOptions
 from jaxstep.checkpoint._position import Cursor
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._position import Source
-from jaxstep.checkpoint._position import is_callable_source
 from jaxstep.checkpoint._store import Store
 from jaxstep.checkpoint._store import run_meta
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
+from jaxstep.core import log
 from jaxstep.step import Runtime
-
-log = logging.getLogger("jaxstep")
 
 # A failed replica check at a checkpoint step: the state it checked is not saved.
 _UNVERIFIED = int(Status.DIVERGED | Status.PARAM_NONFINITE)
@@ -56,7 +52,7 @@ _GATHER_TIMEOUT = 20.0
 class _Snapshot:
     number: int
     leaves: list[jax.Array]  # one replica, on device, not yet read
-    position: Position
+    position: Position | None  # None: saved outside fit (jaxstep.save), no data position
     # taken with the state, not when the writer thread gets to it: a recovery may have
     # rebuilt the step on fewer devices by then (per-device monitor columns included)
     devices: tuple[jax.Device, ...]
@@ -65,7 +61,8 @@ class _Snapshot:
 
 class FitCheckpoints:
     """One fit call's checkpointing, on the step's runtime (:meth:`resumed_on`: a new
-    one once a recovery left a device out). Build it with :meth:`begin`."""
+    one once a recovery left a device out). Built by
+    :func:`jaxstep.checkpoint._resume.begin_fit`."""
 
     def __init__(
         self, step: Runtime, store: Store | None, every: int | None, source: Source, first: int
@@ -95,69 +92,6 @@ class FitCheckpoints:
             # checkpoint, an emergency save or the save of an early stop resumes
             # exactly at the first batch it did not train.
             source.watch(lambda count: True)
-
-    @classmethod
-    def begin(
-        cls,
-        step: Runtime,
-        state: TrainState,
-        batches: Any,
-        options: CheckpointOptions | None = None,
-        *,
-        lookahead: int = 0,
-        **keywords: Any,
-    ) -> tuple[TrainState, Source, FitCheckpoints]:
-        """Restores the latest verified checkpoint when ``options.resume``, and opens
-        ``batches`` at the data position (``keywords``: the options, when ``options`` is
-        not given). ``step``: the step's runtime; ``lookahead``: batches fit pulls ahead
-        of the one it trains (its prefetch).
-
-        Returns:
-          (the state to train from, the batches to pull, the run).
-        """
-        if options is None:
-            options = CheckpointOptions(**keywords)
-        directory, every = options.checkpoint_dir, options.checkpoint_every
-        among = coordination.processes(step.devices)
-        if directory is not None and jax.process_count() > 1 and 0 not in among:
-            raise ValueError(
-                f"checkpoint_dir with a step on the devices of process(es) {among} only: "
-                "process 0 writes the checkpoints (orbax writes host arrays from process 0 "
-                "alone), so the step's devices must include process 0's (the default, "
-                "jax.devices())"
-            )
-        position = None
-        if options.resume:  # the state passed only gives the structure
-            assert directory is not None
-            state, position = _resume.latest(step, state, directory)
-        else:
-            step.check_state(state)
-        resuming = position is not None
-        first = int(np.asarray(state.step).reshape(-1)[0])
-        if position is None:
-            position = Position(first if is_callable_source(batches) else 0, "")
-        source = Source(
-            batches,
-            position,
-            resuming=resuming,
-            checkpointing=every is not None,
-            lookahead=lookahead,
-        )
-        store = None
-        if directory is not None:
-            store = Store(directory, keep=options.keep, create=True)
-            # (On resume, steps after the restored one were passed over as unreadable or
-            # unverified: they are never restored, and never overwritten.)
-            ahead = [n for n in store.steps() if n > first]
-            if ahead and every is not None and not resuming:
-                store.close()
-                raise ValueError(
-                    f"{str(directory)!r} holds checkpoints of steps {ahead}, ahead of "
-                    f"this state (step {first}): they come from another run, and "
-                    "resume=True would pick them. Use a new checkpoint_dir, delete them, or "
-                    "pass resume=True to go on from the latest"
-                )
-        return state, source, cls(step, store, every, source, first)
 
     def before(self, state: TrainState, at: Cursor | None = None) -> bool:
         """Called with each state just before it is dispatched (and donated). Returns
@@ -210,24 +144,29 @@ class FitCheckpoints:
         future.add_done_callback(_report_failed_write)
         self._futures = [f for f in self._futures if not f.done()] + [future]
 
-    def _write(self, snap: _Snapshot) -> None:
+    def _write(self, snap: _Snapshot, verified_by: str | None = None) -> None:
+        """Writes ``snap`` (verified by its step's replica check, or as ``verified_by``
+        says: starting "not verified" when it was not)."""
         assert self.store is not None
         leaves, mine = blocks.to_host(snap.leaves)
         if mine is not None and not self._parts_in(snap.number, mine):
             return  # a process that writes its own shards only
-        meta = self._meta(snap.number, snap.devices, verified=True)
+        if verified_by is None:
+            verified_by = (
+                f"the replica check of step {snap.number} (parameter and optimizer state "
+                f"fingerprints of all {len(snap.devices)} devices agreed)"
+            )
+        verified = not verified_by.startswith("not verified")
+        meta = self._meta(snap.number, snap.devices, verified=verified)
         if mine is not None:
             meta["blocks"] = blocks.describe(snap.leaves, self.processes)
         if self._positions is not None:  # every process's own data position
             found = self._positions.gather(snap.number, _GATHER_TIMEOUT)
             meta["data_by_process"] = {str(p): pos for p, pos in found.items()}
         meta.update(
-            data=snap.position.to_json(),
-            exact_resume=self.source.exact,
-            verified_by=(
-                f"the replica check of step {snap.number} (parameter and optimizer state "
-                f"fingerprints of all {len(snap.devices)} devices agreed)"
-            ),
+            data=None if snap.position is None else snap.position.to_json(),
+            exact_resume=snap.position is not None and self.source.exact,
+            verified_by=verified_by,
             layout=snap.layout.to_json(),
         )
         self.store.save(snap.number, {"state": leaves, "meta": meta})
@@ -331,38 +270,58 @@ class FitCheckpoints:
         of its step, verified when its replicas agree, with the data position before the
         ``untrained`` batches pulled last (or at ``first``), so ``resume=True`` goes on
         from it. Returns where, or None (no checkpoint directory; several processes,
-        whose positions would need every peer: their latest periodic checkpoint
-        stands)."""
+        whose positions would need every peer, and which do not stop together: their
+        latest periodic checkpoint stands)."""
         if self.store is None:
             return None
         if len(self.processes) > 1:
             log.warning("fit stopped early: with several processes no state is saved")
             return None
+        at = Cursor(self.source.count - untrained) if first is None else first
+        return self.save_now(state, self.source.position(at), "when fit stopped early")
+
+    def finished(self, state: TrainState) -> str | None:
+        """The data ended (or ``num_steps``): ``state`` saved as the checkpoint of its
+        step, verified when every device holds the same copy, with the data position
+        after the last batch pulled (every batch pulled was trained), so a restarted
+        job's ``resume=True`` trains nothing twice. Every process calls it (they end
+        together). Returns where, or None (no checkpoint directory)."""
+        if self.store is None:
+            return None
+        position = self.source.position(Cursor(self.source.count))
+        return self.save_now(state, position, "at the end of fit")
+
+    def save_now(self, state: TrainState, position: Position | None, when: str) -> str:
+        """``state`` written as the checkpoint of its step, on this thread (after the
+        queued writes), unless that step is written already, with the data position
+        ``position`` (None: none, :func:`jaxstep.save`); ``when``: in the words that
+        say how it was verified. Every process calls it alike. Returns where."""
+        assert self.store is not None
         self.drain(_DRAIN_TIMEOUT)
         number = int(np.asarray(self.step.read_first(state.step)))
         where = str(self.store.directory / str(number))
         if number in self._done:  # this very state was written as a checkpoint
             return where
-        verified = self.step.replicas_agree(state)
-        stacked = self.step.stacked
-        layout = Layout.of(state, stacked=stacked)
-        if first is None:
-            first = Cursor(self.source.count - untrained)
-        position = self.source.position(first)
-        meta = self._meta(number, self.step.devices, verified=verified)
-        meta.update(
-            data=position.to_json(),
-            exact_resume=self.source.exact,
-            verified_by=(
-                f"the replicas of all {len(self.step.devices)} devices compared when fit "
-                "stopped early"
-                if verified
-                else "not verified: the replicas differed when fit stopped"
-            ),
-            layout=layout.to_json(),
+        verified = self.step.replicas_agree(state)  # (every process calls it alike)
+        n = len(self.step.devices)
+        verified_by = (
+            f"the replicas of all {n} devices compared {when}"
+            if verified
+            else f"not verified: the replicas differed {when}"
         )
-        leaves = jax.device_get(local_copy(state, stacked=stacked))
-        self.store.save(number, {"state": leaves, "meta": meta})
+        if self._positions is not None:  # every process's own data position
+            self._positions.publish(number, None if position is None else position.to_json())
+            if not self.writer and not blocks.spread(state):
+                return where
+        stacked = self.step.stacked
+        snap = _Snapshot(
+            number,
+            local_copy(state, stacked=stacked),
+            position,
+            tuple(self.step.devices),
+            Layout.of(state, stacked=stacked),
+        )
+        self._write(snap, verified_by)
         self._done.add(number)
         return where
 

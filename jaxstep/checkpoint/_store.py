@@ -20,11 +20,9 @@ is made to fit the run's step in :mod:`jaxstep.checkpoint._loaded`.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import socket
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,11 +35,10 @@ from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._loaded import Loaded
 from jaxstep.checkpoint._loaded import conform
 from jaxstep.core import TrainState
+from jaxstep.core import warn
 from jaxstep.step import Runtime
 from jaxstep.step import TrainStep
 from jaxstep.step import runtime_of
-
-log = logging.getLogger("jaxstep")
 
 FORMAT = 1
 EMERGENCY = "emergency"
@@ -259,19 +256,17 @@ def _load(store: Store, at: int | None) -> Loaded:
         )
     newer = [h for h in half if _tmp_step(h) > number]
     if skipped or newer:
-        warnings.warn(
+        warn(
             f"restoring step {number} from {str(store.directory)!r}, passing over "
             + ", ".join(skipped + [f"the unfinished write {h}" for h in newer]),
-            stacklevel=4,
         )
     if not usable:
-        warnings.warn(f"checkpoint step {number} is not verified", stacklevel=4)
+        warn(f"checkpoint step {number} is not verified")
     if meta.get("state_is_good") is False:
-        warnings.warn(
+        warn(
             f"{store.directory}: the state of this emergency save is NOT a good one (its "
             "parameters were already non-finite); restore the run's latest verified "
             "checkpoint instead",
-            stacklevel=4,
         )
     host = None if isinstance(layout.treedef, Exception) else layout.build(leaves)
     return Loaded(host, leaves, layout, meta, str(store.directory / str(number)))

@@ -309,8 +309,9 @@ def _train(
 
     inj = args.inject
     # The hang watchdog logs every Python stack: right for a job's log, noise here.
-    quiet = logging.NullHandler()
-    logging.getLogger("jaxstep").addHandler(quiet)
+    logger = logging.getLogger("jaxstep")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
     error = None
     with warnings.catch_warnings():
         # The rows a device's exclusion left untrained at the end: said in _recovered.
@@ -329,7 +330,7 @@ def _train(
             if err.state is not None:
                 state = err.state
         finally:
-            logging.getLogger("jaxstep").removeHandler(quiet)
+            logger.setLevel(level)
     return state, error
 
 

@@ -10,6 +10,8 @@ from jaxstep.core._failures import failures_from_table as failures_from_table
 from jaxstep.core._restart import ENV_RESTART as ENV_RESTART
 from jaxstep.core._restart import RESTART_EXIT_CODE as RESTART_EXIT_CODE
 from jaxstep.core._restart import under_restarting_launcher as under_restarting_launcher
+from jaxstep.core._speech import log as log
+from jaxstep.core._speech import warn as warn
 from jaxstep.core._state import HostKey as HostKey
 from jaxstep.core._state import LossScaleState as LossScaleState
 from jaxstep.core._state import StepInfo as StepInfo
@@ -71,6 +73,8 @@ __all__ = [
     "failed_alike",
     "failures_from_table",
     "from_host",
+    "log",
     "to_host",
     "under_restarting_launcher",
+    "warn",
 ]

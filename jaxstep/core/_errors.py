@@ -100,7 +100,9 @@ class TrainingWorkerError(RuntimeError):
         self.history = history
         self.diagnosis = diagnosis
         self.state_is_good = state_is_good
-        self.batches = list(batches)
+        # a list is kept as it is: fit's may still receive a batch its data thread was
+        # pulling when fit stopped (iterating it waits for that batch)
+        self.batches = batches if isinstance(batches, list) else list(batches)
         self.checkpoint = checkpoint
         self.alike = alike
         self.hint = hint

@@ -8,7 +8,6 @@ arguments and of a state's parts are written below; those of a batch
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +28,7 @@ from jaxstep.core._loss_checks import checks as checks
 from jaxstep.core._loss_checks import loss_output as loss_output
 from jaxstep.core._loss_checks import model_state as model_state
 from jaxstep.core._loss_checks import rng_for as rng_for
+from jaxstep.core._speech import warn
 from jaxstep.core._types import PyTree
 
 
@@ -61,6 +61,7 @@ def positive_or_none(name: str, value: Any) -> None:
 def params(tree: PyTree) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         name = jax.tree_util.keystr(path)
+        not_donated(leaf, f"parameter {name}")
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, float)):
             raise TypeError(
                 f"parameter {name} is a {type(leaf).__name__}, not an array; params must "
@@ -84,6 +85,7 @@ def model_state_leaves(tree: PyTree, has_aux: bool) -> None:
             "returns the new model state as aux['model_state']"
         )
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        not_donated(leaf, f"model_state leaf {jax.tree_util.keystr(path)}")
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
             raise TypeError(
                 f"model_state leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, "
@@ -134,6 +136,19 @@ def key(rng: Any) -> None:
     )
 
 
+def not_donated(leaf: Any, what: str) -> None:
+    """Refuses an array whose buffer was donated to a compiled call and deleted, in
+    jaxstep's words (JAX says only "Buffer has been deleted or donated")."""
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        raise ValueError(
+            f"{what} is a deleted array: its buffer was donated to a compiled call (a "
+            "training step donates the state it is given) and no longer exists. Pass "
+            "arrays you still hold: the parameters a step trained are in the state it "
+            "returned (step.host_state(state).params); step.init copies what it takes, "
+            "so the params given to it stay usable"
+        )
+
+
 def alive(state: Any) -> None:
     """Refuses a state whose arrays were donated to an earlier step (deleted)."""
     for leaf in jax.tree.leaves(state):
@@ -152,11 +167,10 @@ def not_variables(params: Any) -> None:
     if not (isinstance(params, Mapping) and "params" in params and len(params) > 1):
         return
     others = sorted(str(k) for k in params if k != "params")
-    warnings.warn(
+    warn(
         f"params looks like a whole Flax variables dict (collections 'params' and "
         f"{others}): every leaf is trained as a parameter, {others[0]} included, and "
         "weight decay (adamw) reaches it. Pass the collections apart: params, model_state "
         "= jaxstep.flax.linen_split(variables); state = step.init(params, "
         "model_state=model_state)",
-        stacklevel=3,
     )

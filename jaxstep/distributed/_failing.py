@@ -19,6 +19,7 @@ import jax
 
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.core import log
 from jaxstep.core.processes import KEY
 from jaxstep.core.processes import client as _client
 from jaxstep.core.processes import host_name
@@ -26,8 +27,6 @@ from jaxstep.distributed import reports
 from jaxstep.distributed._runtime import is_multiprocess
 from jaxstep.distributed._runtime import lost_processes
 from jaxstep.distributed._runtime import monitor
-
-log = logging.getLogger("jaxstep")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

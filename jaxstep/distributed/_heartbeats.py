@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -15,11 +14,10 @@ from typing import Any
 
 import jax
 
+from jaxstep.core import log
 from jaxstep.core.processes import KEY
 from jaxstep.core.processes import client
 from jaxstep.core.processes import release
-
-log = logging.getLogger("jaxstep")
 
 _NEVER_BEAT = 3  # a process that never beat gets this many timeouts to start
 

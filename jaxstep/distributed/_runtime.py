@@ -12,7 +12,6 @@ heartbeats and the root-cause claim (``_failing.py``).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ import jax
 from jaxstep.core import Failure
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.core import log
 from jaxstep.core.processes import KEY
 from jaxstep.core.processes import client as _client
 from jaxstep.core.processes import host_name as host_name
@@ -37,8 +37,6 @@ from jaxstep.core.processes import place_local_batch as place_local_batch
 from jaxstep.core.processes import process_pid as process_pid
 from jaxstep.core.processes import spans_processes as spans_processes
 from jaxstep.distributed._heartbeats import PeerHeartbeats
-
-log = logging.getLogger("jaxstep")
 
 ENV_COORDINATOR = "JAXSTEP_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXSTEP_NUM_PROCESSES"

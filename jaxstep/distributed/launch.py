@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,9 +88,19 @@ def child_env(
     return env
 
 
+#: gloo's line for each group of CPU collectives it connects (one per group and process:
+#: 15 to 23 for a 2 x 4 run), which says nothing a user acts on: not relayed
+GLOO_CONNECTED = re.compile(
+    r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
+    r"connected peer ranks is : \d+$"
+)
+
+
 def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
+        if GLOO_CONNECTED.match(line):
+            continue
         with lock:
             out.write(f"[p{index}] {line}\n")
             out.flush()

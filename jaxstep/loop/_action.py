@@ -29,6 +29,7 @@ from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Placed
 from jaxstep.loop._records import Recovery
+from jaxstep.loop._stopping import LateBatch
 from jaxstep.step import TrainStep
 
 
@@ -58,8 +59,8 @@ class Action:
     ``hung``                it was a hang or a lost peer             -
     ``stopped``             another exception leaves fit             where the state
                                                                      was saved (loop)
-    ``close``               every way out of fit                     -
     ``finish``              the data ended, every step settled       -
+    ``close``               every way out of fit                     -
     ``on_fit_end``          then                                     -
     ======================  =======================================  ==================
     """
@@ -119,11 +120,12 @@ class Action:
         answer is named on the exception), or None."""
         return None
 
+    def finish(self, state: TrainState) -> None:
+        """The data ended and every step settled: ``state`` is the final state (the
+        checkpoints save it)."""
+
     def close(self) -> None:
         """On every way out of fit (threads joined, writes waited for)."""
-
-    def finish(self) -> None:
-        """The data ended and every step settled."""
 
     def on_fit_end(self, history: History) -> None:
         """After :meth:`finish`: the run ended normally."""
@@ -161,3 +163,9 @@ class Feeder(Action):
         """When fit stops: the batches pulled and never handed to the loop, in order
         (the feeder stopped first)."""
         return []
+
+    def late(self) -> LateBatch | None:
+        """After :meth:`untaken`: a batch still on its way (the data was inside
+        ``next`` when fit stopped), which goes to the end of ``err.batches`` when it
+        arrives; None: none."""
+        return None

@@ -197,9 +197,9 @@ class Actions:
         for hook in self._close:
             hook()
 
-    def finish(self) -> None:
+    def finish(self, state: TrainState) -> None:
         for hook in self._finish:
-            hook()
+            hook(state)
 
     def on_fit_end(self, history: History) -> None:
         for hook in self._on_fit_end:

@@ -26,7 +26,6 @@ every batch in ``History.left_over``. Every row is trained or listed.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -36,15 +35,12 @@ import numpy as np
 
 from jaxstep import distributed
 from jaxstep.core import validate
+from jaxstep.core import warn
 from jaxstep.loop._pending import Item
 from jaxstep.step import Runtime
 from jaxstep.step import join_presplit
 
 Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the data
-
-
-# The warnings of finish name fit's caller: fit -> Loop.finish -> here.
-_FIT_CALLER = 4
 
 
 class Taken(NamedTuple):
@@ -214,10 +210,9 @@ class Carry:
             )
         if at_end:
             why.append(f"{at_end} when the data ended with fewer than the {self.unit} a step needs")
-        warnings.warn(
+        warn(
             f"{self.set_aside + at_end} row(s) carried after a device left the run were not "
             f"trained: {'; '.join(why)}; they are listed in history.left_over {self.listed}",
-            stacklevel=_FIT_CALLER,
         )
         return listed
 
@@ -335,11 +330,10 @@ class Cut:
         """The rows cut by this fit call, in a warning (they are in ``History.left_over``
         already: nothing more to list)."""
         if self.cut:
-            warnings.warn(
+            warn(
                 f"{self.cut} row(s) of this process's batches were not trained: they "
                 "were the chunks of devices that left the run, and with several processes "
                 "a process cannot hand its rows to another; they are listed in "
                 f"history.left_over {self.listed}",
-                stacklevel=_FIT_CALLER,
             )
         return []

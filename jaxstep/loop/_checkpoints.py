@@ -48,6 +48,10 @@ class Checkpoints(Action):
         """An early stop: ``state`` saved (where, or None)."""
         return self.saver.stopped(state, untrained, first)
 
+    def finish(self, state: TrainState) -> None:
+        """The run ended: the final state saved (verified), unless its step is already."""
+        self.saver.finished(state)
+
     def close(self) -> None:
         """On every way out of fit: the writes waited for, the writer released."""
         self.saver.close()

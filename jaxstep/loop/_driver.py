@@ -10,7 +10,6 @@ needs; the loop alone writes the :class:`History` and swaps the step's runtime."
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,13 +29,13 @@ from jaxstep.core import validate
 from jaxstep.loop._actions import actions
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
-from jaxstep.loop._carry import Span
 from jaxstep.loop._carry import after_leaving
 from jaxstep.loop._carry import carry_for
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._flight import InFlight
 from jaxstep.loop._history import History
 from jaxstep.loop._options import FitOptions
+from jaxstep.loop._options import limit
 from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
@@ -44,14 +43,13 @@ from jaxstep.loop._pending import Placed
 from jaxstep.loop._pending import Recovered
 from jaxstep.loop._recorder import Recorder
 from jaxstep.loop._records import Recovery
+from jaxstep.loop._stopping import Untrained
 from jaxstep.loop._stopping import attach
-from jaxstep.loop._stopping import untrained_batches
 from jaxstep.step import TrainStep
 from jaxstep.step import adopt
 from jaxstep.step import runtime_of
 
 _FAILED, _HALTED = COL["failed"], COL["halted"]  # step-wide columns of the raw table
-log = logging.getLogger("jaxstep")
 
 
 class Loop:
@@ -90,6 +88,8 @@ class Loop:
         self.watch_peers = False  # set by start: several processes, peer heartbeats on
         self.last: StepOutput | None = None  # the newest dispatched step
         self.number = checkpoints.number  # the number of the next step dispatched
+        #: the batches this call may train (num_steps, until_step), None: all
+        self.limit = limit(options, checkpoints.number)
         self.waited = 0.0  # seconds waited for data since the last dispatch
         self.interrupted = False  # a first Ctrl-C: stop after the step in flight
         self.pulled = 0  # batches pulled from the source (advance's calls)
@@ -126,7 +126,7 @@ class Loop:
         """Advances on each batch of the data, in order, up to ``num_steps``: handed over
         by the feeder (pulled here in turn, or by the prefetch thread ahead), the wait
         for each timed (``History.data_wait``)."""
-        batches = itertools.islice(self.source, self.options.num_steps)
+        batches = itertools.islice(self.source, self.limit)
         for batch, placed, wait in self.actions.feeder.feed(batches, lambda: self.interrupted):
             self.advance(batch, placed, wait)
 
@@ -168,7 +168,7 @@ class Loop:
         flight.in_hand = item  # a take that raises leaves it untouched: handed back
         if self.carry is not None:
             taken = self.carry.take(item)
-            self._left_over(taken.left_over)
+            self.record.left_over(taken.left_over)
             if taken.item is None:  # fewer rows than devices at hand: all carried on
                 flight.in_hand = None
                 return
@@ -288,17 +288,10 @@ class Loop:
         raise Recovered
 
     def _recovered(self, record: Recovery) -> None:
-        """A recovery made: recorded in the history, logged, and heard by the actions
-        (the callbacks' ``on_recovery``)."""
-        self.history.recoveries.append(record)
-        level = logging.INFO if self.actions.shows_recoveries else logging.WARNING
-        log.log(level, "jaxstep recovered a failure: %s", record)
+        """A recovery made: recorded (and logged), then heard by the actions (the
+        callbacks' ``on_recovery``)."""
+        self.record.recovery(record, shown=self.actions.shows_recoveries)
         self.actions.on_recovery(record)
-
-    def _left_over(self, spans: Sequence[Span]) -> None:
-        """Rows never trained (a carry let them go), listed in the history."""
-        if spans:
-            self.history.left_over.extend(spans)
 
     def drain(self) -> None:
         """Settles the step still in flight, if any (after the last batch), and, when
@@ -351,23 +344,23 @@ class Loop:
         self.actions.close()
         attach(err, state, untrained, failed, saved)
 
-    def _untrained(self, *left: Pending | Item | None) -> tuple[list[Any], Cursor | None]:
+    def _untrained(self, *left: Pending | Item | None) -> tuple[Untrained, Cursor | None]:
         """The batches of ``left``, of the queue, the rows carried and those the feeder
-        pulled and never handed over, untrained, in the order they were pulled, and
-        where the first is in the data (:func:`untrained_batches`); empties the queue
-        and the carry."""
+        pulled and never handed over, untrained, in the order they were pulled (with a
+        batch still on its way from the data, :class:`Untrained`), and where the first
+        is in the data (:func:`untrained_batches`); empties the queue and the carry."""
         carried = [] if self.carry is None else self.carry.release()
-        untaken = self.actions.feeder.untaken()
-        return untrained_batches([*left, *self.flight.drain_queue(), *carried, *untaken])
+        return self.flight.untrained([*left, *carried], self.actions.feeder)
 
     def finish(self) -> TrainState:
-        """After the last step settled: waits for the last checkpoint write, lists the
-        rows still carried, lets the actions finish (the recoveries made), calls the
-        callbacks' ``on_fit_end`` and returns the final state."""
-        self.actions.close()
+        """After the last step settled: lists the rows still carried, lets the actions
+        finish (the final state saved with checkpoints on, the recoveries made), waits
+        for the writes, calls the callbacks' ``on_fit_end`` and returns the final
+        state."""
         if self.carry is not None:
-            self._left_over(self.carry.finish())
-        self.actions.finish()
+            self.record.left_over(self.carry.finish())
+        self.actions.finish(self.state)
+        self.actions.close()
         self.actions.on_fit_end(self.history)
         return self.state
 
@@ -378,7 +371,7 @@ class Loop:
         first, then those pulled after it and those a recovery queued) go on the error,
         the actions report it (the emergency save) and the callbacks hear of it."""
         batches, first = self._untrained(*untrained)
-        error = self.actions.report(error.replace(batches=list(batches)), first)
+        error = self.actions.report(error.replace(batches=batches), first)
         self.actions.on_failure(error)
         return error
 

@@ -4,15 +4,15 @@ step t-1. The device queue never drains and at most two steps are in flight."""
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
 from jaxstep.checkpoint import CheckpointOptions
-from jaxstep.checkpoint import FitCheckpoints
+from jaxstep.checkpoint import begin_fit
 from jaxstep.core import TrainState
+from jaxstep.core import warn
 from jaxstep.loop._driver import Loop
 from jaxstep.loop._history import History
 from jaxstep.loop._options import FitOptions
@@ -29,6 +29,7 @@ def fit(
     batches: Iterable[Any] | Callable[[int], Iterable[Any]],
     *,
     num_steps: int | None = None,
+    until_step: int | None = None,
     history: History | None = None,
     callbacks: Sequence[Any] = (),
     diagnose: bool | None = None,
@@ -41,15 +42,48 @@ def fit(
     recover: Recover | None = None,
     prefetch: int = 2,
 ) -> TrainState:
-    """Trains ``state`` (from ``step.init``; donated) on ``batches`` and returns the
-    final state.
+    """Trains ``state`` on ``batches`` and returns the final state.
 
     Dispatches step t, then reads the health table of step t-1, which has finished by
-    then: the host never waits on the step it just dispatched. ``batches``: an iterable
-    of global batches, a callable ``start -> iterable``, or a checkpointable iterator;
-    a background thread pulls the next ``prefetch`` of them (2 by default) and places
-    them on the devices while the step runs (``prefetch=0``: pulled here, in turn).
-    Every argument, what a callback hears, and what an error carries: docs/fit.md.
+    then: the host never waits on the step it just dispatched. A background thread
+    pulls the next ``prefetch`` batches and places them on the devices while the step
+    runs. What a callback hears, and what an error carries: the fit guide
+    (docs/fit.md).
+
+    Args:
+      step: from :func:`make_train_step`.
+      state: from ``step.init`` (or a step's last state, or :func:`restore`); donated:
+        use the state returned.
+      batches: the global batches: an iterable, a callable ``start -> iterable`` (the
+        batches from data position ``start``: exact resume), or a checkpointable
+        iterator (``get_state``/``set_state``, a ``grain.DataLoader``'s).
+      num_steps: train at most this many batches (None: until the data ends).
+      until_step: train until ``state.step`` reaches this step (a run's total, as
+        MaxText's ``steps``): with ``resume=True`` a restarted job trains only what is
+        left, never past it (None: no such limit; with ``num_steps`` too, the first
+        reached ends the call).
+      history: a :class:`History` the steps are appended to (None: a new one, not
+        returned).
+      callbacks: objects with any of the hooks ``on_fit_start(step, history)``,
+        ``on_step_end(table)``, ``on_recovery(record)``, ``on_failure(error)``,
+        ``on_fit_end(history)`` (one object needs no list).
+      diagnose: replay a failure to tell data from device from a one-off: True every
+        failure, None (default) a failure every device had alike, False none.
+      step_timeout: seconds a step may take before the devices that did not finish
+        it are named ``HUNG`` (None: not watched).
+      checkpoint_dir: where verified checkpoints, the final state, the emergency save
+        of a failure and the save of an early stop go (None: no checkpoints).
+      checkpoint_every: a checkpoint every this many steps (needs ``checkpoint_dir``).
+      keep: the newest checkpoints kept (None: all).
+      resume: start from the latest verified checkpoint of ``checkpoint_dir`` (the
+        state passed then gives only the structure) at its data position.
+      presplit: batches come ``(n_devices, per_device, ...)``, as pmap code builds them.
+      recover: a :class:`Recover`: act on each failure's verdict and go on (None: raise).
+      prefetch: batches a background thread pulls and places ahead (0: pulled on this
+        thread, in turn).
+
+    Returns:
+      The state after the last batch.
 
     Raises:
       TrainingWorkerError: a step failed, diverged or hung (``error.state``: the last
@@ -58,6 +92,7 @@ def fit(
     """
     options = FitOptions(
         num_steps=num_steps,
+        until_step=until_step,
         history=history,
         callbacks=callbacks,
         diagnose=diagnose,
@@ -68,7 +103,7 @@ def fit(
         prefetch=prefetch,
     )
     check_inputs(state, batches)
-    state, _, checkpoints = FitCheckpoints.begin(
+    state, _, checkpoints = begin_fit(
         runtime_of(step), state, batches, options.checkpoints, lookahead=options.prefetch
     )
     loop = Loop(step, state, checkpoints, options)
@@ -80,11 +115,10 @@ def fit(
     except BaseException as err:  # Ctrl-C included: the state and batches go on err
         loop.abandon(err)
         raise
-    if loop.last is None and num_steps != 0:
-        warnings.warn(
+    if loop.last is None and loop.limit != 0:
+        warn(
             "fit's batches yielded no batch: nothing was trained and the state is returned "
             "as given (an exhausted iterator? pass a fresh one, or a callable start -> "
             "iterable)",
-            stacklevel=2,
         )
     return loop.finish()

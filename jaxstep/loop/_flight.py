@@ -11,10 +11,14 @@ from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
+from jaxstep.checkpoint import Cursor
 from jaxstep.core import HealthTable
+from jaxstep.loop._action import Feeder
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._recorder import Recorder
+from jaxstep.loop._stopping import Untrained
+from jaxstep.loop._stopping import untrained_batches
 from jaxstep.step import Runtime
 
 
@@ -59,11 +63,19 @@ class InFlight:
         self.unconfirmed.clear()
         self.reading = self.pending = self.in_hand = None
 
-    def drain_queue(self) -> list[Item]:
-        """The queued batches, taken out (fit stops)."""
-        items = list(self.queue)
+    def untrained(
+        self, left: Sequence[Pending | Item | None], feeder: Feeder
+    ) -> tuple[Untrained, Cursor | None]:
+        """Fit stops: the batches of ``left`` (steps in flight, the batch in hand, the
+        rows carried), of the queue and those ``feeder`` pulled and never handed over
+        (it is stopped first), untrained, in the order they were pulled (with a batch
+        still on its way from the data: :class:`Untrained`), and where the first is in
+        the data; the queue is emptied."""
+        queued = list(self.queue)
         self.queue.clear()
-        return items
+        untaken = feeder.untaken()
+        batches, first = untrained_batches([*left, *queued, *untaken])
+        return Untrained(batches, feeder.late()), first
 
     def read_unconfirmed(
         self, runtime: Runtime, record: Recorder, read: Sequence[Callable[[HealthTable], Any]]

@@ -76,13 +76,23 @@ class History:
     Each field is a list with one entry per step. :func:`fit` appends each step's
     raw health table to a preallocated block (its only work per step); the fields are
     decoded from the block, all the waiting steps at once, when one of them is first
-    read.
+    read. Built empty (``History()``) for :func:`fit` to fill, or from saved lists.
+
+    Args:
+      device_ids: see the attribute.
+      recoveries: see the attribute.
+      left_over: see the attribute.
+      **fields: any of the per-step fields below (``step``, ``loss``, ...), each a
+        list with one entry per step: a history rebuilt from saved lists.
 
     Attributes:
       device_ids: the ``jax.Device.id`` of each column of the per-device fields.
       step: ``state.step`` each step started from.
       loss: the mean over devices (under ``drop`` over the chunks the step trained on).
-      device_loss, device_grad_norm, status: per device, ``(n,)`` arrays.
+      device_loss: per device, ``(n,)`` arrays: each device's own loss.
+      device_grad_norm: per device, ``(n,)`` arrays: the norm of each device's own
+        gradient, before the all-reduce.
+      status: per device, ``(n,)`` arrays of :class:`Status` bits.
       skipped: whether the update was discarded (``skip`` policy).
       dropped: ``on_failure="drop"``: the ``jax.Device.id`` s left out of each step's
         mean (empty when none).
@@ -165,14 +175,20 @@ class History:
         columns: Any = None,
         data_wait: float = 0.0,
     ) -> None:
-        """Adds a finished step (what :func:`fit` calls once per step): its table (a
-        :class:`HealthTable`, or the raw int32 array the step returned) is copied into
-        the block and decoded into the fields when one is first read. ``rows``: rows
-        per device of the step's batch (for ``dropped_rows``). ``columns``: once a
-        device left the run, the position in ``device_ids`` of each of the table's
-        devices (the per-device fields keep a column for every device the run started
-        with: NaN loss and status 0 where a device no longer ran). ``data_wait``:
-        seconds the loop waited for the step's batch."""
+        """Adds a finished step (what :func:`fit` calls once per step): its table is
+        copied into the block and decoded into the fields when one is first read.
+
+        Args:
+          table: a :class:`HealthTable`, or the raw int32 array the step returned.
+          metrics: the mean over devices of each scalar of the step's ``aux``.
+          examples_per_sec: the step's rate.
+          rows: rows per device of the step's batch (for ``dropped_rows``).
+          columns: once a device left the run, the position in ``device_ids`` of each
+            of the table's devices (the per-device fields keep a column for every
+            device the run started with: NaN loss and status 0 where a device no
+            longer ran).
+          data_wait: seconds the loop waited for the step's batch.
+        """
         raw = table if isinstance(table, np.ndarray) else table.to_array()
         if columns is not None:
             raw = _widen(raw, columns, len(self.device_ids))
@@ -188,7 +204,12 @@ class History:
         self._waiting = k + 1
 
     def last(self) -> Entry:
-        """The newest step's entries beside its table, without decoding anything."""
+        """The newest step's entries beside its table, without decoding anything (what
+        the metric writers read each step).
+
+        Returns:
+          An :class:`Entry` (the device ids, metrics, rate, data wait, rows, columns).
+        """
         k, (rows, columns) = self._waiting - 1, self._newest
         if k < 0:  # decoded already
             wait = self._data_wait[-1] if self._data_wait else 0.0
@@ -266,8 +287,10 @@ class History:
         self._data_wait += waits
 
     def recovery_summary(self) -> str:
-        """``recoveries`` in words, for the end of a run: a count of each action, then
-        one line a record; ``""`` when there were none.
+        """``recoveries`` in words, for the end of a run.
+
+        Returns:
+          A count of each action, then one line a record; ``""`` when there were none.
 
         >>> h = History(recoveries=[Recovery(5, "transient", "retried")])
         >>> print(h.recovery_summary())
@@ -292,8 +315,12 @@ class History:
         return "\n".join([head, *(f"  {r}" for r in records)])
 
     def as_arrays(self) -> dict[str, np.ndarray]:
-        """Every field as an array: per-device ones are ``(steps, devices)``; each
-        scalar of ``aux`` (``metrics``) as ``"metrics/<name>"``, NaN at steps without it."""
+        """Every field as an array (for numpy, pandas or a plot).
+
+        Returns:
+          ``{name: array}``: per-device fields ``(steps, devices)``; each scalar of
+          ``aux`` (``metrics``) as ``"metrics/<name>"``, NaN at steps without it.
+        """
         n = len(self.device_ids)
         names = sorted({name for m in self.metrics for name in m})
         metrics = {

@@ -82,6 +82,7 @@ class FitOptions:
     ``callbacks`` is kept as a tuple (one callback object may be passed alone)."""
 
     num_steps: int | None = None
+    until_step: int | None = None
     history: History | None = None
     callbacks: Any = ()
     diagnose: bool | None = None
@@ -96,6 +97,13 @@ class FitOptions:
         if n is not None and _not_count(n, 0):
             error = ValueError if isinstance(n, int) else TypeError
             raise error(f"num_steps must be an int >= 0 or None, got {n!r}")
+        until = self.until_step
+        if until is not None and _not_count(until, 0):
+            error = ValueError if isinstance(until, int) else TypeError
+            raise error(
+                f"until_step must be an int >= 0 or None (the step the run ends at: "
+                f"state.step counts from 0), got {until!r}"
+            )
         timeout = self.step_timeout
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
@@ -125,6 +133,16 @@ class FitOptions:
                 "recover=jaxstep.Recover() (its defaults) or Recover(retries=2, ...)"
             )
         object.__setattr__(self, "callbacks", _callbacks(self.callbacks))
+
+
+def limit(options: FitOptions, first: int) -> int | None:
+    """The batches a fit call starting at step ``first`` may train: ``num_steps``, and
+    no more than ``until_step - first`` (None: until the data ends)."""
+    found = options.num_steps
+    if options.until_step is not None:
+        left = max(options.until_step - first, 0)
+        found = left if found is None else min(found, left)
+    return found
 
 
 def check_inputs(state: Any, batches: Any) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +31,7 @@ from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Placed
+from jaxstep.loop._stopping import LateBatch
 from jaxstep.step import Runtime
 
 #: how long the loop waits for the thread when fit stops (a source stuck in next())
@@ -91,6 +91,9 @@ class Prefetch(Feeder):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # a batch is either in hand or queued, never both
         self._in_hand: _Pulled | None = None  # pulled, not queued yet
+        self._pulling = False  # the thread is inside next(batches)
+        #: fit stopped while the thread was inside next(batches): where its batch goes
+        self._late: LateBatch | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -141,15 +144,24 @@ class Prefetch(Feeder):
                         return
             if stop.is_set():
                 return
+            self._pulling = True
             try:
                 batch = next(batches)
-            except StopIteration:
-                put(_END)
+            except BaseException as err:
+                with lock:
+                    self._pulling = False
+                    if self._late is not None:  # fit left meanwhile: nothing comes
+                        self._late.cancel()
+                        return
+                # the data ended, or what it raised goes to the loop in its place
+                put(_END if isinstance(err, StopIteration) else _Raised(err))
                 return
-            except BaseException as err:  # the loop raises it in its place
-                put(_Raised(err))
-                return
-            self._in_hand = pulled = _Pulled(seq, batch, None)
+            with lock:
+                self._pulling = False
+                if self._late is not None:  # fit left meanwhile: err.batches takes it
+                    self._late.arrive(batch)
+                    return
+                self._in_hand = pulled = _Pulled(seq, batch, None)
             if self.placing:
                 pulled = pulled._replace(placed=self._place(batch))
             with lock:
@@ -183,7 +195,9 @@ class Prefetch(Feeder):
 
     def untaken(self) -> list[Item]:
         """Stops the thread: the batches it pulled that the loop did not take, in
-        order (the one it held between pulling and queueing included)."""
+        order (the one it held between pulling and queueing included). A thread still
+        inside ``next(batches)`` after :data:`JOIN_S` hands the batch it returns to
+        :meth:`late` when it arrives."""
         self.close()
         with self._lock:
             found = []
@@ -195,22 +209,21 @@ class Prefetch(Feeder):
             if self._in_hand is not None:
                 found.append(self._in_hand)
                 self._in_hand = None
+            if self._pulling and self._late is None:
+                self._late = LateBatch()
         return [Item(e.batch, e.seq) for e in found if isinstance(e, _Pulled)]
+
+    def late(self) -> LateBatch | None:
+        """After :meth:`untaken`: the batch the thread was still pulling (None: none)."""
+        return self._late
 
     def close(self) -> None:
         """On every way out of fit: the thread stopped and joined (a thread still inside
-        ``next(batches)`` after :data:`JOIN_S` is left to finish, with a warning)."""
+        ``next(batches)`` after :data:`JOIN_S` is left to finish: what it returns goes
+        to ``err.batches``, see :meth:`untaken`)."""
         thread = self._thread
         if thread is None:
             return
         self._stop.set()
         thread.join(JOIN_S)
-        if thread.is_alive():
-            warnings.warn(
-                "jaxstep: fit's data thread was still inside next(batches) when fit "
-                "stopped: one more batch may be pulled from it and not trained. Go on with a "
-                "fresh iterator (resume=True is exact: the checkpoint's data position comes "
-                "from the batches trained), or pass prefetch=0",
-                stacklevel=2,
-            )
         self._thread = None

@@ -4,6 +4,7 @@ waited for its batch, and, once a device left the run, the columns its devices f
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -13,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep.core import log
 from jaxstep.loop._history import History
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._records import Recovery
 
 
 class Recorder:
@@ -46,6 +49,19 @@ class Recorder:
         if self.history.device_ids != list(ids):
             where = {d: i for i, d in enumerate(self.history.device_ids)}
             self.columns = np.asarray([where[d] for d in ids])
+
+    def recovery(self, record: Recovery, *, shown: bool) -> None:
+        """A recovery ``fit(recover=...)`` made (or a repair the step made itself),
+        recorded and logged (at INFO when a callback ``shown`` it, else WARNING)."""
+        self.history.recoveries.append(record)
+        log.log(
+            logging.INFO if shown else logging.WARNING, "jaxstep recovered a failure: %s", record
+        )
+
+    def left_over(self, spans: Sequence[tuple[int, int, int]]) -> None:
+        """Rows never trained (a carry let them go), listed."""
+        if spans:
+            self.history.left_over.extend(spans)
 
     def settled(self, pending: Pending, raw: np.ndarray) -> None:
         """A step settled (``raw``: its table as read): recorded with the examples per

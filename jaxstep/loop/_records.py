@@ -75,7 +75,11 @@ class Recovery:
         return text
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the metric writers' ``recoveries`` entries)."""
+        """The record as JSON data (the metric writers' ``recoveries`` entries).
+
+        Returns:
+          A dict of the fields, tuples as lists.
+        """
         return {
             "step": self.step,
             "verdict": self.verdict,

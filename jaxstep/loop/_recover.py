@@ -37,6 +37,8 @@ from jaxstep.checkpoint import append_quarantine
 from jaxstep.core import HealthTable
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
+from jaxstep.core import TrainState
+from jaxstep.core import log
 from jaxstep.core import under_restarting_launcher
 from jaxstep.loop._action import Action
 from jaxstep.loop._diagnose import Diagnosis
@@ -57,8 +59,6 @@ from jaxstep.loop._rollback import Rollback
 from jaxstep.loop._rows import Rows
 from jaxstep.loop._rows import in_words
 from jaxstep.step import Runtime
-
-log = logging.getLogger("jaxstep")
 
 
 class Recoverer(Action):
@@ -194,7 +194,7 @@ class Recoverer(Action):
         if under_restarting_launcher():
             exit_for_restart(error)
 
-    def finish(self) -> None:
+    def finish(self, state: TrainState) -> None:
         """At the end of fit: the recoveries made, logged (at WARNING level unless a
         callback showed them)."""
         text = History(recoveries=self.records).recovery_summary()

@@ -8,7 +8,6 @@ elsewhere (a notebook's kernel, a plain script) the error is raised, saying why
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import NoReturn
 
@@ -17,8 +16,7 @@ from jaxstep.core import ENV_RESTART
 from jaxstep.core import RESTART_EXIT_CODE
 from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
-
-log = logging.getLogger("jaxstep")
+from jaxstep.core import log
 
 
 def exit_for_restart(error: TrainingWorkerError) -> NoReturn:

@@ -21,6 +21,77 @@ from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 
 
+class LateBatch:
+    """A batch the data thread was still pulling (inside ``next(batches)``) when fit
+    stopped: it reaches :class:`Untrained` when ``next`` returns (or nothing does,
+    when it raises or the data ended)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._sink: list[Any] | None = None
+        self._batch: list[Any] = []  # the batch, once it arrived
+
+    def arrive(self, batch: Any) -> None:
+        """``next`` returned ``batch`` (the data thread calls it)."""
+        with self._lock:
+            self._batch.append(batch)
+            if self._sink is not None:
+                self._sink.append(batch)
+        self._done.set()
+
+    def cancel(self) -> None:
+        """``next`` raised, or the data ended: no batch comes."""
+        self._done.set()
+
+    def into(self, sink: list[Any]) -> None:
+        """The batch goes to the end of ``sink`` when it arrives (or now, if it has)."""
+        with self._lock:
+            self._sink = sink
+            sink.extend(self._batch)
+
+    @property
+    def pending(self) -> bool:
+        """Whether ``next`` has not returned yet."""
+        return not self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits for ``next`` to return; whether it has."""
+        return self._done.wait(timeout)
+
+
+class Untrained(list):
+    """``err.batches``: the batches fit pulled and did not train, in the order pulled.
+    When fit stopped while its data thread was inside ``next(batches)`` (a slow source,
+    ``fit(prefetch=...)``), the batch that call returns is appended when it arrives:
+    :attr:`pending` says whether one is still on its way, and iterating waits for it,
+    so ``fit(step, err.state, itertools.chain(err.batches, rest))`` trains it too.
+    It pickles as a plain list of the batches it holds."""
+
+    def __init__(self, batches: Sequence[Any] = (), late: LateBatch | None = None):
+        super().__init__(batches)
+        self._late = late
+        if late is not None:
+            late.into(self)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a batch is still on its way (the data thread is inside ``next``)."""
+        return self._late is not None and self._late.pending
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until no batch is on its way (``timeout`` seconds at most); whether none
+        is."""
+        return self._late is None or self._late.wait(timeout)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.wait()
+        return super().__iter__()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (list(self),)
+
+
 def untrained_batches(left: Sequence[Pending | Item | None]) -> tuple[list[Any], Cursor | None]:
     """The batches of ``left`` (steps in flight, the batch in hand, the queue, the rows
     carried), in the order they were pulled, and where the first is in the data (None:
@@ -42,7 +113,7 @@ def _where(item: Item) -> Cursor:
 def attach(
     err: BaseException,
     state: TrainState | None,
-    untrained: list[Any],
+    untrained: Untrained,
     failed: str | None,
     saved: str | None,
 ) -> None:
@@ -63,9 +134,15 @@ def attach(
     lines.append(
         f"error.batches holds the {count} batch(es) pulled and not trained, in order: "
         "fit(step, error.state, itertools.chain(error.batches, rest)) loses nothing"
-        if count
+        if count or untrained.pending
         else "every batch pulled was trained (error.batches is empty)"
     )
+    if untrained.pending:
+        lines.append(
+            "one more batch is on its way: fit's data thread was inside next(batches) "
+            "when it stopped; the batch it returns goes to the end of error.batches "
+            "(error.batches.pending until then; iterating error.batches waits for it)"
+        )
     if failed is not None:
         lines.append(failed)
     if saved is not None:

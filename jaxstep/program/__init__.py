@@ -4,6 +4,7 @@ Pure functions of the frozen :class:`Options` the step was built with (checked t
 once); nothing here touches the host."""
 
 from jaxstep.program._body import body as body
+from jaxstep.program._body import map_body as map_body
 from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
 from jaxstep.program._cross_checks import LossSpike as LossSpike
 from jaxstep.program._cross_checks import fingerprint as fingerprint
@@ -40,6 +41,7 @@ __all__ = [
     "fingerprint",
     "float_leaves",
     "grad_leaves_finite",
+    "map_body",
     "nbytes_per_device",
     "shard_axis",
     "shard_mask",

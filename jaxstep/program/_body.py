@@ -10,10 +10,14 @@ touches host state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
 from jaxstep.core import StepInfo
@@ -59,6 +63,38 @@ def body(
     out = StepOutput(metrics=metrics, health=table, aux=part.work.aux, info=info)
     # only the extras a step changes go out (``fired``): an output chunk was a copy kernel
     return new_state, out, {k: v for k, v in extras.items() if k != "chunk"}
+
+
+def map_body(
+    body_fn: Callable[..., tuple[TrainState, StepOutput, dict[str, Any]]],
+    mesh: Mesh,
+    axis: str,
+    extra_specs: Mapping[str, P],
+) -> Callable[..., tuple[TrainState, StepOutput, dict[str, Any]]]:
+    """``body_fn(state, batch, extras)`` (a device's step) mapped over ``mesh``'s
+    devices: the state replicated, the batch split over ``axis``, ``extra_specs`` the
+    extras'; the metrics and the health table come out replicated and each device's
+    ``aux`` along a new leading axis, as pmap would return it.
+
+    Without the varying-type check: under it, replicated parameters would have to be
+    cast to device-varying before differentiating (else their gradients come back
+    already summed over the devices and no check before the collective sees one
+    device's values), and a user's scan whose carry starts from constants
+    (flax.linen.RNN) fails to trace. The body's collectives are explicit; the outputs
+    declared replicated are replicated by construction."""
+
+    def stacked_aux(state: TrainState, batch: Batch, extras: dict[str, Any]) -> Any:
+        new_state, out, changed = body_fn(state, batch, extras)
+        return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), changed
+
+    changed_specs = {k: s for k, s in extra_specs.items() if k != "chunk"}  # body's out
+    return jax.shard_map(
+        stacked_aux,
+        mesh=mesh,
+        in_specs=(P(), P(axis), dict(extra_specs)),
+        out_specs=(P(), StepOutput._make((P(), P(), P(axis), P())), changed_specs),
+        check_vma=False,
+    )
 
 
 def outputs(

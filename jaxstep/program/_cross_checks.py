@@ -77,6 +77,18 @@ class LossSpike:
     ``window`` losses. Only finite, accepted, non-spike losses enter the window, so a
     NaN or a spike never poisons it. (MaxText: the global loss, mean + 6 sigma over
     128 steps; here per device, and robust to flat or NaN-ridden stretches.)
+
+    Attributes:
+      window: the losses each device's mean and spread are taken over.
+      sigmas: how many spreads above its mean a device's loss is a spike.
+      warmup: the accepted steps before any loss can be a spike (at most ``window``).
+      min_rel: the least spread, relative to the mean (a flat stretch of losses is not
+        a zero spread that any wobble would exceed).
+
+    Example:
+      >>> import jaxstep
+      >>> jaxstep.LossSpike(window=64, sigmas=8.0).warmup
+      32
     """
 
     window: int = 128
@@ -94,13 +106,29 @@ class LossSpike:
             raise ValueError(f"sigmas must be > 0 and min_rel >= 0, got {self}")
 
     def init(self, n_devices: int) -> dict[str, jax.Array]:
+        """The window's first memory (``state.monitor["spike"]``).
+
+        Args:
+          n_devices: the step's device count (a column each).
+
+        Returns:
+          ``{"losses": (window, n_devices) zeros, "count": 0}``.
+        """
         return {
             "losses": jnp.zeros((self.window, n_devices), jnp.float32),
             "count": jnp.zeros((), jnp.int32),
         }
 
     def check(self, memory: dict[str, Any], losses: jax.Array) -> jax.Array:
-        """(devices,) bool: which of these per-device losses are spikes."""
+        """Which of this step's per-device losses are spikes.
+
+        Args:
+          memory: the window (``state.monitor["spike"]``).
+          losses: ``(devices,)`` this step's losses.
+
+        Returns:
+          ``(devices,)`` bool.
+        """
         filled = jnp.minimum(memory["count"], self.window)
         valid = (jnp.arange(self.window) < filled)[:, None]
         k = jnp.maximum(filled, 1).astype(jnp.float32)
@@ -111,7 +139,17 @@ class LossSpike:
         return ready & jnp.isfinite(losses) & (losses > mean + self.sigmas * scale)
 
     def update(self, memory: dict[str, Any], losses: jax.Array, accept: jax.Array) -> Any:
-        """Adds this step's losses to the window when ``accept`` (one flag for all)."""
+        """The window with this step's losses added, when ``accept`` (one flag for all)
+        and every loss is finite.
+
+        Args:
+          memory: the window before the step.
+          losses: ``(devices,)`` this step's losses.
+          accept: the step trained and no loss spiked.
+
+        Returns:
+          The window after the step.
+        """
         accept = accept & jnp.all(jnp.isfinite(losses))
         slot = memory["count"] % self.window
         rolled = memory["losses"].at[slot].set(losses)

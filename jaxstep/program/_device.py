@@ -22,18 +22,14 @@ from jaxstep.program._faults import Context
 from jaxstep.program._options import Options
 
 
-def loss(
-    options: Options, *args: Any, ctx: Context | None, model_state: PyTree = None
-) -> tuple[jax.Array, PyTree]:
-    """``loss_fn(*args[, model_state=...])`` as ``(loss, aux)``, with an injected loss
-    fault applied."""
+def loss(options: Options, *args: Any, model_state: PyTree = None) -> tuple[jax.Array, PyTree]:
+    """``loss_fn(*args[, model_state=...])`` as ``(loss, aux)`` (an injected loss fault
+    is applied to what the differentiation returns: :meth:`Injector.after_loss`)."""
     kwargs = {} if model_state is None else {"model_state": model_state}
     value, aux = validate.loss_output(options.loss_fn(*args, **kwargs), options.has_aux)
     validate.aux_leaves(aux)  # at trace time
     if isinstance(value, WeightedLoss):
         value = _global_mean_share(value, options.axis_name)
-    if ctx is not None:
-        value = options.injector.loss(value, ctx)
     return value, aux
 
 
@@ -102,7 +98,7 @@ def device_work(
     scaler, scale = options.loss_scale, state.loss_scale
 
     def loss_fn(*args: Any) -> tuple[jax.Array, PyTree]:
-        value, aux = loss(options, *args, ctx=ctx, model_state=model_state)
+        value, aux = loss(options, *args, model_state=model_state)
         if scaler is None or scale is None:
             return value, (value, aux)
         scaled = scaler.scale_loss(scale, value)
@@ -113,6 +109,8 @@ def device_work(
     (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
     if scaler is not None and scale is not None:
         grads = scaler.unscale(scale, grads)
+    if ctx is not None:
+        value, grads = options.injector.after_loss(value, grads, ctx)
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
     if input_apart:

@@ -205,10 +205,25 @@ class Injector:
             batch = jax.tree_util.tree_map_with_path(poison, batch)
         return batch
 
-    def loss(self, loss: jax.Array, ctx: Context) -> jax.Array:
+    def loss_factor(self, ctx: Context) -> jax.Array | None:
+        """What the loss faults multiply this device's loss (and so its gradients) by
+        now: a float32 scalar, 1 where none fires (NaN, Inf, or a spike's factor where
+        one does); None when the step has no loss fault."""
+        factor = None
         for k, f in self._each("loss"):
-            loss = loss * jnp.where(self._active(k, ctx), f.value, 1.0).astype(loss.dtype)
-        return loss
+            fired = jnp.where(self._active(k, ctx), jnp.float32(f.value), jnp.float32(1))
+            factor = fired if factor is None else factor * fired
+        return factor
+
+    def after_loss(self, value: jax.Array, grads: PyTree, ctx: Context) -> tuple[jax.Array, PyTree]:
+        """The loss and its gradients as a loss fault leaves them: times its factor
+        where it fires (d(c * loss) = c * d(loss)). Applied to what the differentiation
+        returned, with a select, never inside it: the arithmetic of the step itself is
+        the step's without faults, bit for bit, until a fault fires."""
+        factor = self.loss_factor(ctx)
+        if factor is None:
+            return value, grads
+        return spiked(value, factor), jax.tree.map(lambda g: spiked(g, factor), grads)
 
     def tree(self, kind: str, tree: PyTree, ctx: Context) -> PyTree:
         """Writes the fault value into one leaf of ``tree`` (gradients or parameters)."""
@@ -245,6 +260,13 @@ class Injector:
             fired = jnp.where(self._active(k, ctx), jnp.float32(f.value), jnp.float32(0))
             value = fired if value is None else jnp.where(fired != 0, fired, value)
         return value
+
+
+def spiked(x: jax.Array, factor: jax.Array | None) -> jax.Array:
+    """``x`` times :meth:`Injector.loss_factor`'s ``factor`` where it is not 1."""
+    if factor is None:
+        return x
+    return jnp.where(factor != 1, x * factor.astype(x.dtype), x)
 
 
 def poisoned(x: jax.Array, value: jax.Array | None) -> jax.Array:

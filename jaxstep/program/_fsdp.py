@@ -40,6 +40,7 @@ from jaxstep.program._device import microbatched_work
 from jaxstep.program._device import status_bits
 from jaxstep.program._faults import Context
 from jaxstep.program._faults import poisoned
+from jaxstep.program._faults import spiked
 from jaxstep.program._local import Beat
 from jaxstep.program._local import Here
 from jaxstep.program._local import LocalPart
@@ -57,20 +58,21 @@ def checked_gather(
     shard: jax.Array,
     probe: jax.Array,
     one: jax.Array,
-    poison: jax.Array,
+    faults: tuple[jax.Array, jax.Array],
     scale: jax.Array,
     axis: int,
     axis_name: str,
-    flags: tuple[bool, bool, bool],
+    flags: tuple[bool, bool, bool, bool],
 ) -> tuple[jax.Array, jax.Array]:
     """``(all_gather(shard), 0 * one)``. Backward: this device's own cotangent of the
     whole parameter, divided by ``scale`` (the loss scale, as ``DynamicLossScale.unscale``
     does); its sum of squares is ``probe``'s cotangent; it is zeroed when the cotangent
     of the second output (the drop mask) is 0, and reduce-scattered as ``shard``'s.
-    ``poison``: an injected gradient fault's value (0: none), written into the cotangent
-    before the check. ``flags``: (masked, poisoned, scaled), what the backward does of
-    these (static)."""
-    del probe, poison, scale, flags
+    ``faults``: an injected loss fault's factor (1: none) and gradient fault's value
+    (0: none), applied to the cotangent before the check, each with a select (the
+    arithmetic stays the step's own until a fault fires). ``flags``: (masked, spiked,
+    poisoned, scaled), what the backward does of these (static)."""
+    del probe, faults, scale, flags
     return jax.lax.all_gather(shard, axis_name, axis=axis, tiled=True), one * 0
 
 
@@ -78,25 +80,27 @@ def _gather_fwd(
     shard: jax.Array,
     probe: jax.Array,
     one: jax.Array,
-    poison: jax.Array,
+    faults: tuple[jax.Array, jax.Array],
     scale: jax.Array,
     axis: int,
     axis_name: str,
-    flags: tuple[bool, bool, bool],
-) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
-    out = checked_gather(shard, probe, one, poison, scale, axis, axis_name, flags)
-    return out, (poison, scale)
+    flags: tuple[bool, bool, bool, bool],
+) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, jax.Array]]:
+    out = checked_gather(shard, probe, one, faults, scale, axis, axis_name, flags)
+    return out, (faults, scale)
 
 
 def _gather_bwd(
     axis: int,
     axis_name: str,
-    flags: tuple[bool, bool, bool],
-    residuals: tuple[jax.Array, jax.Array],
+    flags: tuple[bool, bool, bool, bool],
+    residuals: tuple[tuple[jax.Array, jax.Array], jax.Array],
     cotangents: tuple[jax.Array, jax.Array],
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    (poison, scale), (g, keep) = residuals, cotangents
-    masked, injected, scaled = flags
+) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array]:
+    ((factor, poison), scale), (g, keep) = residuals, cotangents
+    masked, spiked_loss, injected, scaled = flags
+    if spiked_loss:  # an injected loss fault reaches the gradient as a real one would
+        g = spiked(g, factor)
     if injected:  # an injected gradient fault is checked like a real one
         g = poisoned(g, poison)
     if scaled:  # unscaled before the sum, as the replicated step does (no overflow in it)
@@ -105,7 +109,8 @@ def _gather_bwd(
     if masked:  # a cond, not a multiply (NaN * 0 is NaN): the healthy branch is free
         g = jax.lax.cond(keep > 0, lambda x: x, jnp.zeros_like, g)
     shard = jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True)
-    return shard, squares, jnp.zeros_like(keep), jnp.zeros_like(poison), jnp.zeros_like(scale)
+    nothing = (jnp.zeros_like(factor), jnp.zeros_like(poison))
+    return shard, squares, jnp.zeros_like(keep), nothing, jnp.zeros_like(scale)
 
 
 checked_gather.defvjp(_gather_fwd, _gather_bwd)
@@ -154,7 +159,7 @@ def gathered_work(
     def f(shards: list[jax.Array], probes: list[jax.Array], one: jax.Array) -> Any:
         full, sink = gathering.gather(shards, probes, one)
         params = jax.tree.unflatten(treedef, full)
-        value, aux = loss_of(options, params, *args, ctx=ctx, model_state=model_state)
+        value, aux = loss_of(options, params, *args, model_state=model_state)
         copies = None
         if replicas:  # this device's gathered copies: a bad link shows here
             copies = (cross_checks.fingerprint(full), health.first_nonfinite(full)[1])
@@ -177,6 +182,7 @@ def gathered_work(
         masked = options.on_failure == "drop"
         keep = jnp.where(forward, 0.0, 1.0) if masked else jnp.ones((), jnp.float32)
     grads, flags, _ = vjp((jnp.ones_like(scaled), keep))
+    value = spiked(value, gathering.factor)  # an injected loss fault, as it fires
     grads, squares, grad_leaf = gathering.local_health(grads, flags)
     status = status_bits(options, in_bad, value, ~jnp.isfinite(squares), ms_bad, check_failed)
     prints, param_leaf = (None, None) if copies is None else copies
@@ -212,6 +218,8 @@ class Gathering:
         self.local = [i for i, a in enumerate(plan.params) if a is None]
         names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
         self.poisons: list[jax.Array | None] = [None] * len(names)
+        #: an injected loss fault's factor (None: the step has none)
+        self.factor = None if ctx is None else options.injector.loss_factor(ctx)
         if ctx is not None:
             self.poisons = [
                 options.injector.leaf_value("grad", names, i, ctx) for i in range(len(names))
@@ -229,17 +237,22 @@ class Gathering:
             else jnp.ones((), jnp.float32)
         )
         masked = self.options.on_failure == "drop"
+        spiking, nothing = self.factor is not None, jnp.zeros((), jnp.float32)
         for k, i in enumerate(self.indices):
             poison = self.poisons[i]
+            faults = (
+                jnp.ones((), jnp.float32) if self.factor is None else self.factor,
+                nothing if poison is None else poison,
+            )
             x, z = checked_gather(
                 shards[i],
                 probes[k],
                 one,
-                jnp.zeros((), jnp.float32) if poison is None else poison,
+                faults,
                 factor,
                 self.plan.params[i],
                 self.options.axis_name,
-                (masked, poison is not None, self.scaling),
+                (masked, spiking, poison is not None, self.scaling),
             )
             full[i] = checkpoint_name(x, GATHERED)
             sink = sink + z
@@ -260,7 +273,7 @@ class Gathering:
         squares from their backward)."""
         grads = list(grads)
         for i in self.local:  # the replicated leaves' faults, on their local gradients
-            grads[i] = poisoned(grads[i], self.poisons[i])
+            grads[i] = poisoned(spiked(grads[i], self.factor), self.poisons[i])
         if self.scaler is not None and self.scale is not None:
             unscaled = self.scaler.unscale(self.scale, [grads[i] for i in self.local])
             for i, g in zip(self.local, unscaled, strict=True):

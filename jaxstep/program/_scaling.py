@@ -55,7 +55,9 @@ class DynamicLossScale:
       default floor is flax's (float32's smallest normal number, ~1.2e-38): no run
       that flax trains reaches it.
 
-    Args (flax's names and defaults):
+    Its fields are flax's arguments, with flax's names and defaults.
+
+    Attributes:
       scale: the first scale (``2.0**16``).
       growth_interval: the good steps counted before the next good one grows the
         scale (2000).
@@ -94,15 +96,36 @@ class DynamicLossScale:
             raise ValueError(f"growth_interval must be an int >= 0, got {self.growth_interval!r}")
 
     def init(self) -> LossScaleState:
+        """The scale's first state (what ``step.init`` puts in ``state.loss_scale``).
+
+        Returns:
+          ``LossScaleState(scale, good_steps=0)``.
+        """
         return LossScaleState(jnp.asarray(self.scale, jnp.float32), jnp.zeros((), jnp.int32))
 
     def scale_loss(self, state: LossScaleState, loss: jax.Array) -> jax.Array:
-        """The loss times the scale, as flax: in the loss's dtype, or float32 when wider."""
+        """The loss times the scale, as flax: in the loss's dtype, or float32 when wider.
+
+        Args:
+          state: the scale's state (``state.loss_scale``).
+          loss: the unscaled loss.
+
+        Returns:
+          The scaled loss, what the step differentiates.
+        """
         return loss * state.scale.astype(jnp.promote_types(loss.dtype, jnp.float32))
 
     def unscale(self, state: LossScaleState, grads: Any) -> Any:
         """The gradients divided by the scale in float32 (as flax; a scale of 2**16 is
-        beyond fp16), then cast back to each gradient's dtype."""
+        beyond fp16), then cast back to each gradient's dtype.
+
+        Args:
+          state: the scale's state.
+          grads: the gradients of the scaled loss (a pytree).
+
+        Returns:
+          The gradients of the loss itself.
+        """
         return jax.tree.map(lambda g: (g.astype(jnp.float32) / state.scale).astype(g.dtype), grads)
 
     def _backed_off(self, scale: jax.Array) -> jax.Array:
@@ -111,12 +134,28 @@ class DynamicLossScale:
 
     def at_minimum(self, state: LossScaleState) -> jax.Array:
         """Whether backing off would leave the scale where it is (an overflow there
-        fails the step)."""
+        fails the step).
+
+        Args:
+          state: the scale's state.
+
+        Returns:
+          A boolean scalar.
+        """
         return self._backed_off(state.scale) >= state.scale
 
     def update(self, state: LossScaleState, overflow: jax.Array, ok: jax.Array) -> LossScaleState:
-        """flax's update. ``overflow``: the step was skipped for an overflow alone;
-        ``ok``: it trained. Neither (another failure, or halted): nothing changes."""
+        """flax's update of the scale after a step.
+
+        Args:
+          state: the scale's state before the step.
+          overflow: the step was skipped for an overflow alone (the scale backs off).
+          ok: the step trained (the count of good steps grows, or the scale does).
+            Neither (another failure, or halted): nothing changes.
+
+        Returns:
+          The scale's state after the step.
+        """
         grow = state.good_steps == self.growth_interval
         grown = jnp.minimum(state.scale * self.growth_factor, _FLOAT32_MAX)
         scale = jnp.where(ok & grow, grown, state.scale)

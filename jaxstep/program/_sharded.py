@@ -42,6 +42,8 @@ from jaxstep.core import TrainState
 from jaxstep.core import health
 from jaxstep.program import _drop as drop
 from jaxstep.program import _fsdp as fsdp
+from jaxstep.program._body import body
+from jaxstep.program._body import map_body
 from jaxstep.program._body import outputs
 from jaxstep.program._device import device_work
 from jaxstep.program._device import microbatched_work
@@ -86,6 +88,9 @@ class Parted(NamedTuple):
     extras: dict[str, Any]
     aux: PyTree
     info: StepInfo
+    #: under ``drop``, at a replica-check step: the state with every diverged replica
+    #: repaired inside the ``shard_map`` (what the update must start from); else None
+    repaired: TrainState | None = None
 
 
 def shard_mask(plan: Plan, state: TrainState) -> list[bool]:
@@ -109,6 +114,9 @@ def sharded_step(
     device's part in a ``shard_map``, then the verdict and the update."""
     axis = options.axis_name
     plan = Plan.of(options.shard_state, options.n, options.shard_min_size, state)
+    if not plan.sharded:  # the rule shards no leaf: the replicated step, bit for bit
+        device_step = functools.partial(body, options, beat=beat, replicas=replicas)
+        return map_body(device_step, mesh, axis, extra_specs)(state, batch, extras)
     specs = plan.specs(state, axis)
     rows = jax.tree.leaves(batch)[0].shape[0] // options.n
 
@@ -119,7 +127,10 @@ def sharded_step(
     grads = plan.grad_specs(state.params, axis)
     seen = Seen._make([P()] * len(Seen._fields))
     gathered = Gathered._make([P(), P(), seen, P(), grads, P(), P()])
-    out_specs = Parted._make([gathered, dict(extra_specs), P(axis), P()])
+    repairs = options.on_failure == "drop" and replicas  # the repaired state comes out
+    out_specs = Parted._make(
+        [gathered, dict(extra_specs), P(axis), P(), specs if repairs else None]
+    )
     mapped = jax.shard_map(
         part,
         mesh=mesh,
@@ -128,6 +139,8 @@ def sharded_step(
         check_vma=False,  # as the replicated step (step/_backends.py says why)
     )
     p = mapped(state, batch, extras)
+    if p.repaired is not None:  # the update starts from the repaired copies, not the old
+        state = p.repaired
     shards = _Shards(options, plan, mesh, state, extras, dict(extra_specs), rows)
     new_state, status, columns = update(options, state, p.gathered, shards=shards)
     table, metrics = outputs(options, p.gathered.rows, status, columns, p.gathered.losses)
@@ -177,7 +190,9 @@ def device_part(
     reduced = reduce(options, plan, state, part, at, rerun)
     gathered, extras = compare_devices(options, reduced, part, at, extras, repair)
     seen = gathered.seen._replace(late=jnp.asarray(gathered.seen.late))  # leaves the shard_map
-    return Parted(gathered._replace(seen=seen), extras, part.work.aux, StepInfo(part.checks))
+    gathered = gathered._replace(seen=seen)
+    repaired = state if repair is not None else None
+    return Parted(gathered, extras, part.work.aux, StepInfo(part.checks), repaired)
 
 
 def reduce(

@@ -22,6 +22,7 @@ from typing import Any
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
@@ -29,12 +30,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
 from jaxstep.core import PyTree
-from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
 from jaxstep.core import to_host
 from jaxstep.program import Options
 from jaxstep.program import Plan
+from jaxstep.program import map_body
 from jaxstep.program import shard_spec
 from jaxstep.step._placement import BatchPlacement
 
@@ -89,29 +90,9 @@ class ShardMapBackend:
         self.placement = BatchPlacement(self.mesh, axis_name)
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
-        axis = self.axis
-
-        def stacked_aux(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
-            new_state, out, extras = body(state, batch, extras)
-            # One entry per device along a new leading axis, as pmap would return it.
-            return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), extras
-
-        extra_specs = {k: P(axis) if s else P() for k, s in split.items()}
-        changed_specs = {k: s for k, s in extra_specs.items() if k != "chunk"}  # body's out
-        mapped = jax.shard_map(
-            stacked_aux,
-            mesh=self.mesh,
-            in_specs=(P(), P(axis), extra_specs),
-            # metrics and health replicated, aux per device (info holds no arrays)
-            out_specs=(P(), StepOutput._make((P(), P(), P(axis), P())), changed_specs),
-            # Without the varying-type check: under it, replicated parameters would have
-            # to be cast to device-varying before differentiating (else their gradients
-            # come back already summed over the devices and no check before the
-            # collective sees one device's values), and a user's scan whose carry starts
-            # from constants (flax.linen.RNN) fails to trace. The body's collectives are
-            # explicit; the outputs declared replicated are replicated by construction.
-            check_vma=False,
-        )
+        """``body`` over the devices (:func:`jaxstep.program.map_body`), jitted."""
+        extra_specs = {k: P(self.axis) if s else P() for k, s in split.items()}
+        mapped = map_body(body, self.mesh, self.axis, extra_specs)
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
     def compile_sharded(
@@ -185,9 +166,14 @@ class ShardMapBackend:
                 [NamedSharding(self.mesh, shard_spec(a, self.axis)) for a in axes],
             )
 
-        # A copy, never the caller's own buffers (they may already sit where the rule
-        # puts them): the step donates its state, and must not delete the caller's arrays.
-        params = jax.device_put(params, named(params, plan.params), may_alias=False)
+        # Copies laid out by the rule, never the caller's own buffers: the step donates
+        # its state and must not delete the caller's arrays (jax.device_put onto the
+        # devices of a single-device array keeps its buffer for that device, whatever
+        # may_alias says).
+        copy = jax.jit(
+            lambda p: jax.tree.map(jnp.copy, p), out_shardings=named(params, plan.params)
+        )
+        params = copy(params)
         opt_state = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))(params)
         return params, opt_state
 

@@ -5,7 +5,6 @@ traced or reads a device."""
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxstep.core import TrainState
+from jaxstep.core import warn
 from jaxstep.core.names import keystrs
 from jaxstep.program import Options
 from jaxstep.program import Plan
@@ -132,14 +132,13 @@ def warn_resharded(options: Options, host: TrainState, before: int) -> None:
         return
     old, new = nbytes_per_device(host, was, before), nbytes_per_device(host, now, options.n)
     shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
-    warnings.warn(
+    warn(
         f"shard_state={layout!r} on {options.n} devices (from {before}): {len(lost)} "
         f"leaves sharded before no longer divide over {options.n} devices and are now "
         f"whole on every device ({shown}); the state takes {_mb(new)} per device, "
         f"{_mb(old)} before. If it does not fit, exclude devices down to a count the "
         "leaves' axes divide by (e.g. 4 of 8), or restart on such a count from the "
         "latest checkpoint (jaxstep.restore restores onto any device count)",
-        stacklevel=3,
     )
 
 
@@ -148,4 +147,9 @@ def _names(host: TrainState) -> list[str]:
 
 
 def _mb(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    """``n`` bytes in the unit that shows them (a small state in KiB or bytes, not
+    "0.00 MiB")."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"

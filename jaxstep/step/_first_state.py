@@ -4,18 +4,42 @@ state made for them, and every field the step's options ask for."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstep.core import Params
 from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.core import validate
+from jaxstep.core.names import keystrs
 from jaxstep.program import Options
 from jaxstep.program import drop_memory
 from jaxstep.step._backends import Backend
+
+
+def shards_nothing(options: Options, backend: Backend, state: TrainState) -> str | None:
+    """What to tell a user whose ``shard_state`` rule shards no leaf of ``state`` (every
+    leaf under ``shard_min_size``, or with no axis that divides by the devices): the
+    state stays whole on every device and the step runs the replicated program. None:
+    the rule shards a leaf (or the step has no ``shard_state``)."""
+    plan = backend.plan(state)
+    if plan is None or plan.sharded:
+        return None
+    names = keystrs(state.params, "params") + keystrs(state.opt_state, "opt_state")
+    leaves = jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)
+    size, name = max((math.prod(np.shape(x)), n) for n, x in zip(names, leaves, strict=True))
+    return (
+        f"shard_state={options.shard_state!r} shards no leaf of this state: each is under "
+        f"shard_min_size={options.shard_min_size} elements or has no axis that divides by "
+        f"the {options.n} devices (the largest, {name}, has {size} elements). The state "
+        "stays whole on every device and the step runs the replicated program. To shard "
+        f"the larger leaves, lower shard_min_size (e.g. make_train_step(..., "
+        f"shard_min_size={min(size, options.shard_min_size) // 2})); or leave shard_state out"
+    )
 
 
 def first_state(

@@ -4,7 +4,6 @@ leaf names errors are written with. Host code only; nothing here is traced."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +14,7 @@ from jaxstep.core import Batch
 from jaxstep.core import TrainState
 from jaxstep.core import processes
 from jaxstep.core import validate
+from jaxstep.core import warn
 from jaxstep.core.names import keystrs as keystrs
 from jaxstep.program import Options
 from jaxstep.program import float_leaves
@@ -89,12 +89,18 @@ class Inputs:
 
     def for_options(self, options: Options) -> Inputs:
         """The inputs of the step rebuilt with ``options`` (``exclude_devices``): the
-        same leaf names (the model did not change); the state and batch shapes are
-        learned afresh."""
+        same leaf names (the model did not change) and the same first batch (a leaf's
+        change is told against the run's first batch, once per leaf over the run); the
+        state's shapes are learned afresh, and the next batch is validated for the
+        devices left."""
         inputs = Inputs(options)
         inputs.names = self.names
         inputs.presplit_warned = self.presplit_warned
         inputs.rows_per_device = self.rows_per_device
+        inputs._batch_def, inputs._batch_sig = self._batch_def, self._batch_sig
+        inputs._batch_presplit = self._batch_presplit
+        inputs._batch_looked_presplit = self._batch_looked_presplit
+        inputs._warned = self._warned  # one set for the run: a leaf is told of once
         return inputs
 
     def learn_checks(self, checks: Sequence[str]) -> None:
@@ -175,7 +181,7 @@ class Inputs:
         looks = None if presplit else validate.looks_presplit(batch, n)
         if looks and not self.presplit_warned:
             self.presplit_warned = True
-            warnings.warn(looks, stacklevel=5)
+            warn(looks)
         if self._batch_def is None or self._relayout(treedef, leaves, presplit):
             self.options.injector.validate({"input": float_leaves(batch)})
             self._batch_def = treedef
@@ -231,7 +237,7 @@ class Inputs:
             warning = validate.changed_leaf(name or "batch", first, now, n)
             if warning is not None and name not in self._warned:
                 self._warned.add(name)
-                warnings.warn(warning, stacklevel=5)
+                warn(warning)
 
     def _check_placement(self, state: TrainState) -> None:
         """The state's layout and devices match this step's (a state of the other

@@ -31,6 +31,7 @@ from jaxstep.core import failures_from_table
 from jaxstep.core import from_host
 from jaxstep.core import processes
 from jaxstep.core import validate
+from jaxstep.core import warn
 from jaxstep.program import Options
 from jaxstep.step import _exclude as exclude
 from jaxstep.step import _replay as replays
@@ -39,6 +40,7 @@ from jaxstep.step._backends import ShardMapBackend
 from jaxstep.step._dropping import Dropping
 from jaxstep.step._extras import Extras
 from jaxstep.step._first_state import first_state
+from jaxstep.step._first_state import shards_nothing
 from jaxstep.step._inputs import Inputs
 from jaxstep.step._inputs import join_presplit
 from jaxstep.step._inputs import local_positions
@@ -87,6 +89,7 @@ class Runtime:
         self._last_state: TrainState | None = None  # the state dispatched last returned
         self._next_number = 0  # its step number
         self._info: StepInfo | None = None
+        self._told_unsharded = False  # a shard_state that shards nothing: said once
         #: the drop-policy rerun (fit's quarantine), its runtime sharing this one's
         #: fault bookkeeping and heartbeats
         self.dropping = Dropping(
@@ -111,6 +114,11 @@ class Runtime:
         """``TrainStep.init``: the first state, placed (the caller's arrays are copied:
         the step donates its state)."""
         state = first_state(self.options, self.backend, params, model_state, rng)
+        if not self._told_unsharded:
+            told = shards_nothing(self.options, self.backend, state)
+            if told is not None:
+                self._told_unsharded = True
+                warn(told)
         # A new run: the batch's layout is learned from the next batch (not held to an
         # earlier run's, e.g. a pre-split batch first passed without presplit=True)
         self.inputs.forget()

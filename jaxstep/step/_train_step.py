@@ -42,6 +42,10 @@ class TrainStep:
     :meth:`host_state`, :meth:`place_state` (moving a state between steps);
     :meth:`compile` / :meth:`lower` (ahead of time, memory analysis); and what it was
     built with: :attr:`options`, :attr:`devices`, :attr:`names`.
+
+    Args:
+      options: every option, checked (what :func:`jaxstep.make_train_step` builds
+        from its keywords; build steps with it).
     """
 
     def __init__(self, options: Options):
@@ -162,7 +166,14 @@ class TrainStep:
         return self._runtime.failures(table, rows_per_device)
 
     def clear_halt(self, state: TrainState) -> TrainState:
-        """The same state with ``halted`` cleared, to resume from a failed step."""
+        """The same state with ``halted`` cleared, to resume from a failed step.
+
+        Args:
+          state: a state of this step (not donated).
+
+        Returns:
+          A copy with ``halted`` False.
+        """
         return self._runtime.clear_halt(state)
 
     def exclude_devices(self, device_ids: Sequence[int], state: TrainState) -> TrainState:
@@ -204,6 +215,9 @@ class TrainStep:
         by an earlier call, placed for the other backend or on other devices, built for
         another optimizer or other params), without running anything.
 
+        Args:
+          state: what a call of the step would take.
+
         Raises:
           TypeError, ValueError: what a call of the step would raise for ``state``.
         """
@@ -214,7 +228,14 @@ class TrainStep:
         this process's first device: the arrays of a replicated leaf are one device's
         copy; a sharded leaf (``shard_state``) is gathered whole through host memory.
         A copy: later steps (which donate their state) leave it alone. What
-        :meth:`place_state` (of this step or another) takes back."""
+        :meth:`place_state` (of this step or another) takes back.
+
+        Args:
+          state: a state of this step.
+
+        Returns:
+          The state with one copy of every leaf.
+        """
         return self._runtime.host_state(state)
 
     def place_state(self, state: TrainState) -> TrainState:
@@ -222,6 +243,12 @@ class TrainStep:
         this step's devices: replicated, sharded by the step's rule, or stacked under
         ``pmap``. How a state moves between steps, device counts and backends:
         ``step.place_state(other_step.host_state(state))``.
+
+        Args:
+          state: a single-copy :class:`jaxstep.TrainState`.
+
+        Returns:
+          The state on this step's devices.
 
         Raises:
           TypeError: ``state`` is not a :class:`jaxstep.TrainState`.
@@ -246,8 +273,15 @@ class TrainStep:
         return self._runtime.compile(state, batch, heartbeat=heartbeat, replicas=replicas)
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
-        """``jax.stages.Lowered`` of the step for this state and batch (for HLO and
-        memory analysis)."""
+        """The step lowered for this state and batch (for HLO and memory analysis).
+
+        Args:
+          state: a state of this step.
+          batch: a batch of the shape to lower for.
+
+        Returns:
+          The ``jax.stages.Lowered`` program.
+        """
         return self._runtime.lower(state, batch)
 
 

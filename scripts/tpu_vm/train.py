@@ -140,8 +140,10 @@ def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[A
     With ``--checkpoint-dir``, ``fit`` writes a verified checkpoint every
     ``--checkpoint-every`` steps (process 0 writes the one replica, every process's data
     position goes with it; with ``--shard-state`` each process writes its own shards)
-    and, on a failure, the emergency save; ``--resume`` goes on from the newest
-    verified checkpoint, every process at its own position.
+    and, on a failure, the emergency save, and saves the final state; ``--resume`` goes
+    on from the newest verified checkpoint, every process at its own position, and
+    ``--steps`` is the run's total (``fit(until_step=...)``): a job restarted by
+    ``launch.sh --restarts`` trains what is left and stops at that step.
     """
     import jax
 
@@ -169,6 +171,7 @@ def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[A
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every if args.checkpoint_dir else None,
         resume=args.resume,
+        until_step=args.steps,  # the run's total: a restarted job never trains past it
         recover=jaxstep.Recover() if args.recover else None,
     )
     return step, state

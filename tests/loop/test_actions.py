@@ -8,7 +8,7 @@ import pytest
 
 import jaxstep
 from jaxstep.checkpoint import CheckpointOptions
-from jaxstep.checkpoint import FitCheckpoints
+from jaxstep.checkpoint import begin_fit
 from jaxstep.loop import FitOptions
 from jaxstep.loop import Loop
 from jaxstep.loop._actions import Direct
@@ -27,7 +27,7 @@ from tests.models import make_batches
 
 
 def _loop(step, options):
-    state, _, checkpoints = FitCheckpoints.begin(
+    state, _, checkpoints = begin_fit(
         runtime_of(step), step.init(init_params()), make_batches(1), options.checkpoints
     )
     return Loop(step, state, checkpoints, options)

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.checkpoint import FitCheckpoints
+from jaxstep.checkpoint import begin_fit
 from jaxstep.loop import Callbacks
 from jaxstep.loop import Loop
 from jaxstep.step import runtime_of
@@ -17,7 +17,7 @@ from tests.models import rows_of
 
 
 def _loop(step, batches, **kw):
-    state, _, checkpoints = FitCheckpoints.begin(
+    state, _, checkpoints = begin_fit(
         runtime_of(step),
         step.init(init_params()),
         batches,

@@ -1,0 +1,118 @@
+"""A run that ends normally leaves its last state on disk (verified), a restarted job
+told the run's total (``until_step``) trains only what is left and never overshoots,
+and ``jaxstep.save`` writes a state that ``jaxstep.restore`` and ``resume=True`` read."""
+
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from jaxstep.checkpoint import Store
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.sources import callable_source
+
+
+def _step(backend):
+    return jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, divergence_every=3)
+
+
+def _equal(step, a, b):
+    for x, y in zip(
+        jax.tree.leaves(step.host_state(a)), jax.tree.leaves(step.host_state(b)), strict=True
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(jax.random.key_data(x) if _is_key(x) else x),
+            np.asarray(jax.random.key_data(y) if _is_key(y) else y),
+        )
+
+
+def _is_key(x):
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _meta(directory, number):
+    store = Store(directory)
+    try:
+        return store.meta(number)
+    finally:
+        store.close()
+
+
+def test_a_run_that_ends_normally_leaves_its_last_state_on_disk(tmp_path, backend):
+    step = _step(backend)
+    source = callable_source(5)
+    state = jaxstep.fit(
+        step, step.init(init_params()), source, checkpoint_dir=tmp_path, checkpoint_every=3
+    )
+    store = Store(tmp_path)
+    assert store.steps() == [0, 3, 5]  # the periodic ones, and the last state
+    store.close()
+    meta = _meta(tmp_path, 5)
+    assert meta["verified"] and "at the end of fit" in meta["verified_by"]
+    assert meta["data"]["index"] == 5  # every batch pulled was trained
+    _equal(step, state, jaxstep.restore(step, tmp_path))
+    # nothing is written twice: a last state at a checkpoint step is that checkpoint
+    again = jaxstep.fit(step, state, callable_source(6), checkpoint_dir=tmp_path, resume=True)
+    assert Store(tmp_path).steps() == [3, 5, 6]  # keep=3
+    assert int(step.host_state(again).step) == 6
+
+
+def test_a_restarted_job_with_until_step_stops_at_the_runs_total(tmp_path, backend):
+    step = _step(backend)
+    whole = jaxstep.fit(step, step.init(init_params()), callable_source(20), until_step=8)
+    assert int(step.host_state(whole).step) == 8
+
+    # the job runs 5 steps, then is restarted (the same command, resume=True)
+    first = jaxstep.fit(
+        step,
+        step.init(init_params()),
+        callable_source(20),
+        num_steps=5,
+        until_step=8,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=3,
+    )
+    assert int(step.host_state(first).step) == 5
+    command = {"checkpoint_dir": tmp_path, "checkpoint_every": 3, "resume": True}
+    resumed = jaxstep.fit(
+        step, step.init(init_params()), callable_source(20), until_step=8, **command
+    )
+    assert int(step.host_state(resumed).step) == 8  # not 13: it trained what was left
+    _equal(step, resumed, whole)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a job restarted once more: nothing left, no warning
+        done = jaxstep.fit(
+            step, step.init(init_params()), callable_source(20), until_step=8, **command
+        )
+    assert int(step.host_state(done).step) == 8
+
+
+@pytest.mark.parametrize("value", [-1, "8"])
+def test_until_step_must_be_a_step(value):
+    step = _step("shard_map")
+    error = ValueError if isinstance(value, int) else TypeError
+    with pytest.raises(error, match="until_step must be an int >= 0 or None"):
+        jaxstep.fit(step, step.init(init_params()), callable_source(2), until_step=value)
+
+
+@pytest.mark.parametrize("layout", [None, "params"])
+def test_save_writes_what_restore_and_resume_read_back(tmp_path, layout):
+    kw = {} if layout is None else {"shard_state": layout, "shard_min_size": 0}
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), **kw)
+    state = jaxstep.fit(step, step.init(init_params()), callable_source(3))
+    where = jaxstep.save(step, state, tmp_path)
+    assert where == str(tmp_path / "3")
+    meta = _meta(tmp_path, 3)
+    assert meta["verified"] and meta["data"] is None  # no data position: saved outside fit
+    other = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend="pmap")
+    _equal(other, jaxstep.restore(other, tmp_path), other.place_state(step.host_state(state)))
+    # resume=True from it with a callable source goes on at batch 3 (its step)
+    resumed = jaxstep.fit(
+        step, step.init(init_params()), callable_source(5), checkpoint_dir=tmp_path, resume=True
+    )
+    straight = jaxstep.fit(step, step.init(init_params()), callable_source(5))
+    _equal(step, resumed, straight)

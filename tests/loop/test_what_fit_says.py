@@ -1,0 +1,167 @@
+"""What fit says besides its errors: each warning points at the user's line and says
+what happened (once per leaf over a run, against the run's first batch; bytes in a unit
+that shows them), its log lines keep one format whatever configured logging, the
+launcher drops gloo's connection chatter, and a batch the data thread was still pulling
+when a real Ctrl-C stopped fit reaches err.batches."""
+
+import io
+import logging
+import re
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+import jaxstep
+from jaxstep.distributed import launch
+from jaxstep.testing import Fault
+from tests.models import init_params
+from tests.models import loss_fn
+
+ROOT = Path(__file__).parents[2]
+
+
+def _seq_loss(params, batch):
+    return loss_fn(params, dict(batch, x=batch["x"].mean(axis=1)))
+
+
+def _bucketed(lengths):
+    rng = np.random.default_rng(1)
+    out = []
+    for length in lengths:
+        x = rng.normal(size=(32, length, 3)).astype(np.float32)
+        y = np.sin(x.mean(axis=1).sum(axis=1, keepdims=True)).astype(np.float32)
+        out.append({"x": x, "y": y, "pos": np.ones((32, 1), np.float32), "poison": np.zeros(32)})
+    return out
+
+
+def test_a_recompile_after_a_device_left_is_told_once_against_the_runs_first_batch(backend):
+    """Device 5 leaves at step 0; the batches' sequence axis then grows from 4 to 6
+    tokens: one warning, naming the first batch as it was (32 rows, not the 28 the
+    smaller step took first), at the line that called fit."""
+    devices = jax.devices()
+    faults = [Fault("loss", devices[5].id, step=t, mode="device") for t in range(8)]
+    step = jaxstep.make_train_step(_seq_loss, optax.adam(1e-2), backend=backend, faults=faults)
+    data = _bucketed([4, 4, 6, 6])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jaxstep.fit(step, step.init(init_params()), data, recover=jaxstep.Recover())
+    told = [w for w in caught if "recompile" in str(w.message)]
+    assert len(told) == 1, [str(w.message) for w in caught]
+    assert "(32, 4, 3) in the first batch" in str(told[0].message)
+    assert told[0].filename == __file__  # the user's line, not jaxstep's
+    assert all(w.filename == __file__ for w in caught), [(w.filename, w.message) for w in caught]
+
+
+def test_the_resharding_warning_names_the_bytes_in_a_unit_that_shows_them():
+    step = jaxstep.make_train_step(
+        loss_fn, optax.adam(1e-2), shard_state="optimizer", shard_min_size=0
+    )
+    state = step.init(init_params())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step.exclude_devices([jax.devices()[7].id], state)
+    (told,) = [w for w in caught if "no longer divide" in str(w.message)]
+    text = str(told.message)
+    assert "0.00 MiB" not in text
+    assert re.search(r"takes \d+(\.\d+)? (bytes|KiB) per device", text), text
+    assert told.filename == __file__
+
+
+def test_a_log_line_keeps_its_format_after_another_library_configures_logging(capfd):
+    log = logging.getLogger("jaxstep")
+    log.warning("jaxstep says one thing")
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    logging.basicConfig()  # what a library (orbax, through absl) may do
+    try:
+        log.warning("jaxstep says another")
+    finally:
+        root.handlers[:] = saved
+    err = capfd.readouterr().err.splitlines()
+    assert "jaxstep says one thing" in err and "jaxstep says another" in err, err
+    assert not any(line.startswith("WARNING:jaxstep") for line in err), err
+
+
+def test_the_launcher_drops_glooss_connection_lines_and_relays_the_rest():
+    stream = io.BytesIO(
+        b"[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer "
+        b"ranks is : 7\nstep 3 loss 0.5\n[Gloo] Rank 1 is connected to 1 peer ranks. "
+        b"Expected number of connected peer ranks is : 1\n"
+    )
+    out = io.StringIO()
+    launch._forward(1, stream, out, threading.Lock())
+    assert out.getvalue() == "[p1] step 3 loss 0.5\n"
+
+
+CHILD = r"""
+import itertools, sys, time
+import jaxstep
+jaxstep.testing.set_cpu_devices(8)
+import jax, numpy as np, optax
+from tests.models import init_params, loss_fn, make_batches
+
+step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
+batches = make_batches(10)
+
+
+class SlowAtSix:  # a plain iterator whose seventh next() takes 4 s
+    def __init__(self):
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= len(batches):
+            raise StopIteration
+        if self.i == 6:
+            print("slow", flush=True)
+            time.sleep(4.0)
+        self.i += 1
+        return batches[self.i - 1]
+
+
+source = SlowAtSix()
+try:
+    jaxstep.fit(step, step.init(init_params()), source)  # prefetch=2
+    print("not interrupted", flush=True)
+    sys.exit(1)
+except KeyboardInterrupt as err:
+    pending = err.batches.pending
+    state = jaxstep.fit(step, err.state, itertools.chain(err.batches, source))
+    clean = jaxstep.fit(step, step.init(init_params()), batches)
+    a, b = (jax.tree.leaves(step.host_state(s).params) for s in (state, clean))
+    same = all((np.asarray(x).view(np.uint32) == np.asarray(y).view(np.uint32)).all()
+               for x, y in zip(a, b))
+    print("result", pending, int(step.host_state(state).step), same, flush=True)
+"""
+
+
+def test_a_real_ctrl_c_while_the_data_is_slow_loses_no_batch():
+    """SIGINT while fit's data thread is inside a slow next(): fit leaves at once, the
+    batch that next() returns reaches err.batches when it arrives, and the README's
+    recipe, fit(step, err.state, chain(err.batches, rest)), trains all 10 batches once,
+    ending bit for bit as an uninterrupted run (it trained 9 of 10 before)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("slow"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, errors = proc.communicate(timeout=240)
+    assert proc.returncode == 0, f"{out}\n{errors[-3000:]}"
+    (result,) = [line for line in out.splitlines() if line.startswith("result")]
+    assert result == "result True 10 True", f"{out}\n{errors[-2000:]}"
