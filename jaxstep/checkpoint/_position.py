@@ -59,18 +59,28 @@ class Position:
       iterator_state: a checkpointable iterator's ``get_state()`` before that batch.
       rows: rows of that batch trained already (a run that lost a device carries rows
         from batch to batch, ``jaxstep.loop._carry``): a resume passes over them.
+      carried: the run that saved it carried rows (a device had left it): a resume
+        carries them too, even from a batch's first row (its batches need not divide
+        by the devices left).
     """
 
     index: int
     kind: SourceKind
     iterator_state: Any = None
     rows: int = 0
+    carried: bool = False
 
     def to_json(self) -> dict[str, Any]:
         state = self.iterator_state
         if isinstance(state, bytes):  # grain's iterators return JSON as bytes
             state = {"base64": base64.b64encode(state).decode("ascii")}
-        return {"index": self.index, "kind": self.kind, "iterator_state": state, "rows": self.rows}
+        return {
+            "index": self.index,
+            "kind": self.kind,
+            "iterator_state": state,
+            "rows": self.rows,
+            "carried": self.carried,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Position:
@@ -78,7 +88,8 @@ class Position:
         if isinstance(state, dict) and set(state) == {"base64"}:
             state = base64.b64decode(state["base64"])
         kind = cast(SourceKind, str(data["kind"]))  # as saved: one of SourceKind's
-        return cls(int(data["index"]), kind, state, int(data.get("rows", 0)))
+        rows, carried = int(data.get("rows", 0)), bool(data.get("carried", False))
+        return cls(int(data["index"]), kind, state, rows, carried)
 
 
 def _checkpointable(obj: Any) -> bool:
@@ -113,6 +124,9 @@ class Source(Iterator[Any]):
             start = Position(start, "")
         self.start = start.index
         self.skip_rows = start.rows  # rows of the first batch trained already
+        #: rows are carried from batch to batch (a device left this run, or the run
+        #: that saved ``start``): the positions saved say so
+        self.carrying = start.carried
         self.count = 0  # batches pulled through this source
         self._resuming = resuming and start.index > 0
         self._marks: dict[int, Any] = {}
@@ -175,7 +189,7 @@ class Source(Iterator[Any]):
         state = self._marks.get(count)
         if state is None and self.kind == CHECKPOINTABLE and count == self.count:
             state = self._it.get_state()
-        return Position(self.start + count, self.kind, state, rows)
+        return Position(self.start + count, self.kind, state, rows, self.carrying)
 
     def __next__(self) -> Any:
         if self._watch is not None and self._watch(self.count):

@@ -71,6 +71,8 @@ class FitCheckpoints:
         self.store = store
         self.every = every
         self.source = source
+        if step.origin is not None:  # the step lost devices in an earlier call
+            source.carrying = True
         self.number = first  # the step number of the next state dispatched
         # Several processes: each publishes its data position for every checkpoint;
         # one (the writer) writes (see jaxstep.coordination).
@@ -193,8 +195,11 @@ class FitCheckpoints:
         return run_meta(number, devices, self.step.options.backend, verified=verified)
 
     def resumed_on(self, step: Runtime) -> None:
-        """A recovery left a device out: the step runs on ``step`` (a runtime) from now on."""
+        """A recovery left a device out: the step runs on ``step`` (a runtime) from now
+        on, and rows are carried (the positions saved say so)."""
         self.step = step
+        if step.origin is not None:
+            self.source.carrying = True
 
     def rewind(self, number: int) -> None:
         """The next state :meth:`before` sees is step ``number`` (a recovery went back
@@ -280,15 +285,17 @@ class FitCheckpoints:
         at = Cursor(self.source.count - untrained) if first is None else first
         return self.save_now(state, self.source.position(at), "when fit stopped early")
 
-    def finished(self, state: TrainState) -> str | None:
+    def finished(self, state: TrainState, first: Cursor | None = None) -> str | None:
         """The data ended (or ``num_steps``): ``state`` saved as the checkpoint of its
         step, verified when every device holds the same copy, with the data position
-        after the last batch pulled (every batch pulled was trained), so a restarted
-        job's ``resume=True`` trains nothing twice. Every process calls it (they end
-        together). Returns where, or None (no checkpoint directory)."""
+        ``first`` (the first row carried and not trained, when the call's count of
+        batches cut it short) or after the last batch pulled (every batch pulled was
+        trained), so a restarted job's ``resume=True`` trains nothing twice and misses
+        nothing. Every process calls it (they end together). Returns where, or None (no
+        checkpoint directory)."""
         if self.store is None:
             return None
-        position = self.source.position(Cursor(self.source.count))
+        position = self.source.position(Cursor(self.source.count) if first is None else first)
         return self.save_now(state, position, "at the end of fit")
 
     def save_now(self, state: TrainState, position: Position | None, when: str) -> str:

@@ -314,7 +314,9 @@ def restore(
       >>> where = tempfile.mkdtemp()
       >>> state = jaxstep.fit(step, step.init({"w": jnp.zeros(())}), batches,
       ...                     checkpoint_dir=where, checkpoint_every=2)
-      >>> int(jaxstep.restore(step, where).step)
+      >>> int(jaxstep.restore(step, where).step)  # the run's end, saved by fit
+      4
+      >>> int(jaxstep.restore(step, where, at=2).step)
       2
     """
     return restore_on(runtime_of(step), checkpoint_dir, at=at)

@@ -120,9 +120,10 @@ class Action:
         answer is named on the exception), or None."""
         return None
 
-    def finish(self, state: TrainState) -> None:
-        """The data ended and every step settled: ``state`` is the final state (the
-        checkpoints save it)."""
+    def finish(self, state: TrainState, first: Cursor | None) -> None:
+        """The data ended (or the call's count of batches) and every step settled:
+        ``state`` is the final state (the checkpoints save it); ``first``: where the
+        rows still carried begin in the data (None: after every batch pulled)."""
 
     def close(self) -> None:
         """On every way out of fit (threads joined, writes waited for)."""

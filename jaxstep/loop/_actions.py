@@ -197,9 +197,9 @@ class Actions:
         for hook in self._close:
             hook()
 
-    def finish(self, state: TrainState) -> None:
+    def finish(self, state: TrainState, first: Cursor | None) -> None:
         for hook in self._finish:
-            hook(state)
+            hook(state, first)
 
     def on_fit_end(self, history: History) -> None:
         for hook in self._on_fit_end:

@@ -52,11 +52,14 @@ class Taken(NamedTuple):
     left_over: tuple[Span, ...] = ()
 
 
-def carry_for(runtime: Runtime, start: int, skip: int, presplit: bool) -> Carry | Cut | None:
+def carry_for(
+    runtime: Runtime, start: int, skip: int, presplit: bool, carried: bool = False
+) -> Carry | Cut | None:
     """The carry a fit call starts with (None: none needed): for a resume inside a batch
-    (``skip`` rows of the first batch trained already), or for a step that lost devices
-    in an earlier fit call. ``start``: the data's count of the first batch pulled."""
-    if skip:
+    (``skip`` rows of the first batch trained already) or from a checkpoint of a run
+    that carried rows (``carried``), or for a step that lost devices in an earlier fit
+    call. ``start``: the data's count of the first batch pulled."""
+    if skip or (carried and not distributed.spans_processes(runtime.devices)):
         return Carry(_unit(runtime), skip, presplit, start=start)
     if runtime.origin is None:
         return None

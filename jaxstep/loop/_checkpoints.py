@@ -48,9 +48,10 @@ class Checkpoints(Action):
         """An early stop: ``state`` saved (where, or None)."""
         return self.saver.stopped(state, untrained, first)
 
-    def finish(self, state: TrainState) -> None:
-        """The run ended: the final state saved (verified), unless its step is already."""
-        self.saver.finished(state)
+    def finish(self, state: TrainState, first: Cursor | None) -> None:
+        """The run ended: the final state saved (verified), unless its step is already,
+        with the data position ``first`` (None: after the last batch pulled)."""
+        self.saver.finished(state, first)
 
     def close(self) -> None:
         """On every way out of fit: the writes waited for, the writer released."""

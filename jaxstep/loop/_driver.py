@@ -81,7 +81,7 @@ class Loop:
         self.record = Recorder(history)
         source = checkpoints.source
         self.carry: Carry | Cut | None = carry_for(
-            runtime, source.start, source.skip_rows, options.presplit
+            runtime, source.start, source.skip_rows, options.presplit, source.carrying
         )
         self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
         self.flight = InFlight()
@@ -357,9 +357,14 @@ class Loop:
         finish (the final state saved with checkpoints on, the recoveries made), waits
         for the writes, calls the callbacks' ``on_fit_end`` and returns the final
         state."""
+        first = None  # where the untrained data begins, when not after every batch
         if self.carry is not None:
+            left = self.carry.left()
+            if left is not None and self.limit is not None and self.pulled >= self.limit:
+                (seq, row, _), *_ = left[0]  # cut short: a resume trains the rows carried
+                first = Cursor(seq, row)
             self.record.left_over(self.carry.finish())
-        self.actions.finish(self.state)
+        self.actions.finish(self.state, first)
         self.actions.close()
         self.actions.on_fit_end(self.history)
         return self.state

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxstep import distributed
+from jaxstep.checkpoint import Cursor
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.checkpoint import append_quarantine
 from jaxstep.core import HealthTable
@@ -194,7 +195,7 @@ class Recoverer(Action):
         if under_restarting_launcher():
             exit_for_restart(error)
 
-    def finish(self, state: TrainState) -> None:
+    def finish(self, state: TrainState, first: Cursor | None) -> None:
         """At the end of fit: the recoveries made, logged (at WARNING level unless a
         callback showed them)."""
         text = History(recoveries=self.records).recovery_summary()

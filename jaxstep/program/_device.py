@@ -107,10 +107,10 @@ def device_work(
     validate.rng_for(options.loss_fn, key is not None)  # at trace time only
     args = (state.params, batch) if key is None else (state.params, batch, key)
     (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
+    if ctx is not None:  # on the scaled gradients: they overflow as a real spike's would
+        value, grads = options.injector.after_loss(value, grads, ctx)
     if scaler is not None and scale is not None:
         grads = scaler.unscale(scale, grads)
-    if ctx is not None:
-        value, grads = options.injector.after_loss(value, grads, ctx)
     checks, aux = validate.checks(aux)
     new_ms, aux = validate.model_state(aux, model_state)
     if input_apart:

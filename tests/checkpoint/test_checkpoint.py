@@ -78,9 +78,12 @@ def test_resume_goes_on_at_the_exact_data_position_bitwise(backend, kind, tmp_pa
         checkpoint_dir=tmp_path,
         checkpoint_every=EVERY,
     )
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["0", "2", "4"]
+    # Every EVERY steps, and the run's end (keep=3: the oldest, 0, went).
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["2", "4", "5"]
     meta = json.loads((tmp_path / "4" / "meta" / "metadata").read_text())
     assert meta["verified"] and meta["step"] == 4 and meta["data"]["index"] == 4
+    end = json.loads((tmp_path / "5" / "meta" / "metadata").read_text())
+    assert end["verified"] and end["step"] == 5 and end["data"]["index"] == 5
     assert meta["backend"] == backend and meta["devices"] == 8
     assert ".params['dense1']['kernel']" in meta["layout"]["names"]
     resumed = jaxstep.fit(
@@ -183,14 +186,15 @@ def test_diverged_names_the_verified_checkpoint_and_it_equals_a_clean_run(backen
         jaxstep.fit(step, state, batches[3:], checkpoint_dir=tmp_path, checkpoint_every=EVERY)
     err = info.value
     assert (err.device_id, err.step, err.status) == (dev.id, 4, Status.DIVERGED)
-    assert f"the latest verified checkpoint is step 2 ({tmp_path / '2'})" in str(err)
+    # The first fit's end (step 3) was saved before the corruption, and verified.
+    assert f"the latest verified checkpoint is step 3 ({tmp_path / '3'})" in str(err)
     # The state the failed check saw is never saved: only verified states are.
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["0", "2"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["0", "2", "3"]
     restored = jaxstep.restore(step, tmp_path)
     copies = replicas(step, (restored.params, restored.opt_state))
     for copy in copies[1:]:
         jax.tree.map(np.testing.assert_array_equal, copy, copies[0])
-    clean = jaxstep.fit(step, step.init(init_params()), batches[:2])
+    clean = jaxstep.fit(step, step.init(init_params()), batches[:3])
     _assert_same(_host(step, restored), _host(step, clean))
 
 
@@ -213,10 +217,10 @@ def test_restore_onto_four_devices_and_the_other_backend(backend, tmp_path):
     step = _spike_step(backend)
     batches = make_batches(6)
     init = step.init(init_params(), rng=jax.random.key(3))
-    jaxstep.fit(step, init, batches[:3], checkpoint_dir=tmp_path, checkpoint_every=EVERY)
+    jaxstep.fit(step, init, batches[:2], checkpoint_dir=tmp_path, checkpoint_every=EVERY)
     at_2 = jaxstep.fit(step, step.init(init_params(), rng=jax.random.key(3)), batches[:2])
     four = _spike_step(there, devices=jax.devices()[:4])
-    restored = jaxstep.restore(four, tmp_path)
+    restored = jaxstep.restore(four, tmp_path)  # the run's end, step 2
     host, want = four.host_state(restored), step.host_state(at_2)
     for name in ("step", "params", "opt_state", "halted", "total_skips"):
         jax.tree.map(np.testing.assert_array_equal, getattr(host, name), getattr(want, name))
@@ -250,11 +254,12 @@ def test_missing_file_and_empty_directories_are_named(tmp_path):
 
 
 def _three_checkpoints(tmp_path, backend="shard_map"):
+    """Checkpoints 0, 2 and the run's end, 4 (at data position 4)."""
     step = _step(backend)
     jaxstep.fit(
         step,
         step.init(init_params()),
-        make_batches(5),
+        make_batches(4),
         checkpoint_dir=tmp_path,
         checkpoint_every=EVERY,
     )
@@ -308,7 +313,8 @@ def test_a_half_written_checkpoint_is_never_loaded_the_previous_one_is(tmp_path)
         )
     clean = jaxstep.fit(step, step.init(init_params()), make_batches(5))
     _assert_same(_host(step, resumed), _host(step, clean))
-    with pytest.raises(ValueError, match=r"no checkpoint of step 6 .* steps \[0, 2, 4, 8\]"):
+    # (the resumed run saved its end, 5: keep=3 left 4, 5 and the torn 8)
+    with pytest.raises(ValueError, match=r"no checkpoint of step 6 .* steps \[4, 5, 8\]"):
         jaxstep.restore(step, tmp_path, at=6)
 
 
@@ -390,7 +396,7 @@ def test_model_state_and_loss_scale_are_saved_with_the_rest(backend, tmp_path):
         return step.init(init_params(), model_state={"mean": jnp.zeros(3, jnp.float32)})
 
     batches = make_batches(4)
-    jaxstep.fit(step, fresh(), batches[:3], checkpoint_dir=tmp_path, checkpoint_every=EVERY)
+    jaxstep.fit(step, fresh(), batches[:2], checkpoint_dir=tmp_path, checkpoint_every=EVERY)
     meta = json.loads((tmp_path / "2" / "meta" / "metadata").read_text())
     assert ".model_state['mean']" in meta["layout"]["names"]
     assert ".loss_scale.scale" in meta["layout"]["names"]
@@ -448,7 +454,7 @@ def test_a_save_a_resume_and_a_restore_log_no_warning_of_orbax(tmp_path, caplog)
         )
         restored = jaxstep.restore(step, tmp_path)
     assert int(jax.device_get(step.host_state(state).step)) == 5
-    assert int(jax.device_get(step.host_state(restored).step)) == 4
+    assert int(jax.device_get(step.host_state(restored).step)) == 5  # the end, saved
     loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
     assert loud == []
     assert [str(w.message) for w in caught] == []

@@ -116,3 +116,21 @@ def test_save_writes_what_restore_and_resume_read_back(tmp_path, layout):
     )
     straight = jaxstep.fit(step, step.init(init_params()), callable_source(5))
     _equal(step, resumed, straight)
+
+
+def test_a_position_saved_while_rows_were_carried_resumes_carrying_them():
+    """A checkpoint a run wrote after a device left it, at a batch's first row: the
+    resume carries rows too (its batches need not divide by the devices left)."""
+    from jaxstep.checkpoint._position import Position
+    from jaxstep.loop._carry import Carry
+    from jaxstep.loop._carry import carry_for
+    from jaxstep.step import runtime_of
+
+    at = Position(6, "sequence", rows=0, carried=True)
+    assert Position.from_json(at.to_json()) == at
+    assert Position.from_json({"index": 6, "kind": "sequence"}).carried is False  # older
+    seven = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=jax.devices()[:7])
+    runtime = runtime_of(seven)
+    assert carry_for(runtime, 6, 0, False) is None
+    carry = carry_for(runtime, 6, 0, False, carried=True)
+    assert isinstance(carry, Carry) and (carry.unit, carry.skip, carry.start) == (7, 0, 6)

@@ -38,14 +38,14 @@ def test_a_params_checkpoint_restores_into_every_layout_and_a_replicated_one_int
         step, step.init(init_params()), batches, checkpoint_dir=tmp_path / "p", checkpoint_every=2
     )
     clean = jaxstep.fit(step, step.init(init_params()), batches[:2])  # the checkpoint's step
-    same = jaxstep.restore(step, tmp_path / "p")
+    same = jaxstep.restore(step, tmp_path / "p", at=2)  # a checkpoint of the run's middle
     _equal(same, clean)  # bitwise, laid out as the step lays it out
     for got, want in zip(jax.tree.leaves(same), jax.tree.leaves(clean), strict=True):
         assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
     replicated = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=jax.devices()[:4])
     zero1 = _step("optimizer")
     for other in (replicated, zero1):
-        restored = jaxstep.restore(other, tmp_path / "p")
+        restored = jaxstep.restore(other, tmp_path / "p", at=2)
         _close(host_params(other, restored), host_params(step, clean))
         _close(other.host_state(restored).opt_state, step.host_state(clean).opt_state)
     assert restored.opt_state[0].mu["dense1"]["kernel"].sharding.spec == P(None, "devices")
@@ -54,7 +54,7 @@ def test_a_params_checkpoint_restores_into_every_layout_and_a_replicated_one_int
     jaxstep.fit(
         plain, plain.init(init_params()), batches, checkpoint_dir=tmp_path / "r", checkpoint_every=2
     )
-    into = jaxstep.restore(step, tmp_path / "r")
+    into = jaxstep.restore(step, tmp_path / "r", at=2)
     assert into.params["dense1"]["kernel"].sharding.spec == P(None, "devices")
     _equal(into, jaxstep.fit(plain, plain.init(init_params()), batches[:2]))
 

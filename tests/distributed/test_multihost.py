@@ -254,9 +254,10 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
         np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     # fit's verified checkpoints, written once with both processes' data positions.
     where = jobs["base"] / "ckpt-train"
-    assert sorted(p.name for p in where.iterdir()) == ["0", "2"]
-    meta = json.loads((where / "2" / "meta" / "metadata").read_text())
-    assert meta["verified"] and sorted(meta["data_by_process"]) == ["0", "1"]
+    assert sorted(p.name for p in where.iterdir()) == ["0", "2", "4"]  # 4: the run's end
+    for number in (2, 4):
+        meta = json.loads((where / str(number) / "meta" / "metadata").read_text())
+        assert meta["verified"] and sorted(meta["data_by_process"]) == ["0", "1"]
     # Training moved the weights, so agreeing is not agreeing on the initial values.
     _, first = train.build(train.parse(TRAIN_ARGS), jax.devices())
     start = runtime_of(step).read_at(first.params, 0)

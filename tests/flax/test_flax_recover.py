@@ -105,16 +105,18 @@ def _finite(tree) -> bool:
 def test_a_bad_device_is_excluded_with_dropout_and_batchnorm(backend, axis_name):
     # Dropout draws from the step's key: the replay that moves the chunks moves their
     # keys too, so the failure staying on device 5 is the device's (it was
-    # "inconclusive"). With cross-device BatchNorm device 5's Inf reaches every
-    # device's gradients through the statistics' collective: only device 5 goes.
+    # "inconclusive"). With cross-device BatchNorm the NaN device 5 reads reaches every
+    # device's loss through the statistics' collective: only device 5 goes. (An input
+    # fault, which runs through the forward pass; a loss fault multiplies what the
+    # differentiation returned, so it stays on its device.)
     bad = jax.devices()[5].id
     step, state, history = _fit(
-        backend, axis_name, [Fault("loss", bad, step=2, mode="device")], _batches(4)
+        backend, axis_name, [Fault("input", bad, step=2, mode="device")], _batches(4)
     )
     (record,) = history.recoveries
     assert (record.step, record.verdict, record.action) == (2, "device", "excluded")
     assert record.device_ids == (bad,)
-    assert Status.LOSS_NONFINITE in Status(int(history.status[2][5]))
+    assert Status.INPUT_NONFINITE in Status(int(history.status[2][5]))
     spread = [int(s) != 0 for s in history.status[2]]
     assert spread == ([True] * N if axis_name else [i == 5 for i in range(N)])
     assert [d.id for d in step.devices] == [d.id for d in jax.devices() if d.id != bad]

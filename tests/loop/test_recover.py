@@ -198,23 +198,29 @@ def test_a_spike_without_rollback_batches_raises(backend, tmp_path):
     assert "Recover(rollback_batches=k)" in str(info.value)
 
 
-def test_a_diverged_replica_is_rebuilt_from_the_majority_and_the_step_run_again(backend, tmp_path):
-    """Corrupted between two fit calls: the rollback has no batches of its own call
-    since a verified checkpoint to train again, so the replica is repaired, even with
-    rollback_batches set (docs/recovery.md's rule)."""
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_diverged_replica_is_rebuilt_from_the_majority_and_the_step_run_again(
+    backend, tmp_path, saved
+):
+    """Corrupted between two fit calls. Without a checkpoint of the first call the
+    rollback has no verified checkpoint to go back to, so the replica is repaired, even
+    with rollback_batches set (docs/recovery.md's rule); with one, the first call saved
+    its end (verified, before the corruption) and the run goes back to it."""
     devices = jax.devices()
     step = _step(backend, divergence_every=1)
     batches = make_batches(6)
     clean = _clean(backend, batches, divergence_every=1)
     checkpoints = {"checkpoint_dir": tmp_path, "checkpoint_every": 2}
-    state = jaxstep.fit(step, step.init(init_params()), batches[:3], **checkpoints)
+    first = checkpoints if saved else {}
+    state = jaxstep.fit(step, step.init(init_params()), batches[:3], **first)
     bad = devices[6]
     state = corrupt_replica(step, state, bad.id, "params['dense2']['kernel']", ulps=1)
     history = jaxstep.History()
     recover = jaxstep.Recover(rollback_batches=2)
     state = jaxstep.fit(step, state, batches[3:], history=history, recover=recover, **checkpoints)
     (record,) = history.recoveries
-    assert (record.step, record.verdict, record.action) == (3, "diverged", "repaired")
+    action = "rolled back" if saved else "repaired"
+    assert (record.step, record.verdict, record.action) == (3, "diverged", action)
     assert record.device_ids == (bad.id,)
     jaxstep.testing.assert_replicas_equal(step, state)
     chex.assert_trees_all_equal(host_params(step, state), clean)
@@ -379,6 +385,9 @@ def test_a_resume_after_a_device_left_goes_on_from_the_row_it_stopped_at(backend
     # step 4's checkpoint: 28 + 35 rows of 7 devices trained since batch 2, 63 = 32 + 31
     meta = json.loads((tmp_path / "4" / "meta" / "metadata").read_text())
     assert (meta["data"]["index"], meta["data"]["rows"]) == (3, 31)
+    # the run's end (num_steps): 1 + 32 rows, 28 trained, 5 of batch 4 still carried
+    end = json.loads((tmp_path / "5" / "meta" / "metadata").read_text())["data"]
+    assert (end["index"], end["rows"], end["carried"]) == (4, 27, True)
     rest = _step(backend, devices=[d for d in devices if d != dev])
     history = jaxstep.History()
     with pytest.warns(UserWarning, match="not trained"):

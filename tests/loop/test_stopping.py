@@ -110,11 +110,15 @@ def test_checkpoints_every_few_steps_are_verified_whatever_divergence_every(back
     jaxstep.fit(
         step, step.init(init_params()), batches, checkpoint_dir=tmp_path, checkpoint_every=3
     )
-    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [0, 3, 6]
-    restored = jaxstep.restore(step, tmp_path)  # the latest verified one
+    # every 3 steps and the run's end (keep=3: the oldest, 0, went)
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [3, 6, 7]
+    restored = jaxstep.restore(step, tmp_path, at=6)
     assert int(np.asarray(step.host_state(restored).step)) == 6
     partial = jaxstep.fit(step, step.init(init_params()), batches[:6])
     assert_params_equal(step, restored, partial)
+    end = jaxstep.restore(step, tmp_path)  # the latest verified one: the end
+    assert int(np.asarray(step.host_state(end).step)) == 7
+    assert_params_equal(step, end, jaxstep.fit(step, step.init(init_params()), batches))
 
 
 CHILD = r"""
