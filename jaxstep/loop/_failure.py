@@ -41,10 +41,7 @@ def failure_error(
         )
     elif any(f.status & Status.DIVERGED for f in failures):
         state = runtime.clear_halt(current)
-        note = (
-            "no majority of replicas agrees (two devices, or every copy differs): error.state "
-            "is the state as it stands; compare it with your last checkpoint"
-        )
+        note = _no_majority(runtime, failures)
     else:
         state = runtime.clear_halt(current)
         repeated = _repeated_drops(runtime, table)
@@ -96,14 +93,39 @@ def failure_error(
     )
 
 
+def _no_majority(runtime: Runtime, failures: Sequence[Failure]) -> str:
+    """The note of a divergence no majority can settle."""
+    diverged = [f for f in failures if f.status & Status.DIVERGED]
+    if runtime.options.replicas == 2 and len(diverged) == 2:
+        a, b = diverged
+        return (
+            f"devices {a.device_id} and {b.device_id} hold the two copies of a shard of "
+            f"{a.leaf} (replicas=2: each shard has one twin) and the copies differ: no "
+            "majority can tell which one is right. error.state is the state as it stands; "
+            "go back to the latest verified checkpoint (fit(recover=jaxstep.Recover()) "
+            "does), or build the step with replicas >= 3 for a majority to repair from"
+        )
+    return (
+        "no majority of replicas agrees (two devices, or every copy differs): error.state "
+        "is the state as it stands; compare it with your last checkpoint"
+    )
+
+
 def majority_position(runtime: Runtime, failures: Sequence[Failure]) -> int | None:
     """When a replica diverged: the position of a device this process holds whose copy
-    agrees with the majority (None: none, or no replica diverged)."""
+    agrees with the majority (None: none, or no replica diverged). Under ``replicas``
+    a copy is a whole group's: the device's group holds no diverged device."""
     if not any(f.status & Status.DIVERGED for f in failures):
         return None
     bad = {f.device_id for f in failures}
     here = jax.process_index()  # a healthy copy this process can read
-    good = [i for i, d in enumerate(runtime.devices) if d.id not in bad and d.process_index == here]
+    m = len(runtime.devices) // runtime.options.replicas  # a copy is a whole group's
+    groups = {i // m for i, d in enumerate(runtime.devices) if d.id in bad}
+    good = [
+        i
+        for i, d in enumerate(runtime.devices)
+        if d.id not in bad and i // m not in groups and d.process_index == here
+    ]
     return good[0] if good else None
 
 

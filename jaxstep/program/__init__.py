@@ -7,6 +7,7 @@ from jaxstep.program._body import body as body
 from jaxstep.program._body import map_body as map_body
 from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
 from jaxstep.program._cross_checks import LossSpike as LossSpike
+from jaxstep.program._cross_checks import all_agree as all_agree
 from jaxstep.program._cross_checks import fingerprint as fingerprint
 from jaxstep.program._device import example_failed as example_failed
 from jaxstep.program._device import grad_leaves_finite as grad_leaves_finite
@@ -14,6 +15,7 @@ from jaxstep.program._drop import drop_memory as drop_memory
 from jaxstep.program._faults import Fault as Fault
 from jaxstep.program._faults import Injector as Injector
 from jaxstep.program._faults import float_leaves as float_leaves
+from jaxstep.program._grid import Grid as Grid
 from jaxstep.program._options import AXIS as AXIS
 from jaxstep.program._options import Options as Options
 from jaxstep.program._scaling import DynamicLossScale as DynamicLossScale
@@ -21,6 +23,7 @@ from jaxstep.program._sharded import shard_mask as shard_mask
 from jaxstep.program._sharded import sharded_step as sharded_step
 from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD_MIN_SIZE
 from jaxstep.program._shards import Plan as Plan
+from jaxstep.program._shards import ShardRule as ShardRule
 from jaxstep.program._shards import nbytes_per_device as nbytes_per_device
 from jaxstep.program._shards import shard_axis as shard_axis
 from jaxstep.program._shards import shard_spec as shard_spec
@@ -31,10 +34,12 @@ __all__ = [
     "DEFAULT_SHARD_MIN_SIZE",
     "DynamicLossScale",
     "Fault",
+    "Grid",
     "Injector",
     "LossSpike",
     "Options",
     "Plan",
+    "ShardRule",
     "body",
     "drop_memory",
     "example_failed",

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DEFAULT_DIVERGENCE_EVERY = 100
 
@@ -57,15 +58,53 @@ def join16(halves: jax.Array) -> jax.Array:
     return (hi << 16) | lo
 
 
-def minority(prints: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """For (devices, leaves) fingerprints: which devices disagree with the majority on
-    some leaf, and the first such leaf (or -1), per device."""
+def minority(
+    prints: jax.Array, twinned: Sequence[bool] | None = None, groups: int = 1
+) -> tuple[jax.Array, jax.Array]:
+    """For (devices, leaves) fingerprints: which devices disagree with a strict
+    majority on some leaf, and the first such leaf (or -1), per device.
+
+    With ``groups`` > 1 (``make_train_step(replicas=k)``: k groups of consecutive
+    devices) a leaf of ``twinned`` is a shard, compared among its twins alone (the
+    devices at the same place in every group); any other leaf among every device. With
+    two groups a pair of twins that differ has no majority: both are named.
+
+    >>> import jax.numpy as jnp
+    >>> prints = jnp.zeros((6, 2), jnp.uint32).at[4, 1].set(7)  # device 4's shard
+    >>> bad, first = minority(prints, [False, True], groups=3)  # 3 groups of 2
+    >>> bad.tolist(), first.tolist()
+    ([False, False, False, False, True, False], [-1, -1, -1, -1, 1, -1])
+    """
     n = prints.shape[0]
-    agree = jnp.sum(prints[:, None, :] == prints[None, :, :], axis=1)  # (devices, leaves)
-    off = agree * 2 <= n  # not in a strict majority
+    same = prints[:, None, :] == prints[None, :, :]  # (devices, devices, leaves)
+    agree = jnp.sum(same, axis=1)  # (devices, leaves)
+    size = jnp.full((1, prints.shape[1]), n)
+    if groups > 1 and twinned is not None and any(twinned):
+        m = n // groups
+        place = np.arange(n) % m
+        twins = jnp.asarray(place[:, None] == place[None, :])
+        among = jnp.sum(same & twins[..., None], axis=1)
+        mask = jnp.asarray(np.asarray(twinned, bool))[None, :]
+        agree = jnp.where(mask, among, agree)
+        size = jnp.where(mask, groups, size)
+    off = agree * 2 <= size  # not in a strict majority
     bad = jnp.any(off, axis=1)
     first = jnp.where(bad, jnp.argmax(off, axis=1), -1).astype(jnp.int32)
     return bad, first
+
+
+def all_agree(prints: np.ndarray, twinned: Sequence[bool] | None = None, groups: int = 1) -> bool:
+    """Whether every device's (host) fingerprints ``(devices, leaves)`` are the same,
+    a leaf of ``twinned`` (a shard of ``groups`` replica groups) among its twins alone."""
+    prints = np.asarray(prints)
+    if groups == 1 or twinned is None:
+        return bool(np.all(prints == prints[:1]))
+    m = prints.shape[0] // groups
+    mask = np.asarray(twinned, bool)
+    by_place = prints.reshape(groups, m, -1)
+    twins_agree = np.all(by_place == by_place[:1], axis=(0, 1))  # (leaves,)
+    everyone = np.all(prints == prints[:1], axis=0)
+    return bool(np.all(np.where(mask, twins_agree, everyone)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import TrainState
 from jaxstep.program import _cross_checks as cross_checks
+from jaxstep.program._grid import Grid
 from jaxstep.program._options import Options
 
 
@@ -50,6 +51,7 @@ def repair_replicas(
     state: TrainState,
     index: jax.Array,
     sharded: Sequence[bool] | None = None,
+    grid: Grid | None = None,
 ) -> tuple[TrainState, Repair]:
     """Compares every device's fingerprints of its params, optimizer state and model
     state (a small all-reduce, in the every-``divergence_every``-th program only) and,
@@ -59,11 +61,14 @@ def repair_replicas(
     gradient is computed from the repaired copy and the step is the clean run's. A
     device repaired before is not repaired again: it diverges with ``DIVERGED``.
     ``sharded``: the leaves of (params, opt_state, model_state) held as shards (a
-    sharded layout): they have no second copy, so they are neither compared nor
-    copied."""
+    sharded layout). With one group (``grid``) a shard has no second copy: it is
+    neither compared nor copied. With several, a shard is compared among its twins and
+    copied from one of their majority; with two groups a pair of twins that differ has
+    no majority, and both stay ``DIVERGED``."""
     n = options.n
     trees = (state.params, state.opt_state, state.model_state)
-    if sharded is None:
+    twinned = grid is not None and grid.grouped and sharded is not None
+    if sharded is None or twinned:
         prints = cross_checks.fingerprint(jax.tree.leaves(trees))
     else:
         copies = cross_checks.without_shards(jax.tree.leaves(trees), sharded)
@@ -71,21 +76,29 @@ def repair_replicas(
     mine = jnp.arange(n)[:, None] == index
     sent = jnp.where(mine, cross_checks.split16(prints)[None, :], 0.0)
     gathered = jax.lax.psum(sent, options.axis_name)
-    diverged, first = cross_checks.minority(cross_checks.join16(gathered))
+    groups = grid.k if twinned and grid is not None else 1
+    diverged, first = cross_checks.minority(cross_checks.join16(gathered), sharded, groups)
     repairs = state.monitor["repairs"]
-    majority = ~jnp.all(diverged)  # a device agreeing with a strict majority on every leaf
-    repaired = diverged & majority & (repairs == 0) & ~state.halted
-    source = jnp.argmax(~diverged)
+    source = jnp.argmax(~diverged)  # a device agreeing with a strict majority everywhere
+    can = ~diverged[source]
+    if twinned and grid is not None:
+        sources = grid.twin_sources(diverged)  # per device: a twin of the majority
+        can = can & ~diverged[sources]
+        twin_source = sources[index]
+    repaired = diverged & can & (repairs == 0) & ~state.halted
 
     def copy(trees: PyTree) -> PyTree:
-        if sharded is not None:  # a shard stays: it has no majority to copy from
-            leaves, treedef = jax.tree.flatten(trees)
-            leaves = [
-                x if s else _broadcast(x, index == source, options.axis_name)
-                for x, s in zip(leaves, sharded, strict=True)
-            ]
-            return jax.tree.unflatten(treedef, leaves)
-        return jax.tree.map(lambda x: _broadcast(x, index == source, options.axis_name), trees)
+        leaves, treedef = jax.tree.flatten(trees)
+        marks = [False] * len(leaves) if sharded is None else list(sharded)
+        out = []
+        for x, shard in zip(leaves, marks, strict=True):
+            if not shard:
+                out.append(_broadcast(x, index == source, options.axis_name))
+            elif twinned and grid is not None:  # from a twin of the majority
+                out.append(_broadcast(x, index == twin_source, options.axis_name, grid.twins))
+            else:  # a shard without twins stays: no majority to copy from
+                out.append(x)
+        return jax.tree.unflatten(treedef, out)
 
     params, opt_state, model_state = jax.lax.cond(
         jnp.any(repaired), copy, lambda trees: trees, trees
@@ -97,14 +110,22 @@ def repair_replicas(
     return state, Repair(repaired, diverged & ~repaired, first)
 
 
-def _broadcast(x: jax.Array, source: jax.Array, axis_name: str) -> jax.Array:
-    """The source device's ``x`` on every device, bit for bit: its bits summed with
-    the others' zeros as unsigned integers (a float sum would turn -0.0 into 0.0)."""
+def _broadcast(
+    x: jax.Array,
+    source: jax.Array,
+    axis_name: str,
+    groups: Sequence[Sequence[int]] | None = None,
+) -> jax.Array:
+    """The source device's ``x`` on every device (of its group, with ``groups``: one
+    source in each), bit for bit: its bits summed with the others' zeros as unsigned
+    integers (a float sum would turn -0.0 into 0.0)."""
     if x.dtype == jnp.bool_:
-        return jax.lax.psum(jnp.where(source, x, False).astype(jnp.int32), axis_name) > 0
+        flags = jnp.where(source, x, False).astype(jnp.int32)
+        return jax.lax.psum(flags, axis_name, axis_index_groups=groups) > 0
     bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
     raw = jax.lax.bitcast_convert_type(x, bits)
-    summed = jax.lax.psum(jnp.where(source, raw, jnp.zeros((), bits)), axis_name)
+    zeros = jnp.where(source, raw, jnp.zeros((), bits))
+    summed = jax.lax.psum(zeros, axis_name, axis_index_groups=groups)
     return jax.lax.bitcast_convert_type(summed, x.dtype)
 
 

@@ -41,6 +41,8 @@ from jaxstep.program._device import status_bits
 from jaxstep.program._faults import Context
 from jaxstep.program._faults import poisoned
 from jaxstep.program._faults import spiked
+from jaxstep.program._grid import Grid
+from jaxstep.program._grid import Links
 from jaxstep.program._local import Beat
 from jaxstep.program._local import Here
 from jaxstep.program._local import LocalPart
@@ -61,7 +63,7 @@ def checked_gather(
     faults: tuple[jax.Array, jax.Array],
     scale: jax.Array,
     axis: int,
-    axis_name: str,
+    links: Links,
     flags: tuple[bool, bool, bool, bool],
 ) -> tuple[jax.Array, jax.Array]:
     """``(all_gather(shard), 0 * one)``. Backward: this device's own cotangent of the
@@ -71,9 +73,11 @@ def checked_gather(
     ``faults``: an injected loss fault's factor (1: none) and gradient fault's value
     (0: none), applied to the cotangent before the check, each with a select (the
     arithmetic stays the step's own until a fault fires). ``flags``: (masked, spiked,
-    poisoned, scaled), what the backward does of these (static)."""
+    poisoned, scaled), what the backward does of these (static). ``links``: the
+    collectives of the device's group (a gather and a reduce-scatter inside it, and
+    the scattered block summed across its twins, ``make_train_step(replicas=k)``)."""
     del probe, faults, scale, flags
-    return jax.lax.all_gather(shard, axis_name, axis=axis, tiled=True), one * 0
+    return links.gather(shard, axis), one * 0
 
 
 def _gather_fwd(
@@ -83,16 +87,16 @@ def _gather_fwd(
     faults: tuple[jax.Array, jax.Array],
     scale: jax.Array,
     axis: int,
-    axis_name: str,
+    links: Links,
     flags: tuple[bool, bool, bool, bool],
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, jax.Array]]:
-    out = checked_gather(shard, probe, one, faults, scale, axis, axis_name, flags)
+    out = checked_gather(shard, probe, one, faults, scale, axis, links, flags)
     return out, (faults, scale)
 
 
 def _gather_bwd(
     axis: int,
-    axis_name: str,
+    links: Links,
     flags: tuple[bool, bool, bool, bool],
     residuals: tuple[tuple[jax.Array, jax.Array], jax.Array],
     cotangents: tuple[jax.Array, jax.Array],
@@ -108,7 +112,7 @@ def _gather_bwd(
     squares = jnp.sum(jnp.square(g.astype(jnp.float32)))
     if masked:  # a cond, not a multiply (NaN * 0 is NaN): the healthy branch is free
         g = jax.lax.cond(keep > 0, lambda x: x, jnp.zeros_like, g)
-    shard = jax.lax.psum_scatter(g, axis_name, scatter_dimension=axis, tiled=True)
+    shard = links.scatter(g, axis)
     nothing = (jnp.zeros_like(factor), jnp.zeros_like(poison))
     return shard, squares, jnp.zeros_like(keep), nothing, jnp.zeros_like(scale)
 
@@ -139,6 +143,7 @@ def gathered_work(
     ctx: Context | None,
     *,
     plan: Plan,
+    grid: Grid,
     replicas: bool,
     keep: jax.Array | None,
 ) -> tuple[DeviceWork, tuple[str, ...]]:
@@ -153,7 +158,7 @@ def gathered_work(
     in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))  # before the backward
     validate.rng_for(options.loss_fn, key is not None)  # at trace time only
     shards, treedef = jax.tree.flatten(state.params)
-    gathering = Gathering(options, plan, state, ctx)
+    gathering = Gathering(options, plan, grid, state, ctx)
     args = (batch,) if key is None else (batch, key)
 
     def f(shards: list[jax.Array], probes: list[jax.Array], one: jax.Array) -> Any:
@@ -209,8 +214,10 @@ class Gathering:
     scale, and what its backward tells (the gathered leaves' squares and first
     non-finite one) joined with the replicated leaves' own health."""
 
-    def __init__(self, options: Options, plan: Plan, state: TrainState, ctx: Context | None):
-        self.options, self.plan = options, plan
+    def __init__(
+        self, options: Options, plan: Plan, grid: Grid, state: TrainState, ctx: Context | None
+    ):
+        self.options, self.plan, self.links = options, plan, grid.links
         self.scaler, self.scale = options.loss_scale, state.loss_scale
         self.scaling = self.scaler is not None and self.scale is not None
         #: the positions of the gathered (sharded) leaves, and of the replicated ones
@@ -251,7 +258,7 @@ class Gathering:
                 faults,
                 factor,
                 self.plan.params[i],
-                self.options.axis_name,
+                self.links,
                 (masked, spiking, poison is not None, self.scaling),
             )
             full[i] = checkpoint_name(x, GATHERED)
@@ -292,6 +299,7 @@ class Gathering:
 def local_part(
     options: Options,
     plan: Plan,
+    grid: Grid,
     state: TrainState,
     batch: Batch,
     at: Here,
@@ -323,7 +331,7 @@ def local_part(
     def work(
         keep: jax.Array | None, checked: bool
     ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
-        fn = functools.partial(gathered_work, plan=plan, replicas=checked, keep=keep)
+        fn = functools.partial(gathered_work, plan=plan, grid=grid, replicas=checked, keep=keep)
         return microbatched_work(
             options, state, batch, key, at.ctx, options.microbatches, fn, scattered=True
         )
@@ -333,11 +341,15 @@ def local_part(
     row = row_of(found, found.grad_leaf, found.grad_squares, microbatch)
     prints = None
     if replicas:
-        n_params = len(plan.params)
-        rest = jax.tree.leaves((state.opt_state, state.model_state))
-        kept = cross_checks.without_shards(rest, sharded[n_params:])
         assert found.prints is not None and found.param_leaf is not None
-        prints = jnp.concatenate([found.prints, cross_checks.fingerprint(kept)])
+        if grid.grouped:  # every leaf as this device holds it: a shard among its twins
+            trees = (state.params, state.opt_state, state.model_state)
+            prints = cross_checks.fingerprint(jax.tree.leaves(trees))
+        else:  # the gathered copies (a bad link shows), the rest but the shards
+            n_params = len(plan.params)
+            rest = jax.tree.leaves((state.opt_state, state.model_state))
+            kept = cross_checks.without_shards(rest, sharded[n_params:])
+            prints = jnp.concatenate([found.prints, cross_checks.fingerprint(kept)])
         row["param_leaf"] = found.param_leaf
         status |= jnp.where(found.param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
     row["status"] = status

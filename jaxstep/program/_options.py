@@ -26,6 +26,7 @@ from jaxstep.program._faults import Fault
 from jaxstep.program._faults import Injector
 from jaxstep.program._scaling import DynamicLossScale
 from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE
+from jaxstep.program._shards import ShardRule
 
 AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
 
@@ -67,6 +68,8 @@ class Options:
     loss_scale: DynamicLossScale | None = None
     shard_state: ShardState | None = None
     shard_min_size: int = DEFAULT_SHARD_MIN_SIZE
+    replicas: int = 1
+    shard_rule: ShardRule | None = None
     #: the faults resolved against the devices (what the traced program injects)
     injector: Injector = dataclasses.field(init=False, repr=False, compare=False)
     #: ``jax.Device.id`` of each device, in order
@@ -86,6 +89,12 @@ class Options:
         set_(self, "faults", tuple(self.faults))
         set_(self, "injector", Injector(self.faults, devices))
         set_(self, "device_ids", tuple(d.id for d in devices))
+        if self.n % self.replicas:
+            raise ValueError(
+                f"replicas={self.replicas} does not divide the {self.n} devices: the step's "
+                f"devices form replicas groups of equal size; pass a divisor of {self.n} "
+                f"(e.g. {_divisors(self.n)}) or other devices"
+            )
         if self.max_dropped is not None and not 0 <= self.max_dropped < self.n:
             raise ValueError(
                 f"max_dropped must be None or 0 <= max_dropped < {self.n} (the device "
@@ -115,6 +124,8 @@ class Options:
             "loss_scale": self.loss_scale,
             "verify_update": self.verify_update or None,
             "shard_state": self.shard_state,
+            "replicas": self.replicas if self.replicas != 1 else None,
+            "shard_rule": getattr(self.shard_rule, "__name__", "rule") if self.shard_rule else None,
             "faults": len(self.faults) or None,
             "max_consecutive_skips": (
                 self.max_consecutive_skips if self.on_failure == "skip" else None
@@ -123,6 +134,11 @@ class Options:
         parts += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
         name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
         return f"{name}, {', '.join(parts)}"
+
+    @property
+    def group_size(self) -> int:
+        """The devices a sharded leaf is split over: ``n / replicas``."""
+        return self.n // self.replicas
 
     @property
     def dropped_limit(self) -> int:
@@ -195,3 +211,25 @@ def _check_sharding(o: Options) -> None:
             f"shard_min_size must be an int >= 0 (elements: smaller leaves stay "
             f"replicated), got {size!r}"
         )
+    k = o.replicas
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise TypeError(f"replicas must be an int >= 1 (groups of devices), got {k!r}")
+    if k > 1 and o.shard_state is None:
+        raise ValueError(
+            f"replicas={k} needs shard_state: replicas groups hold a sharded state, whole "
+            "in each group (HSDP); pass shard_state='params' or 'optimizer', or replicas=1 "
+            "(without shard_state every device holds the whole state already)"
+        )
+    if o.shard_rule is not None and not callable(o.shard_rule):
+        raise TypeError(
+            f"shard_rule must be a function (path, shape) -> axis | None, got {o.shard_rule!r}"
+        )
+    if o.shard_rule is not None and o.shard_state is None:
+        raise ValueError(
+            "shard_rule needs shard_state: the rule says where the sharded state's leaves "
+            "are split; pass shard_state='params' or 'optimizer'"
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

@@ -6,6 +6,7 @@ replicas that diverged, the faults that fired anywhere)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
@@ -138,11 +139,15 @@ def compare_devices(
     at: Here,
     extras: dict[str, Any],
     repair: drop.Repair | None = None,
+    twinned: Sequence[bool] | None = None,
+    groups: int = 1,
 ) -> tuple[Gathered, dict[str, Any]]:
     """What the gathered rows tell that no device knew alone: which replicas diverged
     (the fingerprints' minority; under ``drop``, ``repair`` found them before the
-    local part) and which faults fired anywhere. Returns what the verdict and the
-    update take (:class:`~jaxstep.program._verdict.Gathered`) and the extras."""
+    local part; the leaves of ``twinned``, shards of ``groups`` replica groups,
+    compared among their twins) and which faults fired anywhere. Returns what the
+    verdict and the update take (:class:`~jaxstep.program._verdict.Gathered`) and the
+    extras."""
     status, seen, rest = reduced.status, reduced.seen, reduced.rest
     columns: dict[str, jax.Array] = {}
     if options.on_failure == "drop":
@@ -155,7 +160,8 @@ def compare_devices(
         columns["repaired"] = repair.repaired
     if part.prints is not None:
         prints = part.prints
-        diverged, first = cross_checks.minority(cross_checks.join16(rest[:, : 2 * prints.shape[0]]))
+        joined = cross_checks.join16(rest[:, : 2 * prints.shape[0]])
+        diverged, first = cross_checks.minority(joined, twinned, groups)
         added = jnp.where(diverged, int(Status.DIVERGED), 0)
         status |= added
         seen = seen.add(added, int(halting_status(options)))

@@ -48,6 +48,7 @@ from jaxstep.program._body import outputs
 from jaxstep.program._device import device_work
 from jaxstep.program._device import microbatched_work
 from jaxstep.program._faults import Context
+from jaxstep.program._grid import Grid
 from jaxstep.program._local import Beat
 from jaxstep.program._local import Here
 from jaxstep.program._local import LocalPart
@@ -113,15 +114,16 @@ def sharded_step(
     """The whole step on global arrays (traced inside the backend's ``jit``): each
     device's part in a ``shard_map``, then the verdict and the update."""
     axis = options.axis_name
-    plan = Plan.of(options.shard_state, options.n, options.shard_min_size, state)
+    plan = Plan.of(options, state)
     if not plan.sharded:  # the rule shards no leaf: the replicated step, bit for bit
         device_step = functools.partial(body, options, beat=beat, replicas=replicas)
         return map_body(device_step, mesh, axis, extra_specs)(state, batch, extras)
-    specs = plan.specs(state, axis)
+    grid = Grid(mesh, options.replicas)
+    specs, blocks = grid.state_specs(plan, state), grid.block_specs(plan, state)
     rows = jax.tree.leaves(batch)[0].shape[0] // options.n
 
     def part(state: TrainState, batch: Batch, extras: dict[str, Any]) -> Parted:
-        out = device_part(options, plan, state, batch, extras, beat=beat, replicas=replicas)
+        out = device_part(options, plan, grid, state, batch, extras, beat=beat, replicas=replicas)
         return out._replace(aux=jax.tree.map(lambda x: x[None], out.aux))
 
     grads = plan.grad_specs(state.params, axis)
@@ -129,22 +131,26 @@ def sharded_step(
     gathered = Gathered._make([P(), P(), seen, P(), grads, P(), P()])
     repairs = options.on_failure == "drop" and replicas  # the repaired state comes out
     out_specs = Parted._make(
-        [gathered, dict(extra_specs), P(axis), P(), specs if repairs else None]
+        [gathered, dict(extra_specs), P(axis), P(), blocks if repairs else None]
     )
     mapped = jax.shard_map(
         part,
         mesh=mesh,
-        in_specs=(specs, P(axis), dict(extra_specs)),
+        in_specs=(blocks, P(axis), dict(extra_specs)),
         out_specs=out_specs,
-        check_vma=False,  # as the replicated step (step/_backends.py says why)
+        check_vma=False,  # as the replicated step (program.map_body says why)
     )
-    p = mapped(state, batch, extras)
+    p = mapped(grid.to_blocks(state, specs), batch, extras)
+    grad_sums = grid.from_blocks(
+        p.gathered.grad_sums, plan.grad_specs(state.params, grid.state_axis)
+    )
     if p.repaired is not None:  # the update starts from the repaired copies, not the old
-        state = p.repaired
-    shards = _Shards(options, plan, mesh, state, extras, dict(extra_specs), rows)
-    new_state, status, columns = update(options, state, p.gathered, shards=shards)
-    table, metrics = outputs(options, p.gathered.rows, status, columns, p.gathered.losses)
-    placed = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+        state = grid.from_blocks(p.repaired, specs)
+    shards = _Shards(options, plan, grid, state, extras, dict(extra_specs), rows)
+    gathered = p.gathered._replace(grad_sums=grad_sums)
+    new_state, status, columns = update(options, state, gathered, shards=shards)
+    table, metrics = outputs(options, gathered.rows, status, columns, gathered.losses)
+    placed = jax.tree.map(lambda s: NamedSharding(grid.state_mesh, s), specs)
     new_state = jax.lax.with_sharding_constraint(new_state, placed)
     return new_state, StepOutput(metrics=metrics, health=table, aux=p.aux, info=p.info), p.extras
 
@@ -152,6 +158,7 @@ def sharded_step(
 def device_part(
     options: Options,
     plan: Plan,
+    grid: Grid,
     state: TrainState,
     batch: Batch,
     extras: dict[str, Any],
@@ -165,17 +172,24 @@ def device_part(
     shards = shard_mask(plan, state)
     dropping = options.on_failure == "drop"
     repair = None
-    if dropping and replicas:  # the replicated leaves' diverged copies, repaired first
-        state, repair = drop.repair_replicas(options, state, at.position, shards)
+    if dropping and replicas:  # diverged copies (and shards, among twins) repaired first
+        state, repair = drop.repair_replicas(options, state, at.position, shards, grid)
     rerun: Rerun
     if options.shard_state == "params":
         part, rerun = fsdp.local_part(
-            options, plan, state, batch, at, beat=beat, replicas=replicas, sharded=shards
+            options, plan, grid, state, batch, at, beat=beat, replicas=replicas, sharded=shards
         )
     else:
         work_fn = functools.partial(device_work, input_apart=True) if dropping else None
         part = local_part(
-            options, state, batch, at, beat=beat, replicas=replicas, sharded=shards, work_fn=work_fn
+            options,
+            state,
+            batch,
+            at,
+            beat=beat,
+            replicas=replicas,
+            sharded=None if grid.grouped else shards,  # shards with twins are compared
+            work_fn=work_fn,
         )
         if dropping and replicas:
             part = part._replace(prints=None)  # compared before (drop.repair_replicas)
@@ -187,8 +201,9 @@ def device_part(
             )
             return again[0].grads, again[0].model_state
 
-    reduced = reduce(options, plan, state, part, at, rerun)
-    gathered, extras = compare_devices(options, reduced, part, at, extras, repair)
+    reduced = reduce(options, plan, grid, state, part, at, rerun)
+    twinned = shards if grid.grouped else None
+    gathered, extras = compare_devices(options, reduced, part, at, extras, repair, twinned, grid.k)
     seen = gathered.seen._replace(late=jnp.asarray(gathered.seen.late))  # leaves the shard_map
     gathered = gathered._replace(seen=seen)
     repaired = state if repair is not None else None
@@ -198,6 +213,7 @@ def device_part(
 def reduce(
     options: Options,
     plan: Plan,
+    grid: Grid,
     state: TrainState,
     part: LocalPart,
     at: Here,
@@ -214,7 +230,7 @@ def reduce(
     scattered = options.shard_state == "params"
     if options.on_failure == "drop":
         leaves, floats = _left_out(plan, part.work.forward_failed, leaves, floats, scattered)
-    grad_sums, floats, gathered = _sums(options, plan, leaves, floats, sent, scattered)
+    grad_sums, floats, gathered = _sums(options, plan, grid, leaves, floats, sent, scattered)
     assert gathered is not None  # sent rode along
     reduced = received(
         options, part, summed, jax.tree.unflatten(treedef, grad_sums), floats, gathered
@@ -235,7 +251,7 @@ def reduce(
         leaves, treedef = jax.tree.flatten(grads)
         floats = floats_of(model_state)
         leaves, floats = _left_out(plan, left[at.position], leaves, floats, scattered)
-        sums, floats, _ = _sums(options, plan, leaves, floats, None, scattered)
+        sums, floats, _ = _sums(options, plan, grid, leaves, floats, None, scattered)
         floats = [times_share(x, healthy) for x in floats]
         return jax.tree.unflatten(treedef, sums), with_floats(model_state, floats)
 
@@ -262,6 +278,7 @@ def _left_out(
 def _sums(
     options: Options,
     plan: Plan,
+    grid: Grid,
     leaves: list[jax.Array],
     floats: list[jax.Array],
     sent: jax.Array | None,
@@ -273,9 +290,7 @@ def _sums(
     axis = options.axis_name
     local = [g for g, a in zip(leaves, plan.grads, strict=True) if a is None]
     out = [
-        g
-        if a is None or scattered
-        else jax.lax.psum_scatter(g, axis, scatter_dimension=a, tiled=True)
+        g if a is None or scattered else grid.scatter(g, a)
         for g, a in zip(leaves, plan.grads, strict=True)
     ]
     local, floats, gathered = jax.lax.psum((local, floats, sent), axis)
@@ -291,16 +306,17 @@ class _Shards:
         self,
         options: Options,
         plan: Plan,
-        mesh: Mesh,
+        grid: Grid,
         state: TrainState,
         extras: dict[str, Any],
         extra_specs: dict[str, P],
         rows: int,
     ):
-        self.options, self.plan, self.mesh = options, plan, mesh
-        axis = options.axis_name
-        self._grad_specs = plan.grad_specs(state.params, axis)
-        self._param_specs = plan.specs(state, axis).params
+        self.options, self.plan, self.grid = options, plan, grid
+        self.mesh = grid.state_mesh  # the update runs on the state's global arrays
+        self._grad_specs = plan.grad_specs(state.params, grid.state_axis)
+        self._blocks = plan.grad_specs(state.params, options.axis_name)  # the step's mesh
+        self._param_specs = plan.specs(state, grid.state_axis).params
         self._step = state.step
         self._extras = extras
         self._extra_specs = extra_specs
@@ -340,15 +356,16 @@ class _Shards:
             mine = jnp.arange(options.n) == index
             return jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
 
-        mapped = jax.shard_map(
+        mapped = jax.shard_map(  # on the step's mesh: each device checks its block
             check,
-            mesh=self.mesh,
-            in_specs=(self._grad_specs, P(), self._extra_specs),
+            mesh=self.grid.mesh,
+            in_specs=(self._blocks, P(), self._extra_specs),
             out_specs=P(),
             check_vma=False,
         )
         shards = jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
-        return mapped(shards, self._step, self._extras)
+        blocks = self.grid.to_blocks(shards, self._grad_specs)
+        return mapped(blocks, self._step, self._extras)
 
 
 def place(state: Any, plan: Plan, mesh: Mesh, axis: str) -> Any:

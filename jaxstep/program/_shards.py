@@ -1,12 +1,17 @@
 """The sharding rule of ``make_train_step(shard_state=...)``: which leaves of the
-state are sharded over the step's devices, and along which axis.
+state are sharded over a group of the step's devices (all of them, or ``n / replicas``
+with ``replicas``), and along which axis.
 
-A leaf is sharded along its largest axis whose size divides by the number of devices
-(the first such axis on ties); a leaf with no such axis, or with fewer than
-``shard_min_size`` elements, stays replicated. Under ``"optimizer"`` the rule is
-applied to each optimizer-state leaf's own shape (Adam's moments get their parameter's
-axis; a factored or scalar leaf gets what fits it) and the parameters stay
-replicated; under ``"params"`` to the parameters too. The gradients are
+By default a leaf is sharded along its largest axis whose size divides by the group's
+device count (the first such axis on ties); a leaf with no such axis, or with fewer
+than ``shard_min_size`` elements, stays replicated. A ``shard_rule`` of the user's
+(``fn(path, shape) -> axis | None``) replaces that rule: it is asked for each
+parameter, and each optimizer-state leaf that mirrors a parameter (Adam's moments: the
+same path at the end, the same shape) takes its parameter's axis; any other
+optimizer-state leaf (a count, a factored moment) stays whole. Under ``"optimizer"``
+the default rule is applied to each optimizer-state leaf's own shape (Adam's moments
+get their parameter's axis; a factored or scalar leaf gets what fits it) and the
+parameters stay replicated; under ``"params"`` to the parameters too. The gradients are
 reduce-scattered along their parameter's axis under both. Everything else (model
 state, the loss scale, keys, counters, the monitor) stays replicated.
 """
@@ -15,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -25,6 +32,25 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import PyTree
 from jaxstep.core import TrainState
+from jaxstep.core.names import keystrs
+
+#: ``shard_rule(path, shape) -> axis | None``: ``path`` as ``jax.tree_util.keystr``
+#: writes it (``"['dense1']['kernel']"``, the names errors use), ``shape`` the leaf's.
+ShardRule = Callable[[str, tuple[int, ...]], "int | None"]
+
+
+class Rule(Protocol):
+    """What a plan is made from (the step's :class:`~jaxstep.program.Options`)."""
+
+    @property
+    def shard_state(self) -> Any: ...
+    @property
+    def shard_min_size(self) -> int: ...
+    @property
+    def shard_rule(self) -> ShardRule | None: ...
+    @property
+    def group_size(self) -> int: ...
+
 
 #: The default ``shard_min_size``, in elements (256 KiB of float32). Below it the two
 #: collectives a sharded leaf adds (a reduce-scatter and an all-gather in place of one
@@ -71,20 +97,35 @@ class Plan(NamedTuple):
     opt: tuple[int | None, ...]
 
     @classmethod
-    def of(cls, layout: str | None, n: int, min_size: int, state: Any) -> Plan:
-        """The plan for ``state`` (a :class:`TrainState`, of arrays or shapes) on ``n``
-        devices under ``layout`` (``shard_state``; None: nothing sharded)."""
-        shape = lambda x: tuple(np.shape(x))  # noqa: E731
-        if layout is None:
-            return cls(
-                tuple(None for _ in jax.tree.leaves(state.params)),
-                tuple(None for _ in jax.tree.leaves(state.params)),
-                tuple(None for _ in jax.tree.leaves(state.opt_state)),
+    def of(cls, rule: Rule, state: Any) -> Plan:
+        """The plan for ``state`` (a :class:`TrainState`, of arrays or shapes, or
+        anything with ``params`` and ``opt_state``) under ``rule`` (the step's options:
+        ``shard_state``, the group's size, ``shard_min_size``, ``shard_rule``).
+
+        Raises:
+          ValueError: the user's ``shard_rule`` gave an axis a leaf does not have, or
+            one whose size does not divide by the group's device count (naming both).
+          TypeError: it gave something other than an int or None.
+        """
+        params = [tuple(np.shape(x)) for x in jax.tree.leaves(state.params)]
+        opt = [tuple(np.shape(x)) for x in jax.tree.leaves(state.opt_state)]
+        if rule.shard_state is None:
+            return cls((None,) * len(params), (None,) * len(params), (None,) * len(opt))
+        m = rule.group_size
+        if rule.shard_rule is None:
+            grads = tuple(shard_axis(s, m, rule.shard_min_size) for s in params)
+            opt_axes = tuple(shard_axis(s, m, rule.shard_min_size) for s in opt)
+        else:
+            names = keystrs(state.params)
+            asked = zip(names, params, strict=True)
+            grads = tuple(_asked(rule.shard_rule, name, s, m) for name, s in asked)
+            mirrors = dict(zip(names, zip(params, grads, strict=True), strict=True))
+            opt_axes = tuple(
+                _mirrored(name, shape, mirrors)
+                for name, shape in zip(keystrs(state.opt_state, "opt_state"), opt, strict=True)
             )
-        grads = tuple(shard_axis(shape(x), n, min_size) for x in jax.tree.leaves(state.params))
-        opt = tuple(shard_axis(shape(x), n, min_size) for x in jax.tree.leaves(state.opt_state))
-        params = grads if layout == "params" else tuple(None for _ in grads)
-        return cls(grads, params, opt)
+        kept = grads if rule.shard_state == "params" else (None,) * len(grads)
+        return cls(grads, kept, opt_axes)
 
     @property
     def sharded(self) -> bool:
@@ -103,6 +144,44 @@ class Plan(NamedTuple):
     def grad_specs(self, params: PyTree, name: str) -> PyTree:
         """The reduced gradients' ``PartitionSpec`` s (a tree like ``params``)."""
         return _as(params, self.grads, name)
+
+
+def _asked(rule: ShardRule, name: str, shape: tuple[int, ...], m: int) -> int | None:
+    """The user's rule's axis for one leaf, checked against its shape and the group."""
+    axis = rule(name, shape)
+    if axis is None:
+        return None
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise TypeError(
+            f"shard_rule({name!r}, {shape}) returned {axis!r}; return an axis (an int) or None"
+        )
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(
+            f"shard_rule({name!r}, {shape}) returned axis {axis}, which a leaf of shape "
+            f"{shape} does not have: return one of 0..{len(shape) - 1} (or None)"
+        )
+    axis = int(axis) % len(shape)
+    if shape[axis] % m:
+        raise ValueError(
+            f"shard_rule puts leaf {name} (shape {shape}) on axis {axis}, of size "
+            f"{shape[axis]}, which does not divide by the {m} devices it is split over: "
+            f"return another axis (or None) for it, or build the step on a device count "
+            f"(or replicas) whose group size divides {shape[axis]}"
+        )
+    return axis
+
+
+def _mirrored(
+    name: str, shape: tuple[int, ...], mirrors: dict[str, tuple[tuple[int, ...], int | None]]
+) -> int | None:
+    """An optimizer-state leaf's axis: its parameter's when it mirrors one (its path
+    ends with the parameter's, its shape is the parameter's), else None (whole: a
+    count, a scalar; the rule is asked about parameters alone)."""
+    for param in sorted(mirrors, key=len, reverse=True):  # the longest path that fits
+        param_shape, axis = mirrors[param]
+        if name.endswith(param) and shape == param_shape:
+            return axis
+    return None
 
 
 def _as(tree: PyTree, axes: Sequence[int | None], name: str) -> PyTree:

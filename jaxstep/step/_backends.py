@@ -33,6 +33,7 @@ from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.core import from_host
 from jaxstep.core import to_host
+from jaxstep.program import Grid
 from jaxstep.program import Options
 from jaxstep.program import Plan
 from jaxstep.program import map_body
@@ -74,17 +75,20 @@ class Backend(Protocol):
 class ShardMapBackend:
     """State replicated (``P()``), batch split on its leading axis (``P(axis_name)``);
     under ``shard_state``, the state's leaves sharded by the rule
-    (:class:`jaxstep.program.Plan`): global arrays with their logical shapes."""
+    (:class:`jaxstep.program.Plan`) over a group of the devices (all of them, or
+    ``n / replicas``: :class:`jaxstep.program.Grid`): global arrays with their logical
+    shapes, on the state's mesh."""
 
     name = "shard_map"
     stacked = False
 
     def __init__(self, options: Options):
+        self.options = options
         self.devices = list(options.devices)
         self.shard_state = options.shard_state
-        self.min_size = options.shard_min_size
         self.axis = axis_name = options.axis_name
         self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
+        self.grid = Grid(self.mesh, options.replicas)
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(axis_name))
         self.placement = BatchPlacement(self.mesh, axis_name)
@@ -118,13 +122,18 @@ class ShardMapBackend:
                 jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=out, check_vma=False)
             )
 
-        def run(state: Any) -> Any:
-            specs = self._specs(state)
-            out = specs if out_specs is None else out_specs
+        grid = self.grid
+
+        def run(state: Any) -> Any:  # on each device's blocks (tiled: no data moves)
+            plan = self.plan(state)
+            assert plan is not None  # a TrainState under a layout
+            specs, blocks = grid.state_specs(plan, state), grid.block_specs(plan, state)
+            out = blocks if out_specs is None else out_specs
             mapped = jax.shard_map(
-                fn, mesh=self.mesh, in_specs=(specs,), out_specs=out, check_vma=False
+                fn, mesh=self.mesh, in_specs=(blocks,), out_specs=out, check_vma=False
             )
-            return mapped(state)
+            result = mapped(grid.to_blocks(state, specs))
+            return grid.from_blocks(result, specs) if out_specs is None else result
 
         return jax.jit(run)
 
@@ -132,19 +141,14 @@ class ShardMapBackend:
         """Where ``state``'s leaves are sharded (None: replicated, no layout)."""
         if self.shard_state is None or not isinstance(state, TrainState):
             return None
-        return Plan.of(self.shard_state, len(self.devices), self.min_size, state)
-
-    def _specs(self, state: Any) -> Any:
-        plan = self.plan(state)
-        if plan is None:
-            return jax.tree.map(lambda _: P(), state)
-        return plan.specs(state, self.axis)
+        return Plan.of(self.options, state)
 
     def place_state(self, state: PyTree) -> PyTree:
-        if self.shard_state is None or not isinstance(state, TrainState):
+        plan = self.plan(state)
+        if plan is None:
             return jax.device_put(state, self.replicated)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs(state))
-        return jax.device_put(state, shardings)
+        mesh, specs = self.grid.state_mesh, self.grid.state_specs(plan, state)
+        return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
     def init_sharded(self, optimizer: Any, params: PyTree) -> tuple[PyTree, PyTree]:
         """The parameters and the optimizer state of a first state, each leaf placed
@@ -153,17 +157,13 @@ class ShardMapBackend:
         whole leaves on one device)."""
         shapes = jax.eval_shape(optimizer.init, params)
         assert self.shard_state is not None
-        plan = Plan.of(
-            self.shard_state,
-            len(self.devices),
-            self.min_size,
-            types.SimpleNamespace(params=params, opt_state=shapes),
-        )
+        plan = Plan.of(self.options, types.SimpleNamespace(params=params, opt_state=shapes))
+        mesh, axis = self.grid.state_mesh, self.grid.state_axis
 
         def named(tree: PyTree, axes: Sequence[int | None]) -> PyTree:
             return jax.tree.unflatten(
                 jax.tree.structure(tree),
-                [NamedSharding(self.mesh, shard_spec(a, self.axis)) for a in axes],
+                [NamedSharding(mesh, shard_spec(a, axis)) for a in axes],
             )
 
         # Copies laid out by the rule, never the caller's own buffers: the step donates
@@ -212,23 +212,35 @@ class ShardMapBackend:
     def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as
         :class:`jaxstep.core.HostKey`); a leaf sharded over the devices comes whole
-        (:func:`whole`: it has one copy, gathered from every device)."""
+        (:func:`whole`: gathered from the blocks of ``position``'s group)."""
         device = self.devices[position]
+        grid = self.grid
+        group = grid.groups[position // grid.m]
+        among = {self.devices[i] for i in group} if grid.grouped else None
         return to_host(
             lambda x: whole(
-                x, next(np.asarray(s.data) for s in x.addressable_shards if s.device == device)
+                x,
+                next(np.asarray(s.data) for s in x.addressable_shards if s.device == device),
+                among,
             ),
             tree,
         )
 
 
-def whole(x: Any, copy: np.ndarray) -> np.ndarray:
+def whole(x: Any, copy: np.ndarray, among: set[jax.Device] | None = None) -> np.ndarray:
     """``x`` as one numpy array: ``copy`` (one device's) when every device holds it
-    whole; a leaf sharded over the devices gathered from their shards (across
-    processes with ``multihost_utils.process_allgather``: a collective, which every
-    process must call alike)."""
+    whole; a leaf sharded over the devices gathered from their shards (those of the
+    devices ``among``, a replica group, when given; across processes with
+    ``multihost_utils.process_allgather``: a collective, which every process must call
+    alike)."""
     if not isinstance(x, jax.Array) or x.is_fully_replicated:
         return copy
+    if among is not None and x.is_fully_addressable:  # one group's blocks, not a twin's
+        out = np.empty(x.shape, x.dtype)
+        for s in x.addressable_shards:
+            if s.device in among:
+                out[s.index] = np.asarray(s.data)
+        return out
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils

@@ -20,6 +20,7 @@ from jaxstep.program import DynamicLossScale
 from jaxstep.program import Fault
 from jaxstep.program import LossSpike
 from jaxstep.program import Options
+from jaxstep.program import ShardRule
 from jaxstep.step._train_step import TrainStep
 
 
@@ -44,6 +45,8 @@ def make_train_step(
     loss_scale: DynamicLossScale | None = None,
     shard_state: ShardState | None = None,
     shard_min_size: int = DEFAULT_SHARD_MIN_SIZE,
+    replicas: int = 1,
+    shard_rule: ShardRule | None = None,
 ) -> TrainStep:
     """Builds a checked data-parallel training step.
 
@@ -115,6 +118,17 @@ def make_train_step(
         below it the extra collectives cost more than the sharded update saves). A
         leaf is sharded along its largest axis that divides by the device count (the
         first on ties); one with no such axis stays replicated.
+      replicas: with ``shard_state``, the devices form this many groups of ``n /
+        replicas`` consecutive devices (in ``devices`` order): the state is sharded
+        inside a group and whole in each (hybrid sharding: MaxText's ``dcn_data`` x
+        ``ici_fsdp``, FSDP2's HSDP); the gradients are reduce-scattered inside a group
+        and all-reduced across groups, and every shard has ``replicas - 1`` twins that
+        the replica check compares. Default 1 (one group).
+      shard_rule: ``fn(path, shape) -> axis | None`` in place of the default rule:
+        the axis each parameter is split along over a group (``path`` as
+        ``jax.tree_util.keystr`` writes it; None: whole); an optimizer-state leaf that
+        mirrors a parameter takes its axis (``jaxstep.flax.shard_rule`` makes one from
+        flax's partitioning metadata). ``shard_min_size`` does not apply to it.
 
     Returns:
       A :class:`TrainStep`: ``state = step.init(params)``, ``state, out = step(state, batch)``.
@@ -152,5 +166,7 @@ def make_train_step(
         loss_scale=loss_scale,
         shard_state=shard_state,
         shard_min_size=shard_min_size,
+        replicas=replicas,
+        shard_rule=shard_rule,
     )
     return TrainStep(options)

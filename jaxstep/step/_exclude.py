@@ -50,6 +50,10 @@ def kept_positions(options: Options, device_ids: Sequence[int]) -> list[int]:
             )
     gone = {int(d) for d in device_ids}
     keep = [i for i, d in enumerate(ids) if d not in gone]
+    if options.replicas > 1:  # a group goes whole: its shards have no home without it
+        m = options.group_size
+        groups = {i // m for i, d in enumerate(ids) if d in gone}
+        keep = [i for i in keep if i // m not in groups]
     if not keep:
         raise ValueError(
             f"excluding devices {sorted(gone)} leaves this step no device: keep at least "
@@ -72,20 +76,76 @@ def smaller_options(options: Options, keep: Sequence[int]) -> tuple[Options, lis
     """The options of the step on ``devices[keep]``, and the indices of the faults it
     keeps (a fault on a device that goes can no longer fire: it is let go). An
     explicit ``max_dropped`` above the new limit becomes ``n - 1``; None still means
-    the default for the new count."""
+    the default for the new count. Under ``replicas`` the groups left (whole groups
+    go: :func:`kept_positions`); a user's ``shard_rule`` keeps a leaf whole where its
+    axis no longer divides by the devices of a group (the warning of
+    :func:`warn_resharded` names it)."""
     devices = [options.devices[i] for i in keep]
     ids = {d.id for d in devices}
     kept_faults = [k for k, f in enumerate(options.faults) if f.device_id in ids]
     max_dropped = options.max_dropped
     if max_dropped is not None:
         max_dropped = min(max_dropped, len(devices) - 1)
+    replicas = len(devices) // options.group_size if options.replicas > 1 else 1
+    rule = options.shard_rule
+    if rule is not None and replicas == 1 and len(devices) != options.group_size:
+        rule = Lenient(rule, len(devices))
     smaller = dataclasses.replace(
         options,
         devices=devices,
         faults=[options.faults[k] for k in kept_faults],
         max_dropped=max_dropped,
+        replicas=replicas,
+        shard_rule=rule,
     )
     return smaller, kept_faults
+
+
+class Lenient:
+    """A user's ``shard_rule`` on fewer devices: its axis where it still divides by
+    ``n``, else None (the leaf whole, as the default rule keeps a leaf no axis of which
+    divides), so that an exclusion never fails on the rule."""
+
+    def __init__(self, rule: Any, n: int):
+        self.rule = getattr(rule, "rule", rule)  # the user's own, once
+        self.n = n
+        self.__name__ = getattr(self.rule, "__name__", "rule")
+
+    def __call__(self, path: str, shape: tuple[int, ...]) -> int | None:
+        axis = self.rule(path, shape)
+        if axis is None or isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+            return axis  # the step's own check says what is wrong with it
+        if -len(shape) <= axis < len(shape) and shape[axis] % self.n:
+            return None
+        return int(axis)
+
+
+def warn_groups(old: Options, options: Options, device_ids: Sequence[int]) -> None:
+    """Under ``replicas``: says which healthy devices left with the groups of
+    ``device_ids`` and what the step runs on now."""
+    if old.replicas == 1:
+        return
+    m = old.group_size
+    gone = sorted(
+        {int(i) for i in device_ids}
+        | {d.id for d in old.devices if d.id not in set(options.device_ids)}
+    )
+    left = [d.id for d in options.devices]
+    twins = (
+        f"each shard keeps {options.replicas - 1} twin(s)"
+        if options.replicas > 1
+        else "with one group left the shards have no twins (the replica check compares none)"
+    )
+    said = ", ".join(str(int(i)) for i in device_ids)
+    warn(
+        f"replicas={old.replicas}: device {said} leaves with its group (devices "
+        f"{', '.join(map(str, gone))}): a group holds one whole copy of the sharded state, "
+        f"split over its {m} devices, and leaves whole, so the state stays sharded as it "
+        f"was. Training goes on on {options.replicas} group(s) of {m} (devices "
+        f"{', '.join(map(str, left))}); {twins}. To use the healthy devices of that group "
+        "again, restart from the latest checkpoint on them (jaxstep.restore restores onto "
+        "any layout)",
+    )
 
 
 def shrink_state(host: TrainState, keep: Sequence[int]) -> TrainState:
@@ -112,15 +172,14 @@ def _copy_dicts(tree: Any) -> Any:
     return tree
 
 
-def warn_resharded(options: Options, host: TrainState, before: int) -> None:
+def warn_resharded(old: Options, options: Options, host: TrainState) -> None:
     """Under ``shard_state``: warns when the state sharded again by the rule on the
-    devices of ``options`` (from ``before`` devices) keeps leaves whole that were
+    devices of ``options`` (from those of ``old``) keeps leaves whole that were
     sharded, naming the bytes per device before and after and what to do."""
     if options.shard_state is None:
         return
-    layout, size = options.shard_state, options.shard_min_size
-    was = Plan.of(layout, before, size, host)
-    now = Plan.of(layout, options.n, size, host)
+    layout, before = options.shard_state, old.n
+    was, now = Plan.of(old, host), Plan.of(options, host)
     lost = [
         name
         for name, a, b in zip(
@@ -130,13 +189,14 @@ def warn_resharded(options: Options, host: TrainState, before: int) -> None:
     ]
     if not lost:
         return
-    old, new = nbytes_per_device(host, was, before), nbytes_per_device(host, now, options.n)
+    old_bytes = nbytes_per_device(host, was, old.group_size)
+    new = nbytes_per_device(host, now, options.group_size)
     shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
     warn(
         f"shard_state={layout!r} on {options.n} devices (from {before}): {len(lost)} "
         f"leaves sharded before no longer divide over {options.n} devices and are now "
         f"whole on every device ({shown}); the state takes {_mb(new)} per device, "
-        f"{_mb(old)} before. If it does not fit, exclude devices down to a count the "
+        f"{_mb(old_bytes)} before. If it does not fit, exclude devices down to a count the "
         "leaves' axes divide by (e.g. 4 of 8), or restart on such a count from the "
         "latest checkpoint (jaxstep.restore restores onto any device count)",
     )

@@ -75,14 +75,24 @@ class Programs:
             self._ahead[key] = variant.lower(state, placed, extras).compile()
         return self._ahead[key]
 
+    def twinned(self, state: TrainState) -> list[bool] | None:
+        """The leaves of (params, opt_state, model_state) held as shards with twins
+        (``replicas > 1``), compared among their twins; None: none."""
+        plan = self.backend.plan(state)
+        if plan is None or self.options.replicas == 1:
+            return None
+        return shard_mask(plan, state)
+
     def fingerprints(self, state: TrainState) -> np.ndarray:
         """Every device's fingerprints of its copy of ``state``'s params, optimizer state
-        and model state, gathered (``(n, leaves)``; a shard's left at 0: it has no second
-        copy to compare). Compiled on first use."""
+        and model state, gathered (``(n, leaves)``; a shard without twins left at 0: it
+        has no second copy to compare; with twins, its block's). Compiled on first use."""
         if self._prints is None:
             axis = self.options.axis_name
             plan = self.backend.plan(state)
             sharded = None if plan is None else shard_mask(plan, state)
+            if self.options.replicas > 1:
+                sharded = None  # every block has twins: each device's is compared
 
             def prints(s: TrainState) -> jax.Array:
                 leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))

@@ -33,6 +33,7 @@ from jaxstep.core import processes
 from jaxstep.core import validate
 from jaxstep.core import warn
 from jaxstep.program import Options
+from jaxstep.program import all_agree
 from jaxstep.step import _exclude as exclude
 from jaxstep.step import _replay as replays
 from jaxstep.step._backends import Backend
@@ -161,7 +162,7 @@ class Runtime:
         """Whether every device holds the same bits of ``state``'s params, optimizer
         state and model state: the step's replica check, run alone."""
         gathered = self.programs.fingerprints(state)
-        return bool(np.all(gathered == gathered[:1]))
+        return all_agree(gathered, self.programs.twinned(state), self.options.replicas)
 
     def step_number(self, state: TrainState) -> int:
         """``state.step`` (no device read for the state returned last)."""
@@ -291,7 +292,8 @@ class Runtime:
         here = jax.process_index()  # a copy this process holds, of a device that stays
         source = next(i for i in keep if self.devices[i].process_index == here)
         host = exclude.shrink_state(self.backend.read_at(state, source), keep)
-        exclude.warn_resharded(options, host, len(self.devices))
+        exclude.warn_resharded(self.options, options, host)
+        exclude.warn_groups(self.options, options, device_ids)
         fired = self.extras.fired()[kept_faults] if self.extras.n_faults else None
         smaller = Runtime(
             options,

@@ -35,7 +35,9 @@ def corrupt_replica(
 
     Raises:
       ValueError: an unknown leaf or device, a leaf that is not float, or a leaf held
-        as shards (``shard_state``: a shard has one owner, no replica).
+        as shards without twins (``shard_state`` with ``replicas=1``: a shard has one
+        owner, no replica; with ``replicas=k`` the device's shard is corrupted and its
+        twins on the other groups stay as they were).
 
     Example:
       >>> from jaxstep.testing import corrupt_replica, replicas, tiny_step
@@ -60,13 +62,15 @@ def corrupt_replica(
         isinstance(x, jax.Array)
         and not x.sharding.is_fully_replicated
         and step.options.backend != "pmap"
+        and step.options.replicas == 1
     ):
         whole = [n for n, y in zip(names, leaves, strict=True) if y.sharding.is_fully_replicated]
         raise ValueError(
             f"leaf {leaf!r} is sharded over the devices (shard_state="
             f"{step.options.shard_state!r}): each device holds the only copy of its shard, "
             "so there is no replica to corrupt (and none to compare: a bad shard shows in "
-            f"the checks of what it computes). The replicated leaves are {whole}"
+            f"the checks of what it computes; make_train_step(replicas=k) gives every "
+            f"shard k - 1 twins). The replicated leaves are {whole}"
         )
 
     def nudge(data: np.ndarray) -> np.ndarray:
