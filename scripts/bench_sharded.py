@@ -42,6 +42,10 @@ from jaxstep.program import shard_axis
 
 AXIS = "x"
 LAYOUTS = {"optimizer": "hand ZeRO-1", "params": "hand FSDP"}
+#: hybrid sharding (issue 36): ``shard_state="params", replicas=2`` against hand HSDP
+HYBRID, HSDP, GROUPS = "jaxstep params replicas=2", "hand HSDP", 2
+#: the pairs each ratio compares: jaxstep's variant, the hand-written step of its layout
+PAIRS = {f"jaxstep {layout}": hand for layout, hand in LAYOUTS.items()} | {HYBRID: HSDP}
 
 
 def _spec(axis: int | None) -> P:
@@ -151,6 +155,49 @@ def hand_fsdp(opt: Any, params: Any, mesh: Any) -> tuple[Any, Any]:
     )
 
 
+def hand_hsdp(opt: Any, params: Any, devices: Any, groups: int) -> tuple[Any, Any]:
+    """Hybrid sharding by hand, as a JAX user writes it (MaxText's ``dcn_data`` x
+    ``ici_fsdp``): a ``("data", "x")`` mesh of ``groups`` x ``n / groups``, each
+    parameter sharded over ``"x"`` and whole along ``"data"``, gathered over ``"x"``
+    where its layer uses it (autodiff's transpose reduce-scatters its gradient inside
+    the group), the gradients then summed across the groups (``psum`` over ``"data"``)."""
+    n = len(devices)
+    m = n // groups
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(groups, m), ("data", AXIS))
+    axes = _axes(params, m)
+    p_specs = _tree(params, [_spec(a) for a in axes])
+    shapes = jax.eval_shape(opt.init, params)
+    o_specs = jax.tree.map(lambda x: _spec(shard_axis(x.shape, m, DEFAULT_SHARD_MIN_SIZE)), shapes)
+
+    def body(shards: Any, opt_state: Any, batch: Any) -> Any:
+        f = jax.remat(
+            lambda s: _mlp_where_used(s, batch, axes),
+            policy=lambda prim, *_, **__: str(prim) != "all_gather",
+        )
+        loss, grads = jax.value_and_grad(f)(shards)
+        sums = [
+            jax.lax.psum(g, "data") if a is not None else jax.lax.psum(g, ("data", AXIS))
+            for g, a in zip(jax.tree.leaves(grads), axes, strict=True)
+        ]
+        updates, opt_state = opt.update(_tree(params, [g / n for g in sums]), opt_state, shards)
+        loss = jax.lax.pmean(loss, ("data", AXIS))
+        return optax.apply_updates(shards, updates), opt_state, loss
+
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(p_specs, o_specs, P(("data", AXIS))),
+        out_specs=(p_specs, o_specs, P()),
+        check_vma=False,
+    )
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), p_specs))
+    o_named = jax.tree.map(lambda s: NamedSharding(mesh, s), o_specs)
+    return jax.jit(mapped, donate_argnums=(0, 1)), (
+        placed,
+        jax.jit(opt.init, out_shardings=o_named)(placed),
+    )
+
+
 def held_bytes(tree: Any, device: Any) -> int:
     """Bytes of ``tree``'s arrays that ``device`` holds."""
     return sum(
@@ -189,6 +236,17 @@ def variants(bench: Any, setup: Any) -> dict[str, Any]:
             return fn.lower(*state, setup.batches[0])
 
         out[hand] = bench.Variant(hand, run, state, setup.batches, lower, "hand")
+    out[HYBRID] = setup.jaxstep(HYBRID, shard_state="params", replicas=GROUPS, **off)
+    fn, state = hand_hsdp(setup.adam, setup.params, list(setup.mesh.devices.flat), GROUPS)
+
+    def hybrid(s: Any, b: Any, fn: Any = fn) -> tuple[Any, jax.Array]:
+        *s, loss = fn(*s, b)
+        return tuple(s), loss
+
+    def lower_hybrid(fn: Any = fn, state: Any = state) -> Any:
+        return fn.lower(*state, setup.batches[0])
+
+    out[HSDP] = bench.Variant(HSDP, hybrid, state, setup.batches, lower_hybrid, "hand")
     return out
 
 
@@ -209,12 +267,8 @@ def run(bench: Any, args: Any) -> dict[str, Any]:
     res["memory"] = memory
     rep = memory["jaxstep replicated"]
     res["memory_ratios"] = {
-        f"jaxstep {layout} / {hand}": memory[f"jaxstep {layout}"] / memory[hand]
-        for layout, hand in LAYOUTS.items()
-    } | {
-        f"jaxstep {layout} / jaxstep replicated": memory[f"jaxstep {layout}"] / rep
-        for layout in LAYOUTS
-    }
+        f"{mine} / {hand}": memory[mine] / memory[hand] for mine, hand in PAIRS.items()
+    } | {f"{mine} / jaxstep replicated": memory[mine] / rep for mine in PAIRS}
     res["max_difference_20_adam_steps"] = _twenty_steps(deep)
     # a smoke run (tests/bench/test_bench.py: one round) times the 8-layer model's steps
     timed = variants(bench, deep if args.rounds <= 1 else bench.Setup(bench.MODELS["mlp"]))
@@ -248,35 +302,36 @@ def _ratios(bench: Any, times: dict[str, np.ndarray]) -> dict[str, list[float]]:
     """Quartiles of the per-round ratios: each layout over its hand-written step and
     over jaxstep's replicated one."""
     return {
-        f"jaxstep {layout} / {hand}": bench.quartiles(times[f"jaxstep {layout}"] / times[hand])
-        for layout, hand in LAYOUTS.items()
+        f"{mine} / {hand}": bench.quartiles(times[mine] / times[hand])
+        for mine, hand in PAIRS.items()
     } | {
-        f"jaxstep {layout} / jaxstep replicated": bench.quartiles(
-            times[f"jaxstep {layout}"] / times["jaxstep replicated"]
-        )
-        for layout in LAYOUTS
+        f"{mine} / jaxstep replicated": bench.quartiles(times[mine] / times["jaxstep replicated"])
+        for mine in PAIRS
     }
 
 
 def _twenty_steps(setup: Any) -> dict[str, float]:
     """The largest |difference| of any parameter after 20 Adam steps, per layout."""
     final = {}
-    for layout in (None, *LAYOUTS):
+    runs = [(None, None, 1), *((layout, layout, 1) for layout in LAYOUTS)]
+    for name, layout, replicas in (*runs, (HYBRID, "params", GROUPS)):
         step = jaxstep.make_train_step(
-            setup.model.loss_fn, setup.adam, shard_state=layout, divergence_every=None
+            setup.model.loss_fn,
+            setup.adam,
+            shard_state=layout,
+            replicas=replicas,
+            divergence_every=None,
         )
         state = jaxstep.fit(
             step, step.init(setup.params), [setup.batches[i % 4] for i in range(20)]
         )
-        final[layout] = jax.device_get(state.params)
+        final[name] = jax.device_get(state.params)
     return {
-        layout: max(
+        name: max(
             float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-            for a, b in zip(
-                jax.tree.leaves(final[None]), jax.tree.leaves(final[layout]), strict=True
-            )
+            for a, b in zip(jax.tree.leaves(final[None]), jax.tree.leaves(final[name]), strict=True)
         )
-        for layout in LAYOUTS
+        for name in (*LAYOUTS, HYBRID)
     }
 
 
@@ -304,6 +359,15 @@ def goals(res: dict[str, Any]) -> list[tuple[str, bool, str]]:
             ),
             (f"issue 30: {layout}: 20 Adam steps within 1e-6", diff <= 1e-6, f"{diff:.2e}"),
         ]
+    m_hand = res["memory_ratios"][f"{HYBRID} / {HSDP}"]
+    t_hand = res["time_ratios"][f"{HYBRID} / {HSDP}"][1]
+    diff = res["max_difference_20_adam_steps"][HYBRID]
+    smoke = " (smoke run: one round, not a measurement)" if res.get("smoke") else ""
+    out += [
+        (f"issue 36: replicas=2: memory <= 1.10x {HSDP}", m_hand <= 1.10, f"{m_hand:.3f}x"),
+        (f"issue 36: replicas=2: time <= 1.10x {HSDP}", t_hand <= 1.10, f"{t_hand:.3f}x{smoke}"),
+        ("issue 36: replicas=2: 20 Adam steps within 1e-6", diff <= 1e-6, f"{diff:.2e}"),
+    ]
     return out
 
 
@@ -327,11 +391,11 @@ def report(res: dict[str, Any]) -> None:
         print(f"- time {name}: {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f})")
     for name, q in res["cpu_time_ratios"].items():
         print(f"- CPU time {name}: {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f})")
-    for layout, d in res["max_difference_20_adam_steps"].items():
-        print(f"- 20 adam steps, {layout} vs replicated: max |difference| {d:.2e}")
+    for name, d in res["max_difference_20_adam_steps"].items():
+        print(f"- 20 adam steps, {name} vs replicated: max |difference| {d:.2e}")
     print()
     for goal, met, value in res["goals"]:
         print(f"- {'met' if met else 'MISSED'} {goal}: {value}")
 
 
-__all__ = ["hand_fsdp", "hand_zero1", "run"]
+__all__ = ["hand_fsdp", "hand_hsdp", "hand_zero1", "run"]

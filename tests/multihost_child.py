@@ -7,8 +7,9 @@ Every process builds the same global batches and passes its own rows. MODE:
 ``kill`` (process 1 SIGKILLs itself after step 2), ``raise`` (a Python error on
 process 1 alone after step 2, jax#11987), ``stall`` (process 1's second device stalls
 at step 3, ``step_timeout``), ``sharded`` (under ``shard_state="optimizer"``, then
-``"params"``: the ``nan`` run with checkpoints, its latest checkpoint and emergency save
-restored, and the rest trained from the checkpoint), ``resume`` (resume from the
+``"params"``, then ``"params"`` with ``replicas=2``: the ``nan`` run with checkpoints,
+its latest checkpoint and emergency save restored, and the rest trained from the
+checkpoint), ``resume`` (resume from the
 checkpoints of an earlier run, train to the end, and process 0 saves the parameters).
 With a checkpoint directory (second argument) the run checkpoints every 2 steps. Each
 process prints one line ``RESULT {json}`` with what it saw.
@@ -63,14 +64,21 @@ def sharded(checkpoint_dir: str, save_params: str) -> None:
     target = child.target(devices)
     batches = child.local_batches(make_batches(STEPS), devices)
     seen, saved = {}, {}
-    for layout in ("optimizer", "params"):
-        where = f"{checkpoint_dir}/{layout}"
+    # replicas=2 on 2 processes of 4: one group a process, every shard's twin on the other
+    for layout, replicas in (("optimizer", 1), ("params", 1), ("params", 2)):
+        label = layout if replicas == 1 else f"{layout}-r{replicas}"
+        where = f"{checkpoint_dir}/{label}"
 
-        def make(faults=(), layout=layout):
+        def make(faults=(), layout=layout, replicas=replicas):
             return jaxstep.make_train_step(
-                loss_fn, optax.adam(1e-2), shard_state=layout, shard_min_size=0,
-                divergence_every=2, faults=faults,
-            )  # fmt: skip
+                loss_fn,
+                optax.adam(1e-2),
+                shard_state=layout,
+                shard_min_size=0,
+                replicas=replicas,
+                divergence_every=2,
+                faults=faults,
+            )
 
         step = make([Fault("input", device_id=target.id, step=AT)])
         try:
@@ -78,16 +86,16 @@ def sharded(checkpoint_dir: str, save_params: str) -> None:
                 step, step.init(init_params()), batches, checkpoint_dir=where, checkpoint_every=2
             )
         except jaxstep.TrainingWorkerError as err:
-            seen[layout] = error_fields(err)
+            seen[label] = error_fields(err)
         clean = make()
         for name, state in (
-            ("emergency", jaxstep.restore(clean, seen[layout]["checkpoint"])),
+            ("emergency", jaxstep.restore(clean, seen[label]["checkpoint"])),
             ("latest", jaxstep.restore(clean, where)),
             ("resumed", jaxstep.fit(clean, jaxstep.restore(clean, where), batches[2:])),
         ):
             params = clean.host_state(state).params  # a collective: both processes
             flat = jax.tree_util.tree_leaves_with_path(jax.device_get(params))
-            saved.update({f"{layout}/{name}{jax.tree_util.keystr(k)}": v for k, v in flat})
+            saved.update({f"{label}/{name}{jax.tree_util.keystr(k)}": v for k, v in flat})
     if jax.process_index() == 0:
         np.savez(save_params, **saved)
     result(target=target.id, errors=seen)

@@ -119,16 +119,25 @@ def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
             f"--per-device must be >= 2 (an injected NaN sits in example 1), got {args.per_device}"
         )
     layout = getattr(args, "shard_state", None)
+    replicas = getattr(args, "replicas", 1)
     if layout is not None and args.backend != "shard_map":
         return f"--shard-state {layout} needs --backend shard_map (pmap cannot shard a leaf)"
+    if replicas != 1 and layout is None:
+        return f"--replicas {replicas} needs --shard-state (groups hold a sharded state)"
+    if replicas < 1 or len(device_ids) % replicas:
+        return (
+            f"--replicas {replicas} does not divide the {len(device_ids)} devices into groups "
+            "of equal size"
+        )
     inj = args.inject
     if inj is None:
         return None
-    if inj.kind == "corrupt" and layout is not None:
+    if inj.kind == "corrupt" and layout is not None and replicas == 1:
         return (
             f"--inject corrupt with --shard-state {layout}: a sharded leaf has one owner and "
             "no replica to corrupt, and under 'optimizer' the parameters are gathered again "
-            "from their owners at every step; run corrupt without --shard-state"
+            "from their owners at every step; run corrupt without --shard-state, or with "
+            "--replicas 3 (every shard has twins to compare)"
         )
     if inj.device_id not in device_ids:
         return f"--inject: device {inj.device_id} is not one of the devices {device_ids}"
@@ -171,6 +180,7 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         faults=_faults(inj),
         shard_state=getattr(args, "shard_state", None),
         shard_min_size=0,
+        replicas=getattr(args, "replicas", 1),
     )
     # One compiled init, not one small compile per parameter.
     params = jax.jit(model.init)(jax.random.key(args.seed), train.image[:1])["params"]
@@ -209,9 +219,11 @@ def _bytes_held(step: TrainStep, state: TrainState) -> str:
     leaves = jax.tree.leaves(state)
     held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
     whole = sum(x.nbytes for x in leaves)
+    k = step.options.replicas
+    groups = f", in {k} groups of {len(step.devices) // k} (replicas={k})" if k > 1 else ""
     return (
-        f"shard_state={step.options.shard_state!r}: each device holds {held / 1024:.0f} KiB of "
-        f"the state's {whole / 1024:.0f} KiB"
+        f"shard_state={step.options.shard_state!r}{groups}: each device holds "
+        f"{held / 1024:.0f} KiB of the state's {whole / 1024:.0f} KiB"
     )
 
 

@@ -122,6 +122,14 @@ def _demo_arguments(demo: argparse.ArgumentParser) -> None:
         "(ZeRO-1) or the parameters too (FSDP); every leaf the rule can shard is sharded "
         "(shard_min_size=0: the demo's model is small)",
     )
+    demo.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --shard-state: the devices form this many groups, the state sharded "
+        "inside each and whole in each (hybrid sharding); every shard's twins in the other "
+        "groups are compared by the replica check (default 1)",
+    )
     demo.add_argument("--steps", type=int, default=150)
     demo.add_argument("--per-device", type=int, default=16, help="examples per device a step")
     demo.add_argument("--seed", type=int, default=0, help="data split, shuffle and init")

@@ -53,6 +53,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="shard the state over every device of every host: 'optimizer' (ZeRO-1) or "
         "'params' (FSDP); default: every device holds the whole state",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="with --shard-state: hybrid sharding, the devices in this many groups, the state "
+        "sharded inside each and whole in each (on 2 hosts of 4 chips, --replicas 2: a group "
+        "a host, every shard's twin on the other host); default 1",
+    )
     p.add_argument("--fault-step", type=int, default=-1, help="plant a NaN at this step (-1: no)")
     p.add_argument("--fault-device", type=int, default=-1, help="jax.Device.id for --fault-step")
     p.add_argument("--save-params", help="process 0 writes the final parameters here (.npz)")
@@ -117,6 +125,7 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
         faults=faults,
         divergence_every=every,
         shard_state=getattr(args, "shard_state", None),
+        replicas=getattr(args, "replicas", 1),
     )
     params = model.init(jax.random.key(0), jnp.zeros((1, IMAGE)))["params"]
     return step, step.init(params)

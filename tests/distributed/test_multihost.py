@@ -362,12 +362,14 @@ def test_a_sharded_state_on_two_processes_of_four_equals_one_process_of_eight(jo
     res = job.results()
     assert set(res) == {0, 1}, job.tail()
     saved = np.load(jobs["base"] / "sharded.npz")
-    for layout in ("optimizer", "params"):
-        errors = [res[p]["errors"][layout] for p in (0, 1)]
+    # "params-r2": replicas=2, one group on each process (each shard's twin on the other)
+    for label in ("optimizer", "params", "params-r2"):
+        layout = label.split("-")[0]
+        errors = [res[p]["errors"][label] for p in (0, 1)]
         assert errors[0]["message"] == errors[1]["message"]
         assert (errors[0]["device_id"], errors[0]["step"]) == (res[1]["target"], 3)
         assert errors[0]["status"] & int(jaxstep.Status.INPUT_NONFINITE)
-        where = jobs["base"] / "ckpt-sharded" / layout
+        where = jobs["base"] / "ckpt-sharded" / label
         assert sorted(p.name for p in (where / "blocks").iterdir()) == ["0", "2"]
         step = jaxstep.make_train_step(
             loss_fn, optax.adam(1e-2), shard_state=layout, shard_min_size=0
@@ -376,9 +378,9 @@ def test_a_sharded_state_on_two_processes_of_four_equals_one_process_of_eight(jo
             want = jaxstep.fit(step, step.init(init_params()), make_batches(8)[:steps])
             flat = jax.tree_util.tree_leaves_with_path(jax.device_get(want.params))
             for key, value in flat:
-                got = saved[f"{layout}/{name}{jax.tree_util.keystr(key)}"]
+                got = saved[f"{label}/{name}{jax.tree_util.keystr(key)}"]
                 # the job output (a restore that passed over a checkpoint warns there)
-                msg = f"{layout}/{name}: {job.tail()[-3000:]}"
+                msg = f"{label}/{name}: {job.tail()[-3000:]}"
                 np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-6, err_msg=msg)
         here = jaxstep.restore(step, where)  # two processes' shards, on one of eight
         assert here.opt_state[0].mu["dense1"]["kernel"].sharding.spec == P(None, "devices")
