@@ -200,3 +200,26 @@ def test_an_exclusion_leaves_the_devices_group_out_and_stays_sharded(layout):
     got = _host(step, jaxstep.fit(step, smaller, make_batches(2)))
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+
+
+def test_recover_goes_back_to_the_checkpoint_when_two_twins_differ(tmp_path):
+    batches = make_batches(4)
+
+    def run(corrupt):
+        saving = {"checkpoint_dir": tmp_path / str(corrupt), "checkpoint_every": 2}
+        step = _step("params", 2, divergence_every=1)
+        state = jaxstep.fit(step, step.init(init_params()), batches[:2], **saving)
+        if corrupt:  # after the run's end was saved (verified)
+            state = corrupt_replica(step, state, jax.devices()[5].id, MOMENT)
+        history = jaxstep.History()
+        recover = jaxstep.Recover(rollback_batches=2)
+        state = jaxstep.fit(step, state, batches[2:], history=history, recover=recover, **saving)
+        return step, state, history
+
+    step, state, history = run(True)
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "diverged", "rolled back")
+    assert sorted(record.device_ids) == [1, 5]
+    clean_step, clean, _ = run(False)
+    for x, y in zip(_host(step, state), _host(clean_step, clean), strict=True):
+        np.testing.assert_array_equal(x, y)
