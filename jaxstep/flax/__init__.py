@@ -24,6 +24,13 @@ linen::
             module, params, model_state, batch["image"], rng=rng, train=True
         )
         return xent(logits, batch["label"]), {"model_state": model_state}
+
+Sharded state laid out as the model's ``nn.with_partitioning`` boxes say::
+
+    variables = module.init(key, x)  # boxes kept
+    step = jaxstep.make_train_step(
+        loss_fn, tx, shard_state="params", shard_rule=jaxstep.flax.shard_rule(variables)
+    )
 """
 
 from jaxstep.flax._linen import linen_apply as linen_apply
@@ -33,6 +40,7 @@ from jaxstep.flax._nnx import NNXGraph as NNXGraph
 from jaxstep.flax._nnx import nnx_loss_fn as nnx_loss_fn
 from jaxstep.flax._nnx import nnx_merge as nnx_merge
 from jaxstep.flax._nnx import nnx_split as nnx_split
+from jaxstep.flax._partitioning import shard_rule as shard_rule
 
 __all__ = [
     "NNXGraph",
@@ -42,4 +50,5 @@ __all__ = [
     "nnx_loss_fn",
     "nnx_merge",
     "nnx_split",
+    "shard_rule",
 ]

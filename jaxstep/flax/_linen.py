@@ -22,12 +22,13 @@ def linen_split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
     Returns:
       ``variables["params"]`` and a dict of every other collection (empty for a
-      model without state), unboxed: the ``nn.Partitioned`` boxes of
-      ``nn.with_logical_partitioning`` (the lm1b, wmt and gemma examples) are
-      replaced by their arrays, as those examples do before training, so that a
-      leaf is named ``['Dense_0']['kernel']``, not ``['Dense_0']['kernel'].value``
-      (jaxstep keeps a whole copy of the state on every device: no sharding to
-      annotate). ``module.apply`` takes the unboxed arrays.
+      model without state), unboxed: the boxes of ``nn.with_partitioning`` and
+      ``nn.with_logical_partitioning`` (``nn.Partitioned``, the lm1b, wmt and gemma
+      examples) are replaced by their arrays, as those examples do before
+      training, so that a leaf is named ``['Dense_0']['kernel']``, not
+      ``['Dense_0']['kernel'].value``. ``module.apply`` takes the unboxed arrays.
+      To shard the state as the boxes say, build :func:`shard_rule` from
+      ``variables`` (boxes kept) as well.
 
     Raises:
       ValueError: there is no ``"params"`` collection.
