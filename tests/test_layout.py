@@ -41,8 +41,8 @@ ORDER = [
 RANK = {package: rank for rank, packages in enumerate(ORDER) for package in packages}
 
 #: Top-level modules that hold the code of a layer of their own (where the docs point
-#: users: ``jaxstep.plot``, ``jaxstep.data``; the flax helpers), not a face.
-TOP_LEVEL_LAYERS = {"jaxstep.flax": "flax", "jaxstep.plot": "plot", "jaxstep.data": "data"}
+#: users: ``jaxstep.plot``, ``jaxstep.data``), not a face.
+TOP_LEVEL_LAYERS = {"jaxstep.plot": "plot", "jaxstep.data": "data"}
 
 #: A function longer than this (lines of code: docstring, blank and comment lines
 #: left out) must say why in its docstring, with these words.
@@ -88,7 +88,7 @@ def path_of(module: str) -> str:
 
 def package_of(module: str) -> str:
     """The layer a module belongs to: its sub-package, its own for the top-level modules
-    of :data:`TOP_LEVEL_LAYERS` (``flax`` for jaxstep.flax), and ``faces`` for jaxstep
+    of :data:`TOP_LEVEL_LAYERS` (``plot`` for jaxstep.plot), and ``faces`` for jaxstep
     itself and its other top-level modules."""
     parts = module.split(".")
     if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
@@ -331,10 +331,10 @@ def test_a_face_lists_in_all_sorted_exactly_the_names_it_imports(face):
 
 #: The sub-packages users import (docs/internals.md); the other sub-packages' faces are
 #: the layers' own, for the layers above them.
-PUBLIC_PACKAGES = ["jaxstep.distributed", "jaxstep.testing"]
+PUBLIC_PACKAGES = ["jaxstep.distributed", "jaxstep.flax", "jaxstep.testing"]
 #: The modules the docs send users to: ``import jaxstep``, the modules beside it
-#: (``jaxstep.plot``, ``jaxstep.data``, ``jaxstep.launch``, ``jaxstep.flax``) and the
-#: public sub-packages.
+#: (``jaxstep.plot``, ``jaxstep.data``, ``jaxstep.launch``) and the public sub-packages
+#: (``jaxstep.flax`` among them).
 PUBLIC_FACES = sorted(
     [m for m in MODULES if (m.count(".") <= 1 and not is_package(m)) or m == "jaxstep"]
     + PUBLIC_PACKAGES

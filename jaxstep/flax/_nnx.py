@@ -1,37 +1,11 @@
-"""Flax models in a few lines: linen variables and NNX modules as jaxstep's
-``params`` (trained) plus ``model_state`` (updated as the model runs: BatchNorm
-statistics, counters).
+"""NNX modules as jaxstep's halves: :func:`nnx_split` takes a module apart into
+``params``, ``model_state`` and what rebuilds it; :func:`nnx_loss_fn` rebuilds it on
+every step (its RNG streams reseeded from the step's key) and returns its new state."""
 
-Both halves are plain nested dicts keyed by module path, so a failing leaf is named
-``['conv1']['kernel']`` or ``model_state['bn1']['mean']``. Random numbers come from
-the step's key (``step.init(..., rng=key)``), folded with the step and the device,
-so every device draws its own and a replay draws the same ones again.
-
-NNX::
-
-    graph, params, model_state = jaxstep.flax.nnx_split(model)
-    step = jaxstep.make_train_step(
-        jaxstep.flax.nnx_loss_fn(graph, loss), optax.adam(1e-3), has_aux=True
-    )
-    state = step.init(params, model_state=model_state, rng=jax.random.key(0))
-
-linen::
-
-    params, model_state = jaxstep.flax.linen_split(module.init(key, x))
-
-    def loss_fn(params, batch, rng, *, model_state):
-        logits, model_state = jaxstep.flax.linen_apply(
-            module, params, model_state, batch["image"], rng=rng, train=True
-        )
-        return xent(logits, batch["label"]), {"model_state": model_state}
-"""
-
-# This module is ``jaxstep.flax``; imports are absolute, so ``flax`` below is the
-# real Flax package, not this file.
+# Imports are absolute, so ``flax`` below is the real Flax package, not jaxstep.flax.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -41,113 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax import traverse_util
-from flax.core import meta
 
-__all__ = [
-    "NNXGraph",
-    "linen_apply",
-    "linen_merge",
-    "linen_split",
-    "nnx_loss_fn",
-    "nnx_merge",
-    "nnx_split",
-]
+from jaxstep.flax._keys import stream_key
 
 
-def _stream_key(rng: jax.Array, name: str) -> jax.Array:
-    """A key of its own for the stream ``name``, stable however the model grows."""
-    if not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        rng = jax.random.wrap_key_data(rng)  # a raw jax.random.PRNGKey
-    return jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-
-
-# ----------------------------------------------------------------------- linen
-def linen_split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """Splits linen ``variables`` into ``(params, model_state)``.
-
-    Args:
-      variables: what ``module.init`` returns: ``{"params": ..., "batch_stats": ...}``.
-
-    Returns:
-      ``variables["params"]`` and a dict of every other collection (empty for a
-      model without state), unboxed: the ``nn.Partitioned`` boxes of
-      ``nn.with_logical_partitioning`` (the lm1b, wmt and gemma examples) are
-      replaced by their arrays, as those examples do before training, so that a
-      leaf is named ``['Dense_0']['kernel']``, not ``['Dense_0']['kernel'].value``
-      (jaxstep keeps a whole copy of the state on every device: no sharding to
-      annotate). ``module.apply`` takes the unboxed arrays.
-
-    Raises:
-      ValueError: there is no ``"params"`` collection.
-    """
-    if "params" not in variables:
-        raise ValueError(
-            f"linen variables without a 'params' collection (found {sorted(variables)}); "
-            "pass what module.init(key, x) returns"
-        )
-    variables = meta.unbox(variables)
-    model_state = {k: v for k, v in variables.items() if k != "params"}
-    return variables["params"], model_state
-
-
-def linen_merge(params: Any, model_state: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The inverse of :func:`linen_split`: ``variables`` for ``module.apply``.
-
-    Args:
-      params: the parameters (``step.host_state(state).params``).
-      model_state: the other collections (``.model_state``), or None.
-
-    Returns:
-      ``{"params": params, **model_state}``.
-
-    Example:
-      >>> from jaxstep.flax import linen_merge
-      >>> sorted(linen_merge({"w": 1.0}, {"batch_stats": {"mean": 0.0}}))
-      ['batch_stats', 'params']
-    """
-    return {"params": params, **(model_state or {})}
-
-
-def linen_apply(
-    module: Any,
-    params: Any,
-    model_state: Mapping[str, Any] | None,
-    *args: Any,
-    rng: jax.Array | None = None,
-    rng_streams: Sequence[str] = ("dropout",),
-    mutable: Sequence[str] | None = None,
-    **kwargs: Any,
-) -> tuple[Any, dict[str, Any]]:
-    """``module.apply`` in training mode, for use inside a jaxstep ``loss_fn``.
-
-    Args:
-      module: a ``flax.linen.Module``.
-      params: the ``params`` collection (the step's parameters).
-      model_state: the other collections (``model_state`` given to ``loss_fn``).
-      *args: positional inputs of the module.
-      rng: the key ``loss_fn`` received (per step and device), or None.
-      rng_streams: the linen RNG streams fed from ``rng``, each with a key of its own.
-      mutable: the collections the module may update; default every collection of
-        ``model_state`` (``["batch_stats"]`` for a BatchNorm model).
-      **kwargs: keyword inputs of the module (``train=True``, ...).
-
-    Returns:
-      ``(outputs, new_model_state)``; collections the module did not update are
-      passed through, so with the default ``mutable`` the structure never changes
-      (a collection added through ``mutable``, e.g. ``"intermediates"``, is in
-      ``new_model_state`` too: take it out before returning the state to jaxstep).
-    """
-    model_state = dict(model_state or {})
-    mutable = list(model_state) if mutable is None else list(mutable)
-    rngs = None if rng is None else {s: _stream_key(rng, s) for s in rng_streams}
-    variables = linen_merge(params, model_state)
-    if not mutable:
-        return module.apply(variables, *args, rngs=rngs, **kwargs), model_state
-    out, updated = module.apply(variables, *args, rngs=rngs, mutable=mutable, **kwargs)
-    return out, {**model_state, **updated}
-
-
-# ------------------------------------------------------------------------- NNX
 @dataclasses.dataclass(frozen=True, eq=False)
 class NNXGraph:
     """What :func:`nnx_split` keeps of a module besides its arrays: the graph
@@ -272,7 +143,7 @@ def _reseeded(rngs: nnx.State, rng: jax.Array) -> dict[str, Any]:
     def one(path: tuple[Any, ...], x: jax.Array) -> jax.Array:
         if path[-1] == "count":
             return jnp.zeros_like(x)
-        key = _stream_key(rng, _path_str(path[:-1]))
+        key = stream_key(rng, _path_str(path[:-1]))
         return key if x.shape == () else jax.random.split(key, x.shape)
 
     return traverse_util.unflatten_dict({p: one(p, x) for p, x in _flat(rngs).items()})
@@ -326,7 +197,7 @@ def nnx_loss_fn(
             _fresh(graph.model_state, model_state),
         )
         if pass_rngs and rng is not None:
-            out = loss(model, batch, nnx.Rngs(_stream_key(rng, "call")))
+            out = loss(model, batch, nnx.Rngs(stream_key(rng, "call")))
         else:
             out = loss(model, batch)
         value, aux = out if has_aux else (out, {})
