@@ -40,6 +40,7 @@ __all__ = [
     "Options",
     "Plan",
     "ShardRule",
+    "all_agree",
     "body",
     "drop_memory",
     "example_failed",
