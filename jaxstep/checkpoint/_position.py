@@ -41,11 +41,14 @@ _warned_plain = False
 
 class Cursor(NamedTuple):
     """A place in the data one fit call pulls: before the source's ``batch``-th batch
-    (counted in this source, from 0), ``rows`` rows into it. :meth:`Source.position`
-    turns it into the :class:`Position` a checkpoint saves."""
+    (counted in this source, from 0), ``rows`` rows into it; ``then``: the later batches
+    that hold rows not trained, when some between were trained (see
+    :attr:`Position.then`; counted in this source too). :meth:`Source.position` turns it
+    into the :class:`Position` a checkpoint saves."""
 
     batch: int
     rows: int = 0
+    then: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +65,12 @@ class Position:
       carried: the run that saved it carried rows (a device had left it): a resume
         carries them too, even from a batch's first row (its batches need not divide
         by the devices left).
+      then: rows carried of several shapes (bucketed lengths, each carried until a batch
+        of its own shape comes): the batches after ``index`` that still hold rows not
+        trained, each as ``(index, first row not trained)``, in order, when batches
+        between were trained. A resume passes over every batch between two of them (and
+        between ``index`` and the first) and over the rows before each one's row; the
+        batches after the last are whole. Empty: every batch after ``index`` is whole.
     """
 
     index: int
@@ -69,6 +78,7 @@ class Position:
     iterator_state: Any = None
     rows: int = 0
     carried: bool = False
+    then: tuple[tuple[int, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         state = self.iterator_state
@@ -80,6 +90,7 @@ class Position:
             "iterator_state": state,
             "rows": self.rows,
             "carried": self.carried,
+            "then": [list(pair) for pair in self.then],
         }
 
     @classmethod
@@ -89,7 +100,8 @@ class Position:
             state = base64.b64decode(state["base64"])
         kind = cast(SourceKind, str(data["kind"]))  # as saved: one of SourceKind's
         rows, carried = int(data.get("rows", 0)), bool(data.get("carried", False))
-        return cls(int(data["index"]), kind, state, rows, carried)
+        then = tuple((int(b), int(r)) for b, r in data.get("then", ()))
+        return cls(int(data["index"]), kind, state, rows, carried, then)
 
 
 def _checkpointable(obj: Any) -> bool:
@@ -124,12 +136,16 @@ class Source(Iterator[Any]):
             start = Position(start, "")
         self.start = start.index
         self.skip_rows = start.rows  # rows of the first batch trained already
+        #: later batches with rows not trained, counted in this source (Position.then)
+        self.then = tuple((index - start.index, rows) for index, rows in start.then)
         #: rows are carried from batch to batch (a device left this run, or the run
         #: that saved ``start``): the positions saved say so
         self.carrying = start.carried
         self.count = 0  # batches pulled through this source
         self._resuming = resuming and start.index > 0
         self._marks: dict[int, Any] = {}
+        #: the oldest batch a position may still name (rows carried: :meth:`hold`)
+        self._held: int | None = None
         #: marks kept before the newest batch pulled: a checkpoint is saved a step or
         #: two after its mark, and fit's prefetch pulls ``lookahead`` batches ahead
         self.margin = 4 + (lookahead + 1 if lookahead else 0)
@@ -183,18 +199,28 @@ class Source(Iterator[Any]):
         source) whenever ``before(count)``: cheap for the other batches."""
         self._watch = before if self.kind == CHECKPOINTABLE else None
 
+    def hold(self, count: int | None) -> None:
+        """Rows of batch ``count`` are still carried (None: none): the iterator's state
+        before it is kept, however far behind, so a position there resumes exactly."""
+        self._held = count
+
     def position(self, at: Cursor | None = None) -> Position:
         """The position of ``at`` (default: before the next batch)."""
-        count, rows = (self.count, 0) if at is None else at
+        count, rows, then = (self.count, 0, ()) if at is None else at
         state = self._marks.get(count)
         if state is None and self.kind == CHECKPOINTABLE and count == self.count:
             state = self._it.get_state()
-        return Position(self.start + count, self.kind, state, rows, self.carrying)
+        later = tuple((self.start + b, r) for b, r in then)
+        return Position(self.start + count, self.kind, state, rows, self.carrying, later)
 
     def __next__(self) -> Any:
         if self._watch is not None and self._watch(self.count):
-            # Keep the last few marks: a checkpoint is saved a step or two after its mark.
-            self._marks = {k: v for k, v in self._marks.items() if k >= self.count - self.margin}
+            # Keep the last few marks: a checkpoint is saved a step or two after its mark
+            # (and those from the oldest batch whose rows are still carried).
+            oldest = self.count - self.margin
+            if self._held is not None:
+                oldest = min(oldest, self._held)
+            self._marks = {k: v for k, v in self._marks.items() if k >= oldest}
             self._marks[self.count] = self._it.get_state()
         try:
             batch = next(self._it)

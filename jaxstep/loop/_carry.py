@@ -5,23 +5,32 @@ by the devices left, and no row may be lost.
 The rule: each step trains the largest multiple of ``unit`` (devices x micro-batches)
 of the rows at hand, in the order they came; the rest is carried into the next step.
 With 64-row batches on 7 devices the steps take 63 rows (9 a device), then, once 7
-rows are carried, 70 (10 a device): two shapes, each compiled once. Rows still carried
+rows are carried, 70 (10 a device): two batch sizes, each compiled once. Rows still carried
 when the data ends (fewer than ``unit``) are never trained: fit lists them in
 ``History.left_over``.
 
 Rows of different shapes are never joined (bucketed sequence lengths: a batch padded to
-24 tokens, the next to 16): a step trains rows of one shape. When the next batch's rows
-have another shape (a leaf's trailing axes or dtype differ) than the rows carried, the
-carried rows (fewer than ``unit``: no step of their own can take them) are listed in
-``History.left_over`` as at the end of the data, and the new batch starts afresh. Rows
-stay in the data's order, so the data position of a checkpoint (the first row not
-trained) stays exact.
+24 tokens, the next to 16): a step trains rows of one shape. So there is a carry per
+shape (a shape: the batch's tree and each leaf's trailing axes and dtype): a batch
+joins the rows carried of its own shape, and the rows of other shapes stay carried
+until a batch of theirs comes. When the data ends, at most ``unit - 1`` rows of each
+shape are left, listed in ``History.left_over``.
+
+Each row's place in the data is kept (spans), and a batch's rows are trained in order.
+With one shape carried, the rows not trained are those from the first carried row on,
+and a data position (batch, row) says so. With several, batches trained since the
+oldest carried row lie between rows not trained: the position then also names each
+later batch that holds rows not trained (``Cursor.then``, ``Position.then``), and a
+resume passes over the rest, so it trains exactly the rows the run had not.
 
 With several processes (:class:`Cut`) rows cannot be carried: each process passes its
 own rows, the rows per device must be the same on every process, and no process can
 hand rows to another. So each batch keeps its rows per device; the process that lost a
 device trains the chunks of its remaining devices and lists the lost device's chunk of
-every batch in ``History.left_over``. Every row is trained or listed.
+every batch in ``History.left_over``. Every row is trained or listed. (Training them
+would need padded batches with a weight the loss reads, or rows moved between
+processes on the devices: docs/recovery.md, "Several processes: the lost device's
+rows".)
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import numpy as np
 from jaxstep import distributed
 from jaxstep.core import validate
 from jaxstep.core import warn
+from jaxstep.core.names import keystrs
 from jaxstep.loop._pending import Item
 from jaxstep.step import Runtime
 from jaxstep.step import join_presplit
@@ -46,21 +56,27 @@ Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the da
 class Taken(NamedTuple):
     """What the carry makes of a batch: the item the step trains now (None: fewer rows
     than a step needs at hand, all carried on), and the rows it listed as never trained
-    (``History.left_over``: carried rows of another shape, or a cut device's chunk)."""
+    (``History.left_over``: a cut device's chunk)."""
 
     item: Item | None
     left_over: tuple[Span, ...] = ()
 
 
 def carry_for(
-    runtime: Runtime, start: int, skip: int, presplit: bool, carried: bool = False
+    runtime: Runtime,
+    start: int,
+    skip: int,
+    presplit: bool,
+    carried: bool = False,
+    then: Sequence[tuple[int, int]] = (),
 ) -> Carry | Cut | None:
     """The carry a fit call starts with (None: none needed): for a resume inside a batch
-    (``skip`` rows of the first batch trained already) or from a checkpoint of a run
-    that carried rows (``carried``), or for a step that lost devices in an earlier fit
-    call. ``start``: the data's count of the first batch pulled."""
-    if skip or (carried and not distributed.spans_processes(runtime.devices)):
-        return Carry(_unit(runtime), skip, presplit, start=start)
+    (``skip`` rows of the first batch trained already; ``then``: later batches' rows not
+    trained, :class:`Carry`) or from a checkpoint of a run that carried rows
+    (``carried``), or for a step that lost devices in an earlier fit call. ``start``:
+    the data's count of the first batch pulled."""
+    if skip or then or (carried and not distributed.spans_processes(runtime.devices)):
+        return Carry(_unit(runtime), skip, presplit, start=start, then=then)
     if runtime.origin is None:
         return None
     return after_leaving(None, runtime.origin, runtime, start=start, presplit=presplit)
@@ -96,10 +112,18 @@ def _unit(runtime: Runtime) -> int:
     return len(runtime.devices) * (runtime.options.microbatches or 1)
 
 
+class Held(NamedTuple):
+    """The rows carried of one shape (host arrays), and where they are in the data
+    (spans, in the order the rows came)."""
+
+    rows: Any
+    spans: list[Span]
+
+
 class Carry:
-    """The rows carried into the next step, and exactly where each came from: the
-    loop's own (:meth:`take` before each dispatch, :meth:`release` when the loop stops or
-    goes back, :meth:`finish`).
+    """The rows carried into the next step, and exactly where each came from, one carry
+    per shape (:func:`shape_of`): the loop's own (:meth:`take` before each dispatch,
+    :meth:`release` when the loop stops or goes back, :meth:`finish`).
 
     Args:
       unit: the rows a step's size must divide by (devices x micro-batches).
@@ -109,126 +133,144 @@ class Carry:
         read from the batch (laid out for the devices before any left the run).
       start: the data's count of the first batch fit pulled (``History.left_over``
         counts batches from the data's first).
+      then: a resume from a position saved while rows of several shapes were carried
+        (``Position.then``, counted from the first batch pulled): the later batches
+        that hold rows not trained, ``(seq, first row not trained)``; the rows before
+        it, and the batches between two of them, were trained: they are passed over.
     """
 
-    def __init__(self, unit: int, skip: int = 0, presplit: bool = False, *, start: int = 0):
+    def __init__(
+        self,
+        unit: int,
+        skip: int = 0,
+        presplit: bool = False,
+        *,
+        start: int = 0,
+        then: Sequence[tuple[int, int]] = (),
+    ):
         self.unit = unit
         self.skip = skip
         self.presplit = presplit
         self.start = start
+        self.then = list(then)
         self.listed: list[Span] = []  # the rows this carry listed as never trained
-        self.rows: Any = None  # the carried rows (host arrays), or None
-        self.spans: list[Span] = []  # where they are in the data, in order
-        self.set_aside = 0  # rows listed because the next batch had another shape
+        #: the rows carried of each shape that has some (:func:`shape_of`)
+        self.held: dict[Shape, Held] = {}
 
     def take(self, item: Item) -> Taken:
-        """The batch to train now from the rows carried and ``item``'s (its item None:
-        fewer than ``unit`` rows at hand, all carried on). Its ``spans`` say where each
-        of its rows is in the data, ``first``/``offset`` where the first is (the data
-        position of a checkpoint before it). An item that went through here before (a
-        recovery queued it again: ``spans`` set) is joined rows with its spans already.
-        Carried rows of another shape than ``item``'s are listed, not joined
-        (:meth:`_list_carried`). Nothing changes when it raises: the loop hands ``item``
-        back."""
+        """The batch to train now from ``item``'s rows and those carried of their shape
+        (its item None: fewer than ``unit`` rows of that shape at hand, all carried
+        on). Its ``spans`` say where each of its rows is in the data, ``first``/``offset``
+        where the first is. An item that went through here before (a recovery queued it
+        again: ``spans`` set) is joined rows with its spans already. Rows carried of
+        other shapes stay carried, each until a batch of its own shape comes. Nothing
+        changes when it raises: the loop hands ``item`` back."""
         batch = jax.tree.map(np.asarray, item.batch)
-        skip = 0
         if item.spans is None:
             if self.presplit:  # laid out for the devices before any left: its leading axis
                 batch = join_presplit(batch, len(jax.tree.leaves(batch)[0]))
-            size, skip = validate.batch(batch, 1), self.skip
+            size = validate.batch(batch, 1)
+            skip = self._trained(item.seq, size)
+            if skip >= size:  # a resume: trained whole before the checkpoint
+                return Taken(None)
             if skip:  # a resume inside this batch
                 batch = jax.tree.map(lambda x: x[skip:], batch)
             spans: list[Span] = [(item.seq, skip, size)]
         else:
             spans = list(item.spans)
-        self.skip = 0
-        listed: list[Span] = []
-        if self.rows is not None and not joinable(self.rows, batch):
-            listed = self._list_carried()
-            self.set_aside += sum(hi - lo for _, lo, hi in listed)
-        if self.rows is not None:
-            batch = jax.tree.map(lambda a, b: np.concatenate([a, b]), self.rows, batch)
-            spans = merge_spans(self.spans + spans)
+        shape = shape_of(batch)
+        held = self.held.get(shape)
+        if held is not None:
+            batch = jax.tree.map(lambda a, b: np.concatenate([a, b]), held.rows, batch)
+            spans = merge_spans(held.spans + spans)
         total = validate.batch(batch, 1)
         keep = total // self.unit * self.unit
         head, tail = _split(spans, keep)
-        self.rows = jax.tree.map(lambda x: x[keep:], batch) if keep < total else None
-        self.spans = tail
+        if keep < total:
+            self.held[shape] = Held(jax.tree.map(lambda x: x[keep:], batch), tail)
+        else:
+            self.held.pop(shape, None)
         if keep == 0:
-            return Taken(None, tuple(listed))
+            return Taken(None)
         taken = item._replace(
             batch=jax.tree.map(lambda x: x[:keep], batch),
             first=head[0][0],
             offset=head[0][1],
             spans=tuple(head),
         )
-        return Taken(taken, tuple(listed))
+        return Taken(taken)
 
-    def _list_carried(self) -> list[Span]:
-        """The carried rows (fewer than ``unit``: no step of their own) let go, as the
-        spans to list in ``History.left_over`` (batches counted from the data's first),
-        in the data's order: the next batch has another shape, or the data ended."""
-        left = self.left()
-        if left is None:
-            return []
-        spans, _ = left
-        listed = [(self.start + seq, lo, hi) for seq, lo, hi in spans]
-        self.listed += listed
-        self.rows, self.spans = None, []
-        return listed
-
-    def requeue(self) -> Item | None:
-        """The carried rows as an item to queue again (a recovery resets the loop: they
-        go after the steps it queues again, before the batches not pulled yet)."""
-        rows, spans = self.rows, tuple(self.spans)
-        self.rows, self.spans = None, []
-        if rows is None:
-            return None
-        return Item(rows, spans[-1][0], first=spans[0][0], offset=spans[0][1], spans=spans)
+    def _trained(self, seq: int, size: int) -> int:
+        """The first rows of batch ``seq`` (of ``size`` rows) trained before this fit
+        call (a resume), passed over: ``skip`` of the first batch, what ``then`` says
+        of a later one, all of a batch between two it names."""
+        marks = [(0, self.skip), *self.then]
+        if seq > marks[-1][0]:
+            return 0
+        return next((rows for at, rows in marks if at == seq), size)
 
     def release(self) -> list[Item]:
-        """The carried rows as items to queue again or hand back (:meth:`requeue`)."""
-        item = self.requeue()
-        return [] if item is None else [item]
+        """The carried rows as items to queue again (a recovery resets the loop: they go
+        after the steps it queues again, before the batches not pulled yet) or to hand
+        back: one item a shape, in the order of their first rows in the data."""
+        items = [
+            Item(held.rows, held.spans[-1][0], first=seq, offset=lo, spans=tuple(held.spans))
+            for held in self.held.values()
+            for seq, lo, _ in held.spans[:1]
+        ]
+        self.held.clear()
+        return sorted(items, key=lambda item: (item.first, item.offset))
 
-    def left(self) -> tuple[list[Span], Any] | None:
-        """The rows carried and not trained, with their spans, or None."""
-        if self.rows is None:
-            return None
-        return list(self.spans), self.rows
+    def left(self) -> list[Span]:
+        """Where the rows carried (of every shape) are in the data, in the data's order;
+        empty: none."""
+        return sorted(span for held in self.held.values() for span in held.spans)
 
     def finish(self) -> list[Span]:
-        """The data ended: the rows still carried (fewer than a step needs), to list in
-        ``History.left_over``; a warning counts them with those listed when a batch of
-        another shape came (:meth:`_list_carried`)."""
-        listed = self._list_carried()
-        at_end = sum(hi - lo for _, lo, hi in listed)
-        if not (at_end or self.set_aside):
-            return listed
-        why = []
-        if self.set_aside:
-            why.append(
-                f"{self.set_aside} when the next batch had rows of another shape (a step "
-                "trains rows of one shape: bucketed lengths are never joined)"
-            )
-        if at_end:
-            why.append(f"{at_end} when the data ended with fewer than the {self.unit} a step needs")
+        """The data ended: the rows still carried (of each shape, fewer than a step
+        needs) let go, in a warning, as the spans to list in ``History.left_over``
+        (batches counted from the data's first), in the data's order."""
+        if not self.held:
+            return []
+        listed = [(self.start + seq, lo, hi) for seq, lo, hi in self.left()]
+        self.listed += listed
+        helds = sorted(self.held.values(), key=lambda held: held.spans[0])  # data order
+        self.held.clear()
+        counts = [sum(hi - lo for _, lo, hi in held.spans) for held in helds]
+        why = f"the data ended with fewer than the {self.unit} a step needs"
+        if len(helds) > 1:  # each shape's rows waited for batches of their own shape
+            kinds = describe([held.rows for held in helds])
+            each = "; ".join(f"{n} with {kind}" for n, kind in zip(counts, kinds, strict=True))
+            why += f" of each shape (rows of two shapes are never joined: {each})"
         warn(
-            f"{self.set_aside + at_end} row(s) carried after a device left the run were not "
-            f"trained: {'; '.join(why)}; they are listed in history.left_over {self.listed}",
+            f"{sum(counts)} row(s) carried after a device left the run were not trained: "
+            f"{why}; they are listed in history.left_over {listed}",
         )
         return listed
 
 
-def joinable(rows: Any, batch: Any) -> bool:
-    """Whether ``rows`` and ``batch`` can be one step's batch: the same tree, each leaf
-    the same trailing axes and dtype."""
-    a, tree_a = jax.tree.flatten(rows)
-    b, tree_b = jax.tree.flatten(batch)
-    same: bool = tree_a == tree_b  # type: ignore[operator]  # PyTreeDef compares
-    return same and all(
-        x.shape[1:] == y.shape[1:] and x.dtype == y.dtype for x, y in zip(a, b, strict=True)
-    )
+#: the shape of a batch's rows: its tree, and each leaf's trailing axes and dtype
+Shape = tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]
+
+
+def shape_of(batch: Any) -> Shape:
+    """The shape of ``batch``'s rows (the batch less its leading axis). Rows of one
+    shape join into one step's batch; rows of two never do (bucketed lengths: a batch
+    padded to 24 tokens and one to 16)."""
+    leaves, tree = jax.tree.flatten(batch)
+    return tree, tuple((x.shape[1:], x.dtype) for x in leaves)
+
+
+def describe(batches: Sequence[Any]) -> list[str]:
+    """The shape of each of ``batches``' rows in words, by the leaves that tell them
+    apart (``x (16, 3) float32``)."""
+    words = [
+        [f"{name} {x.shape[1:]} {x.dtype}" for name, x in zip(keystrs(b), leaves, strict=True)]
+        for b in batches
+        for leaves in [jax.tree.leaves(b)]
+    ]
+    common = set.intersection(*(set(w) for w in words))
+    return [", ".join(w for w in ws if w not in common) for ws in words]
 
 
 def merge_spans(spans: list[Span]) -> list[Span]:
@@ -275,8 +317,6 @@ class Cut:
       presplit: batches come ``(n_devices, per_device, ...)``: joined here when cut.
     """
 
-    rows = None  # the carry's protocol: nothing is ever carried
-
     def __init__(self, origin: Sequence[int], start: int, presplit: bool = False):
         self.origin = list(origin)
         self.here = set(self.origin)  # of them, the devices still in the step
@@ -317,17 +357,13 @@ class Cut:
         )
         return Taken(taken, tuple(listed))
 
-    def requeue(self) -> None:
-        """Nothing carried to queue again."""
-        return None
-
     def release(self) -> list[Item]:
         """Nothing carried to hand back."""
         return []
 
-    def left(self) -> None:
+    def left(self) -> list[Span]:
         """No rows carried."""
-        return None
+        return []
 
     def finish(self) -> list[Span]:
         """The rows cut by this fit call, in a warning (they are in ``History.left_over``

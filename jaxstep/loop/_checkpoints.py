@@ -24,7 +24,10 @@ class Checkpoints(Action):
     def before(self, state: TrainState, item: Item) -> bool:
         """Before ``state`` is dispatched (and donated) on ``item``: whether the step
         must check replicas (a checkpoint step, whose copy is taken here). The data
-        position a checkpoint of ``state`` resumes from is ``item``'s first row."""
+        position a checkpoint of ``state`` resumes from is ``item``'s first row (rows
+        carried: where the rows not trained are, ``item.at``)."""
+        if item.at is not None:
+            return self.saver.before(state, item.at)
         batch = item.seq if item.first is None else item.first
         return self.saver.before(state, Cursor(batch, item.offset))
 

@@ -41,6 +41,8 @@ from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Placed
 from jaxstep.loop._pending import Recovered
+from jaxstep.loop._position import starts
+from jaxstep.loop._position import untrained_at
 from jaxstep.loop._recorder import Recorder
 from jaxstep.loop._records import Recovery
 from jaxstep.loop._stopping import Untrained
@@ -81,7 +83,12 @@ class Loop:
         self.record = Recorder(history)
         source = checkpoints.source
         self.carry: Carry | Cut | None = carry_for(
-            runtime, source.start, source.skip_rows, options.presplit, source.carrying
+            runtime,
+            source.start,
+            source.skip_rows,
+            options.presplit,
+            source.carrying,
+            then=source.then,
         )
         self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
         self.flight = InFlight()
@@ -172,7 +179,7 @@ class Loop:
             if taken.item is None:  # fewer rows than devices at hand: all carried on
                 flight.in_hand = None
                 return
-            flight.in_hand = item = taken.item
+            flight.in_hand = item = self._placed_in_data(taken.item)
         presplit = self.presplit and item.first is None  # carried rows come joined
         check = False
         for before in actions.before:  # a checkpoint step: check replicas
@@ -207,6 +214,18 @@ class Loop:
             self.settle(new)
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
+
+    def _placed_in_data(self, item: Item) -> Item:
+        """``item`` (taken from the carry) with where the rows not trained are in the
+        data before it runs (``Item.at``, a checkpoint's data position): its rows, the
+        rows carried of every shape, the batches queued and those not pulled yet."""
+        if not isinstance(self.carry, Carry):
+            return item
+        spans = [*starts(item), *((seq, lo) for seq, lo, _ in self.carry.left())]
+        spans += [start for queued in self.flight.queue for start in starts(queued)]
+        at = untrained_at(spans, self.pulled)
+        self.source.hold(at.batch)  # a checkpointable iterator's state there is kept
+        return item._replace(at=at)
 
     def settle(self, pending: Pending, after: Item | None = None) -> None:
         """Reads ``pending``'s health table and appends it to the history; the actions
@@ -350,7 +369,7 @@ class Loop:
         batch still on its way from the data, :class:`Untrained`), and where the first
         is in the data (:func:`untrained_batches`); empties the queue and the carry."""
         carried = [] if self.carry is None else self.carry.release()
-        return self.flight.untrained([*left, *carried], self.actions.feeder)
+        return self.flight.untrained([*left, *carried], self.actions.feeder, self.pulled)
 
     def finish(self) -> TrainState:
         """After the last step settled: lists the rows still carried, lets the actions
@@ -360,9 +379,9 @@ class Loop:
         first = None  # where the untrained data begins, when not after every batch
         if self.carry is not None:
             left = self.carry.left()
-            if left is not None and self.limit is not None and self.pulled >= self.limit:
-                (seq, row, _), *_ = left[0]  # cut short: a resume trains the rows carried
-                first = Cursor(seq, row)
+            if left and self.limit is not None and self.pulled >= self.limit:
+                # cut short: a resume trains the rows carried (of every shape)
+                first = untrained_at([(seq, lo) for seq, lo, _ in left], self.pulled)
             self.record.left_over(self.carry.finish())
         self.actions.finish(self.state, first)
         self.actions.close()

@@ -64,17 +64,17 @@ class InFlight:
         self.reading = self.pending = self.in_hand = None
 
     def untrained(
-        self, left: Sequence[Pending | Item | None], feeder: Feeder
+        self, left: Sequence[Pending | Item | None], feeder: Feeder, pulled: int
     ) -> tuple[Untrained, Cursor | None]:
         """Fit stops: the batches of ``left`` (steps in flight, the batch in hand, the
         rows carried), of the queue and those ``feeder`` pulled and never handed over
         (it is stopped first), untrained, in the order they were pulled (with a batch
-        still on its way from the data: :class:`Untrained`), and where the first is in
-        the data; the queue is emptied."""
+        still on its way from the data: :class:`Untrained`), and where they are in the
+        data (``pulled``: the batches the loop was handed); the queue is emptied."""
         queued = list(self.queue)
         self.queue.clear()
         untaken = feeder.untaken()
-        batches, first = untrained_batches([*left, *queued, *untaken])
+        batches, first = untrained_batches([*left, *queued, *untaken], pulled)
         return Untrained(batches, feeder.late()), first
 
     def read_unconfirmed(

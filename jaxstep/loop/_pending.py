@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 
+from jaxstep.checkpoint import Cursor
 from jaxstep.core import StepOutput
 
 
@@ -30,6 +31,9 @@ class Item(NamedTuple):
     chunks: tuple[int, ...] | None = None
     # fit(prefetch=...): the batch already on the devices (None: the step places it)
     placed: Placed | None = None
+    # rows carried: where the rows not trained by the state it is dispatched on are in
+    # the data (that state's checkpoint position; None: from this batch's first row)
+    at: Cursor | None = None
 
 
 class Placed(NamedTuple):

@@ -171,7 +171,7 @@ class Recoverer(Action):
         self.records.append(record)
 
     def report(
-        self, error: TrainingWorkerError, first: tuple[int, int] | None = None
+        self, error: TrainingWorkerError, first: Cursor | None = None
     ) -> TrainingWorkerError:
         """``error`` (about to leave fit) with the recoveries made before it listed, and
         for a hang that no launcher restarts, why the process does not exit."""

@@ -19,6 +19,8 @@ from jaxstep.checkpoint import Cursor
 from jaxstep.core import TrainState
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
+from jaxstep.loop._position import starts
+from jaxstep.loop._position import untrained_at
 
 
 class LateBatch:
@@ -92,22 +94,24 @@ class Untrained(list):
         return list, (list(self),)
 
 
-def untrained_batches(left: Sequence[Pending | Item | None]) -> tuple[list[Any], Cursor | None]:
+def untrained_batches(
+    left: Sequence[Pending | Item | None], pulled: int
+) -> tuple[list[Any], Cursor | None]:
     """The batches of ``left`` (steps in flight, the batch in hand, the queue, the rows
-    carried), in the order they were pulled, and where the first is in the data (None:
-    unknown)."""
+    carried), in the order they were pulled, and where their rows are in the data
+    (``pulled``: the batches the loop was handed; None: unknown, or none left): the
+    first, and with rows of several shapes carried the later batches holding some
+    (:func:`~jaxstep.loop._position.untrained_at`)."""
     known = [u for u in left if u is not None]
     order = [u.item if isinstance(u, Pending) else u for u in known]
-    if any(item is None for item in order):
+    items = [item for item in order if item is not None]
+    if len(items) < len(order):
         return [u.batch for u in known], None
-    where = [_where(item) for item in order if item is not None]
-    known = [u for _, u in sorted(zip(where, known, strict=True), key=lambda p: p[0])]
-    return [u.batch for u in known], min(where, default=None)
-
-
-def _where(item: Item) -> Cursor:
-    """Where ``item``'s first row is in the data."""
-    return Cursor(item.seq if item.first is None else item.first, item.offset)
+    where = [starts(item) for item in items]
+    known = [u for _, u in sorted(zip(where, known, strict=True), key=lambda p: p[0][0])]
+    if not known:
+        return [], None
+    return [u.batch for u in known], untrained_at([s for w in where for s in w], pulled)
 
 
 def attach(

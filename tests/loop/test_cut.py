@@ -26,7 +26,7 @@ def test_the_chunks_of_devices_that_left_are_cut_and_listed_by_batch_and_row():
     assert again.batch["y"].tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
     assert again.chunks == (0, 2)
     assert listed == ((11, 12, 16),) and cut.listed == [(11, 4, 8), (11, 12, 16)]
-    assert cut.cut == 8 and cut.left() is None and cut.requeue() is None
+    assert cut.cut == 8 and cut.left() == [] and cut.release() == []
 
 
 def test_presplit_batches_are_joined_when_cut():
