@@ -160,9 +160,9 @@ def diagnose_on(
 
     def run(rotation: int) -> tuple[int, ...]:
         if watchdog is None:
-            _, out = runtime.replay(state, batch, rotation=rotation)
+            out = runtime.replay(state, batch, rotation=rotation)
         else:
-            _, out = watchdog.replay(state, batch, rotation, error.step)
+            out = watchdog.replay(state, batch, rotation, error.step)
         status = runtime.table(out).status
         hit = status != 0 if root is None else (status & int(root)) != 0
         return tuple(int(i) for i in np.flatnonzero(hit))
