@@ -76,7 +76,7 @@ class StepWatchdog(Runner):
         and of ``recover``)."""
         runtime = self.runtime
         for replicas in (False, runtime.options.divergence_every is not None):
-            runtime.compile_replay(state, batch, replicas=replicas)
+            runtime.compile(state, batch, heartbeat=True, replicas=replicas, replay=True)
         call = functools.partial(runtime.replay, state, batch, rotation=rotation, heartbeat=True)
         return self._watch(call, expected, during=f"the replay that diagnoses step {expected}")
 

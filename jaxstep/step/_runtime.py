@@ -247,14 +247,21 @@ class Runtime:
         return self.backend.place_batch(batch)
 
     def compile(
-        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, replicas: bool = False
+        self,
+        state: TrainState,
+        batch: Batch,
+        *,
+        heartbeat: bool = False,
+        replicas: bool = False,
+        replay: bool = False,
     ) -> jax.stages.Compiled:
-        """The step compiled ahead of time for this state and batch shape (cached)."""
+        """The step (``replay``: its :meth:`replay`, so a watched replay's deadline holds
+        no compile time) compiled ahead of time for this state and batch shape (cached)."""
         self.check_state(state)
         self.inputs.check_batch(batch)
         placed = self.backend.place_batch(batch)
         return self.programs.ahead(
-            state, placed, self.extras.placed, heartbeat=heartbeat, replicas=replicas
+            state, placed, self.extras.placed, heartbeat=heartbeat, replicas=replicas, replay=replay
         )
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
@@ -344,22 +351,10 @@ class Runtime:
         replicas = every is not None and number % every == 0
         fn: Any = self.programs.replay(False, replicas)
         if heartbeat:
-            fn = self.compile_replay(state, batch, replicas=replicas)
+            fn = self.compile(state, batch, heartbeat=True, replicas=replicas, replay=True)
         out: StepOutput = fn(state, placed, extras)
         self.inputs.learn_checks(out.info.checks)
         return out
-
-    def compile_replay(
-        self, state: TrainState, batch: Batch, *, replicas: bool = False
-    ) -> jax.stages.Compiled:
-        """:meth:`replay`'s heartbeat program compiled ahead for this state and batch
-        shape (cached): a watched replay's deadline then holds no compile time."""
-        self.check_state(state)
-        self.inputs.check_batch(batch)
-        placed = self.backend.place_batch(batch)
-        return self.programs.ahead(
-            state, placed, self.extras.placed, heartbeat=True, replicas=replicas, replay=True
-        )
 
     # -- a step again as under on_failure="drop" -----------------------------------
 
