@@ -160,9 +160,9 @@ def diagnose_on(
 
     def run(rotation: int) -> tuple[int, ...]:
         if watchdog is None:
-            _, out = runtime.replay(state, batch, rotation=rotation)
+            out = runtime.replay(state, batch, rotation=rotation)
         else:
-            _, out = watchdog.replay(state, batch, rotation, error.step)
+            out = watchdog.replay(state, batch, rotation, error.step)
         status = runtime.table(out).status
         hit = status != 0 if root is None else (status & int(root)) != 0
         return tuple(int(i) for i in np.flatnonzero(hit))
@@ -294,10 +294,10 @@ def _with_grad_leaves(
     ``devices[position]``: the error names the first in tree order, which is not
     where a NaN that arose near the output started."""
     assert error.state is not None  # checked by diagnose
-    bad = None  # only the process holding the device's rows can run them: it shares them
-    if position in distributed.local_positions(runtime.devices):
-        leaves = runtime.passes.nonfinite_grad_leaves(error.state, batch, position, error.step)
-        bad = [runtime.names["params"][i] for i in leaves]
+    # every process runs the pass (sharded parameters are gathered in it); only the
+    # one holding the device's rows gets its leaves, and shares them
+    leaves = runtime.passes.nonfinite_grad_leaves(error.state, batch, position, error.step)
+    bad = None if leaves is None else [runtime.names["params"][i] for i in leaves]
     shared = distributed.share("diagnose/grad_leaves", bad, runtime.devices)
     bad = next(seen for seen in shared.values() if seen is not None)
     names = runtime.names["params"]

@@ -61,7 +61,9 @@ class Loop:
     (``options``: the fit call's, or ``keywords`` of :class:`FitOptions`).
 
     ``state`` is always the newest state dispatched (or the one fit started from):
-    a batch that is rejected or an exception that leaves fit does not change it.
+    a batch that is rejected or an exception that leaves fit does not change it. Once
+    a step failed it is the error's last good state, which took over the halted
+    state's buffers (:func:`~jaxstep.loop._failure.failure_error`).
     """
 
     def __init__(
@@ -272,6 +274,8 @@ class Loop:
     def _failed(self, pending: Pending, after: Item | None, table: HealthTable) -> NoReturn:
         """``pending`` failed: recovered (:class:`Recovered`) or raised."""
         error = failure_error(self.runtime, table, pending.rows, self.state, self.history)
+        assert error.state is not None
+        self.state = error.state  # the halted state was donated to it
         try:
             outcome = self.actions.failed(pending, error)
         except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left

@@ -28,7 +28,11 @@ def failure_error(
 ) -> TrainingWorkerError:
     """The error of a failed step from its health table; ``error.state`` the last good
     state (from ``current``, the halted state as it stands), and a note on how good it
-    is. ``rows``: rows per device of the failing batch, as this process passed it."""
+    is. ``rows``: rows per device of the failing batch, as this process passed it.
+
+    ``current`` is donated (its buffers become ``error.state``'s, ``halted`` cleared:
+    no copy), unless a replica diverged and a healthy copy was read from it: the
+    caller goes on with ``error.state``."""
     failures = runtime.failures(table, rows)
     alike = failed_alike(failures, len(runtime.devices))
     note = hint = None
@@ -40,10 +44,10 @@ def failure_error(
             "which agrees with the majority"
         )
     elif any(f.status & Status.DIVERGED for f in failures):
-        state = runtime.clear_halt(current)
+        state = runtime.unhalted(current)
         note = _no_majority(runtime, failures)
     else:
-        state = runtime.clear_halt(current)
+        state = runtime.unhalted(current)
         repeated = _repeated_drops(runtime, table)
         if repeated:
             # a device left out max_consecutive_drops steps in a row leads the error
@@ -71,9 +75,7 @@ def failure_error(
             )
         # Without verify_update an overflowing update is committed, and what fails
         # later fails because of it: say so rather than call this state good.
-        if not runtime.options.verify_update and not _params_finite(
-            runtime.host_state(state).params
-        ):
+        if not runtime.options.verify_update and not _params_finite(state.params):
             note = (
                 "the parameters in error.state are already non-finite: an earlier update "
                 "overflowed (from finite gradients), and this failure follows from it. "
@@ -149,7 +151,8 @@ def _all_finite(tree: Any) -> jax.Array:
 
 
 def _params_finite(params: Any) -> bool:
-    """One device-side reduction and one scalar read: only on the failure path."""
+    """One reduction on the devices, over the parameters as they lie (sharded or
+    not: nothing gathered), and one scalar read: only on the failure path."""
     return bool(_all_finite(params))
 
 

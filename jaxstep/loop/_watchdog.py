@@ -10,6 +10,7 @@ import functools
 import time
 from collections.abc import Callable
 from typing import Any
+from typing import TypeVar
 
 from jaxstep import distributed
 from jaxstep.core import Failure
@@ -22,6 +23,9 @@ from jaxstep.loop._action import Runner
 from jaxstep.loop._outcome import Resume
 from jaxstep.loop._pending import Item
 from jaxstep.step import Runtime
+
+#: what a watched call returns: a step's ``(state, out)`` or a replay's ``out``
+Ran = TypeVar("Ran", tuple[TrainState, StepOutput], StepOutput)
 
 
 class StepWatchdog(Runner):
@@ -64,17 +68,15 @@ class StepWatchdog(Runner):
             compile_ahead(state, batch, heartbeat=True, replicas=replicas)
         return self._watch(functools.partial(call, state, batch), expected)
 
-    def replay(
-        self, state: TrainState, batch: Any, rotation: int, expected: int
-    ) -> tuple[TrainState, StepOutput]:
-        """:meth:`Runtime.replay` of step ``expected`` (``state``'s, not donated) with
+    def replay(self, state: TrainState, batch: Any, rotation: int, expected: int) -> StepOutput:
+        """:meth:`Runtime.replay` of step ``expected`` (from ``state``, not donated) with
         the chunks rotated by ``rotation``, watched as a step is: its heartbeat variant
         (compiled ahead), and past the deadline the ``HUNG`` error naming the devices that
         did not finish their part of the replay (the diagnosis of ``fit(diagnose=True)``
         and of ``recover``)."""
         runtime = self.runtime
         for replicas in (False, runtime.options.divergence_every is not None):
-            runtime.compile(state, batch, heartbeat=True, replicas=replicas)
+            runtime.compile(state, batch, heartbeat=True, replicas=replicas, replay=True)
         call = functools.partial(runtime.replay, state, batch, rotation=rotation, heartbeat=True)
         return self._watch(call, expected, during=f"the replay that diagnoses step {expected}")
 
@@ -87,21 +89,17 @@ class StepWatchdog(Runner):
         """Lets the dispatch thread go (it is idle: each run waited for its step)."""
         self.pool.shutdown(wait=False)
 
-    def _watch(
-        self,
-        call: Callable[[], tuple[TrainState, StepOutput]],
-        expected: int,
-        during: str | None = None,
-    ) -> tuple[TrainState, StepOutput]:
+    def _watch(self, call: Callable[[], Ran], expected: int, during: str | None = None) -> Ran:
         """``call()`` on the dispatch thread, waited for until the deadline: what it
-        returns once its health table is ready, or the ``HUNG`` error (or a lost peer's)."""
+        returns (a step's ``(state, out)``, a replay's ``out``) once its health table is
+        ready, or the ``HUNG`` error (or a lost peer's)."""
         # Only this run's beats count: a step run again (a retry, a rerun, a rollback,
         # a replay) has the step number its earlier run beat with.
         self.runtime.heartbeats.clear()
         future = self.pool.submit(call)
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
-        while not (future.done() and future.result()[1].health.is_ready()):  # type: ignore[attr-defined]
+        while not (future.done() and _output(future.result()).health.is_ready()):  # type: ignore[attr-defined]
             lost = distributed.lost_processes()
             if lost:  # a peer process died or froze: no need to wait for the deadline
                 self.pool.shutdown(wait=False)
@@ -112,6 +110,11 @@ class StepWatchdog(Runner):
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         return future.result()
+
+
+def _output(ran: tuple[TrainState, StepOutput] | StepOutput) -> StepOutput:
+    """The step output of what a watched call returned."""
+    return ran if isinstance(ran, StepOutput) else ran[1]
 
 
 def hung(

@@ -52,6 +52,7 @@ class Backend(Protocol):
     name: str
     stacked: bool  # state leaves carry a leading device axis
     devices: list[jax.Device]
+    grid: Grid  # the devices as replica groups (one group but under replicas)
 
     def __init__(self, options: Options) -> None: ...
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...

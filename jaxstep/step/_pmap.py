@@ -26,6 +26,7 @@ from jaxstep.core import Batch
 from jaxstep.core import PyTree
 from jaxstep.core import from_host
 from jaxstep.core import to_host
+from jaxstep.program import Grid
 from jaxstep.program import Options
 from jaxstep.program import Plan
 from jaxstep.step._backends import Body
@@ -49,6 +50,7 @@ class PmapBackend:
         )
         self._split = jax.pmap(lambda x: x, axis_name=axis_name, devices=self.devices)
         self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
+        self.grid = Grid(self.mesh, 1)  # no sharded state: one group
         self.placement = BatchPlacement(self.mesh, axis_name)
 
     def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:

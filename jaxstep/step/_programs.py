@@ -1,7 +1,9 @@
 """The compiled programs of one runtime: the step's four variants (with or without the
 heartbeat callback, with or without the replica check), each compiled on first use,
-the variants compiled ahead of time for a shape (``compile``), and the small programs
-run beside the step (clearing ``halted``, the replica check alone)."""
+their replays (the same step without its new state: what a diagnosis runs), the
+variants compiled ahead of time for a shape (``compile``), and the small programs run
+beside the step (clearing ``halted``, as a copy or in place; the replica check
+alone)."""
 
 from __future__ import annotations
 
@@ -48,9 +50,16 @@ class Programs:
             for hb in (False, True)
             for rc in (False, True)
         }
+        self._replays: dict[tuple[bool, bool], Any] = {}
         self._ahead: dict[tuple[Any, ...], jax.stages.Compiled] = {}
         self.clear_halt = backend.compile_state_fn(
             lambda s: dataclasses.replace(s, halted=jnp.zeros_like(s.halted))
+        )
+        # The failure path's: the halted state's buffers become the cleared one's (each
+        # output aliases its donated input: no copy; ``halted`` comes in apart, made on
+        # the host side with its sharding, so no donated buffer goes unused).
+        self._unhalted = jax.jit(
+            lambda rest, halted: dataclasses.replace(rest, halted=halted), donate_argnums=0
         )
         self._prints: Callable[[TrainState], jax.Array] | None = None
 
@@ -64,14 +73,35 @@ class Programs:
         mapped = functools.partial(body, options, beat=beat, replicas=replicas)
         return self.backend.compile(mapped, options.donate, split)
 
+    def replay(self, heartbeat: bool, replicas: bool) -> Any:
+        """A variant as a replay runs it: ``(state, batch, extras) -> StepOutput``, the
+        new state left out. Nothing is donated, so it runs from the state itself (no
+        copy), and XLA drops the update the output does not need (all of it but
+        ``verify_update``'s check): it holds less than the step. Compiled on first use."""
+        key = (heartbeat, replicas)
+        if key not in self._replays:
+            variant = self.variants[key]  # inlined: its donation does not apply here
+            self._replays[key] = jax.jit(
+                lambda state, batch, extras: variant(state, batch, extras)[1]
+            )
+        return self._replays[key]
+
     def ahead(
-        self, state: TrainState, placed: Any, extras: Any, *, heartbeat: bool, replicas: bool
+        self,
+        state: TrainState,
+        placed: Any,
+        extras: Any,
+        *,
+        heartbeat: bool,
+        replicas: bool,
+        replay: bool = False,
     ) -> jax.stages.Compiled:
-        """The variant compiled ahead for these shapes (cached)."""
+        """The variant (``replay``: its replay) compiled ahead for these shapes (cached)."""
         leaves = jax.tree.leaves((state, placed))
-        key = (heartbeat, replicas, *((x.shape, str(x.dtype)) for x in leaves))
+        key = (heartbeat, replicas, replay, *((x.shape, str(x.dtype)) for x in leaves))
         if key not in self._ahead:
-            variant = self.variants[(heartbeat, replicas)]
+            how = (heartbeat, replicas)
+            variant = self.replay(*how) if replay else self.variants[how]
             self._ahead[key] = variant.lower(state, placed, extras).compile()
         return self._ahead[key]
 
@@ -82,6 +112,13 @@ class Programs:
         if plan is None or self.options.replicas == 1:
             return None
         return shard_mask(plan, state)
+
+    def unhalted(self, state: TrainState) -> TrainState:
+        """``state`` with ``halted`` cleared, in ``state``'s own buffers: ``state`` is
+        donated (unusable after), so a failed step's last good state costs no second
+        copy."""
+        rest = dataclasses.replace(state, halted=None)  # type: ignore[arg-type]
+        return self._unhalted(rest, jnp.zeros_like(state.halted))
 
     def fingerprints(self, state: TrainState) -> np.ndarray:
         """Every device's fingerprints of its copy of ``state``'s params, optimizer state

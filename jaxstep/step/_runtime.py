@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxstep.core import Batch
@@ -144,8 +143,15 @@ class Runtime:
         return self.backend.one_replica(state)
 
     def clear_halt(self, state: TrainState) -> TrainState:
-        """``state`` with ``halted`` cleared."""
+        """``state`` with ``halted`` cleared (a copy)."""
         return self.programs.clear_halt(state)
+
+    def unhalted(self, state: TrainState) -> TrainState:
+        """``state`` with ``halted`` cleared in its own buffers (no copy): ``state`` is
+        donated, unusable after. The failure path's: the halted state becomes the
+        error's last good state, so a diagnosis works beside one copy, not two."""
+        self.check_state(state)
+        return self.programs.unhalted(state)
 
     def read_first(self, tree: PyTree) -> PyTree:
         """The numpy copy of ``tree`` held by this process's first device of the step (a
@@ -242,14 +248,21 @@ class Runtime:
         return self.backend.place_batch(batch)
 
     def compile(
-        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, replicas: bool = False
+        self,
+        state: TrainState,
+        batch: Batch,
+        *,
+        heartbeat: bool = False,
+        replicas: bool = False,
+        replay: bool = False,
     ) -> jax.stages.Compiled:
-        """The step compiled ahead of time for this state and batch shape (cached)."""
+        """The step (``replay``: its :meth:`replay`, so a watched replay's deadline holds
+        no compile time) compiled ahead of time for this state and batch shape (cached)."""
         self.check_state(state)
         self.inputs.check_batch(batch)
         placed = self.backend.place_batch(batch)
         return self.programs.ahead(
-            state, placed, self.extras.placed, heartbeat=heartbeat, replicas=replicas
+            state, placed, self.extras.placed, heartbeat=heartbeat, replicas=replicas, replay=replay
         )
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
@@ -316,12 +329,14 @@ class Runtime:
         rotation: int = 0,
         order: Sequence[int] | None = None,
         heartbeat: bool = False,
-    ) -> tuple[TrainState, StepOutput]:
-        """The step again from ``state`` (not donated) with its chunks moved:
-        ``devices[i]`` runs chunk ``order[i]`` (by default each process's chunks rotated
-        by ``rotation`` among its own devices). ``batch``: what the step took (several
-        processes: this process's rows). ``heartbeat=True``: its heartbeat variant, so a
-        device that stalls in the replay can be named.
+    ) -> StepOutput:
+        """The step again from ``state`` with its chunks moved: ``devices[i]`` runs
+        chunk ``order[i]`` (by default each process's chunks rotated by ``rotation``
+        among its own devices). ``batch``: what the step took (several processes: this
+        process's rows). ``heartbeat=True``: its heartbeat variant (compiled ahead), so
+        a device that stalls in the replay can be named. Returns the step's output, not
+        its new state: the replay runs from ``state`` itself (neither donated nor
+        copied), so a diagnosis holds no second copy of the state.
 
         Raises:
           ValueError: ``order`` is not a permutation of the positions, or gives a
@@ -331,18 +346,17 @@ class Runtime:
         self.inputs.check_batch(batch)
         chunks = replays.chunk_order(self.devices, rotation, order)
         moved = replays.moved_rows(batch, self.devices, chunks)
-        copy = jax.tree.map(jnp.copy, state)
         extras = self.extras.with_chunks(chunks)
         placed = self.backend.place_batch(moved)
         every = self.options.divergence_every
         number = self.step_number(state)
         replicas = every is not None and number % every == 0
-        fn: Any = self.programs.variants[(False, replicas)]
+        fn: Any = self.programs.replay(False, replicas)
         if heartbeat:
-            fn = self.compile(state, batch, heartbeat=True, replicas=replicas)
-        new_state, out, _ = fn(copy, placed, extras)
+            fn = self.compile(state, batch, heartbeat=True, replicas=replicas, replay=True)
+        out: StepOutput = fn(state, placed, extras)
         self.inputs.learn_checks(out.info.checks)
-        return new_state, out
+        return out
 
     # -- a step again as under on_failure="drop" -----------------------------------
 

@@ -224,17 +224,34 @@ class TrainStep:
         self._runtime.check_state(state)
 
     def host_state(self, state: TrainState) -> TrainState:
-        """One copy of ``state``, as on a single device (pmap's device axis dropped), on
-        this process's first device: the arrays of a replicated leaf are one device's
-        copy; a sharded leaf (``shard_state``) is gathered whole through host memory.
-        A copy: later steps (which donate their state) leave it alone. What
-        :meth:`place_state` (of this step or another) takes back.
+        """A single-device copy of the whole ``state``: every leaf read into host memory
+        and put back, whole, on this process's first device (under ``pmap`` without the
+        device axis). What :meth:`place_state` (of this step or another) takes back.
+
+        What it costs: every leaf, parameters and optimizer state, goes to the host and
+        back, one synchronous read a leaf (it waits for the steps that make ``state``);
+        a sharded leaf (``shard_state``) is gathered from every device (with several
+        processes through ``multihost_utils.process_allgather``, a collective: every
+        process calls it). The host holds the whole state for a moment, and the first
+        device holds it whole beside its own share: under ``shard_state`` that is the
+        copy the sharding exists to avoid (a model that fits only sharded may not fit
+        it there).
+
+        When to use it: between runs, not between steps: to move a state to another
+        step, device count or layout (``other.place_state(step.host_state(state))``),
+        to evaluate or export what was trained, in tests. Never in a training loop:
+        each call stalls the device queue and copies everything. To read a few leaves,
+        read those: ``jax.device_get(state.params)`` (the parameters alone, whole, as
+        numpy), ``int(jax.device_get(state.step))``. A failed step's error and its
+        diagnosis never call it.
+
+        It is a copy: later steps (which donate their state) leave it alone.
 
         Args:
           state: a state of this step.
 
         Returns:
-          The state with one copy of every leaf.
+          The state with one copy of every leaf, on this process's first device.
         """
         return self._runtime.host_state(state)
 
