@@ -25,7 +25,6 @@ from jaxstep.core import HealthTable
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
-from jaxstep.core import validate
 from jaxstep.loop._actions import actions
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._carry import Cut
@@ -41,12 +40,13 @@ from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Placed
 from jaxstep.loop._pending import Recovered
-from jaxstep.loop._position import starts
-from jaxstep.loop._position import untrained_at
+from jaxstep.loop._position import end_position
+from jaxstep.loop._position import placed_in_data
 from jaxstep.loop._recorder import Recorder
 from jaxstep.loop._records import Recovery
 from jaxstep.loop._stopping import Untrained
 from jaxstep.loop._stopping import attach
+from jaxstep.loop._stopping import last_good
 from jaxstep.step import TrainStep
 from jaxstep.step import adopt
 from jaxstep.step import runtime_of
@@ -181,7 +181,9 @@ class Loop:
             if taken.item is None:  # fewer rows than devices at hand: all carried on
                 flight.in_hand = None
                 return
-            flight.in_hand = item = self._placed_in_data(taken.item)
+            queue, pulled = self.flight.queue, self.pulled
+            item = placed_in_data(taken.item, self.carry, queue, pulled, self.source.hold)
+            flight.in_hand = item
         presplit = self.presplit and item.first is None  # carried rows come joined
         check = False
         for before in actions.before:  # a checkpoint step: check replicas
@@ -216,18 +218,6 @@ class Loop:
             self.settle(new)
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
-
-    def _placed_in_data(self, item: Item) -> Item:
-        """``item`` (taken from the carry) with where the rows not trained are in the
-        data before it runs (``Item.at``, a checkpoint's data position): its rows, the
-        rows carried of every shape, the batches queued and those not pulled yet."""
-        if not isinstance(self.carry, Carry):
-            return item
-        spans = [*starts(item), *((seq, lo) for seq, lo, _ in self.carry.left())]
-        spans += [start for queued in self.flight.queue for start in starts(queued)]
-        at = untrained_at(spans, self.pulled)
-        self.source.hold(at.batch)  # a checkpointable iterator's state there is kept
-        return item._replace(at=at)
 
     def settle(self, pending: Pending, after: Item | None = None) -> None:
         """Reads ``pending``'s health table and appends it to the history; the actions
@@ -351,13 +341,7 @@ class Loop:
         except Exception as why:  # the steps in flight cannot be read: say so, lose nothing
             left, failed = list(self.flight.unconfirmed), f"(unread: {why!r})"
         untrained, first = self._untrained(*left, self.flight.in_hand)
-        state: TrainState | None = self.state
-        try:
-            validate.alive(state)
-            if failed is not None:
-                state = self.runtime.clear_halt(self.state)
-        except ValueError:
-            state = None  # a second Ctrl-C inside a dispatch: the state was donated
+        state = last_good(self.runtime, self.state, failed)
         saved = None
         if state is not None and self.last is not None:  # something trained: keep it
             try:
@@ -380,12 +364,9 @@ class Loop:
         finish (the final state saved with checkpoints on, the recoveries made), waits
         for the writes, calls the callbacks' ``on_fit_end`` and returns the final
         state."""
-        first = None  # where the untrained data begins, when not after every batch
+        cut_short = self.limit is not None and self.pulled >= self.limit
+        first = end_position(self.carry, cut_short, self.pulled)
         if self.carry is not None:
-            left = self.carry.left()
-            if left and self.limit is not None and self.pulled >= self.limit:
-                # cut short: a resume trains the rows carried (of every shape)
-                first = untrained_at([(seq, lo) for seq, lo, _ in left], self.pulled)
             self.record.left_over(self.carry.finish())
         self.actions.finish(self.state, first)
         self.actions.close()

@@ -121,7 +121,8 @@ def majority_position(runtime: Runtime, failures: Sequence[Failure]) -> int | No
         return None
     bad = {f.device_id for f in failures}
     here = jax.process_index()  # a healthy copy this process can read
-    m = len(runtime.devices) // runtime.options.replicas  # a copy is a whole group's
+    k = runtime.options.replicas  # under replicas a copy is a whole group's
+    m = len(runtime.devices) // k if k > 1 else 1
     groups = {i // m for i, d in enumerate(runtime.devices) if d.id in bad}
     good = [
         i

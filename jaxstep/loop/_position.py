@@ -5,9 +5,12 @@ position then names each batch that still holds rows not trained (``Cursor.then`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Iterable
 
 from jaxstep.checkpoint import Cursor
+from jaxstep.loop._carry import Carry
+from jaxstep.loop._carry import Cut
 from jaxstep.loop._pending import Item
 
 
@@ -37,3 +40,34 @@ def untrained_at(untrained: Iterable[tuple[int, int]], pulled: int) -> Cursor:
         pairs.pop()
     (batch, rows), *then = pairs
     return Cursor(batch, rows, tuple(then))
+
+
+def placed_in_data(
+    item: Item,
+    carry: Carry | Cut | None,
+    queue: Iterable[Item],
+    pulled: int,
+    hold: Callable[[int], None],
+) -> Item:
+    """``item`` (taken from the carry) with where the rows not trained are in the data
+    before it runs (``Item.at``, a checkpoint's data position): its rows, the rows
+    carried of every shape, the batches ``queue`` d and those not pulled yet (of the
+    ``pulled`` batches pulled). ``hold(batch)``: the source keeps a checkpointable
+    iterator's state from there on."""
+    if not isinstance(carry, Carry):
+        return item
+    spans = [*starts(item), *((seq, lo) for seq, lo, _ in carry.left())]
+    spans += [start for queued in queue for start in starts(queued)]
+    at = untrained_at(spans, pulled)
+    hold(at.batch)
+    return item._replace(at=at)
+
+
+def end_position(carry: Carry | Cut | None, cut_short: bool, pulled: int) -> Cursor | None:
+    """Where the data not trained begins at the end of a fit call: None (after every
+    batch pulled) unless the call's count of batches cut it short (``cut_short``) while
+    rows were carried, which a resume then trains (of every shape)."""
+    left = None if carry is None or not cut_short else carry.left()
+    if not left:
+        return None
+    return untrained_at([(seq, lo) for seq, lo, _ in left], pulled)

@@ -17,10 +17,12 @@ from typing import Any
 
 from jaxstep.checkpoint import Cursor
 from jaxstep.core import TrainState
+from jaxstep.core import validate
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._position import starts
 from jaxstep.loop._position import untrained_at
+from jaxstep.step import Runtime
 
 
 class LateBatch:
@@ -112,6 +114,17 @@ def untrained_batches(
     if not known:
         return [], None
     return [u.batch for u in known], untrained_at([s for w in where for s in w], pulled)
+
+
+def last_good(runtime: Runtime, state: TrainState, failed: str | None) -> TrainState | None:
+    """The state an exception leaving fit hands back: ``state``, its halt cleared when
+    a step still in flight failed (``failed``), or None when it was donated (a second
+    Ctrl-C inside a dispatch)."""
+    try:
+        validate.alive(state)
+        return state if failed is None else runtime.clear_halt(state)
+    except ValueError:
+        return None
 
 
 def attach(

@@ -84,18 +84,34 @@ def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) ->
     for name, met, value in tiny["goals"]:
         assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout
 
-    # issue 30's section: the sharded layouts against hand-written ones and replicated
+    # issue 30's section: the sharded layouts against hand-written ones and replicated;
+    # issue 36's replicas=2 against a hand-written HSDP step
     sharded = report["sharded"]
-    for name in ("jaxstep replicated", "jaxstep optimizer", "hand ZeRO-1", "jaxstep params"):
+    hybrid = ("jaxstep params replicas=2", "hand HSDP")
+    for name in (
+        "jaxstep replicated",
+        "jaxstep optimizer",
+        "hand ZeRO-1",
+        "jaxstep params",
+        *hybrid,
+    ):
         assert sharded["bytes"][name]["opt_state"] > 0 and sharded["memory"][name] > 0
         assert sharded["ms_per_step"][name] > 0
     assert (
         sharded["bytes"]["jaxstep params"]["params"]
         < sharded["bytes"]["jaxstep optimizer"]["params"]
     )
-    assert set(sharded["max_difference_20_adam_steps"]) == {"optimizer", "params"}
+    held = {name: sharded["bytes"][name]["params"] for name in ("jaxstep params", *hybrid)}
+    # a group of 4 holds each sharded leaf: twice the blocks of 8, as the hand-written HSDP
+    assert held["jaxstep params replicas=2"] == held["hand HSDP"] > held["jaxstep params"]
+    assert set(sharded["max_difference_20_adam_steps"]) == {
+        "optimizer",
+        "params",
+        "jaxstep params replicas=2",
+    }
     goals = [name for name, _, _ in sharded["goals"]]
-    assert "issue 30: params: memory <= 0.35x replicated" in goals and len(goals) == 10
+    assert "issue 30: params: memory <= 0.35x replicated" in goals and len(goals) == 13
+    assert "issue 36: replicas=2: time <= 1.10x hand HSDP" in goals
     for name, met, value in sharded["goals"]:
         assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout
 

@@ -60,7 +60,9 @@ def test_the_rule_shards_each_leaf_along_its_largest_dividing_axis():
     assert jax.tree.map(_spec, state.opt_state[0].mu) == want  # Adam's moments alike
     assert _spec(state.opt_state[0].count) == P() and _spec(state.step) == P()
     # the default shard_min_size keeps these small leaves whole; "optimizer" the params
-    assert Plan.of("params", 8, DEFAULT_SHARD_MIN_SIZE, state).params == (None,) * 4
+    default = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), shard_state="params").options
+    assert default.shard_min_size == DEFAULT_SHARD_MIN_SIZE
+    assert Plan.of(default, state).params == (None,) * 4
     zero1 = _step("optimizer").init(init_params())
     assert all(_spec(x) == P() for x in jax.tree.leaves(zero1.params))
     assert jax.tree.map(_spec, zero1.opt_state[0].nu) == want
