@@ -14,7 +14,6 @@ import sys
 import tomllib
 
 from sphinx.ext.napoleon.docstring import GoogleDocstring
-from sphinx.util import logging
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
