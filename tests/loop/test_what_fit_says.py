@@ -89,7 +89,7 @@ def test_a_log_line_keeps_its_format_after_another_library_configures_logging(ca
     assert not any(line.startswith("WARNING:jaxstep") for line in err), err
 
 
-def test_the_launcher_drops_glooss_connection_lines_and_relays_the_rest():
+def test_the_launcher_drops_gloo_connection_lines_and_relays_the_rest():
     stream = io.BytesIO(
         b"[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer "
         b"ranks is : 7\nstep 3 loss 0.5\n[Gloo] Rank 1 is connected to 1 peer ranks. "
