@@ -311,7 +311,8 @@ def _ratios(bench: Any, times: dict[str, np.ndarray]) -> dict[str, list[float]]:
 
 
 def _twenty_steps(setup: Any) -> dict[str, float]:
-    """The largest |difference| of any parameter after 20 Adam steps, per layout."""
+    """The largest |difference| of any parameter after 20 Adam steps, per layout, from
+    the replicated step's (and replicas=2's from the hand-written HSDP step's)."""
     final = {}
     runs = [(None, None, 1), *((layout, layout, 1) for layout in LAYOUTS)]
     for name, layout, replicas in (*runs, (HYBRID, "params", GROUPS)):
@@ -326,13 +327,23 @@ def _twenty_steps(setup: Any) -> dict[str, float]:
             step, step.init(setup.params), [setup.batches[i % 4] for i in range(20)]
         )
         final[name] = jax.device_get(state.params)
-    return {
-        name: max(
-            float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-            for a, b in zip(jax.tree.leaves(final[None]), jax.tree.leaves(final[name]), strict=True)
-        )
-        for name in (*LAYOUTS, HYBRID)
-    }
+    # the hand-written HSDP step's own 20 steps: a two-stage sum (inside a group, then
+    # across groups) adds in another order than one all-reduce, for it as for jaxstep
+    fn, hand = hand_hsdp(setup.adam, setup.params, list(setup.mesh.devices.flat), GROUPS)
+    for i in range(20):
+        *hand, _ = fn(*hand, setup.batches[i % 4])
+    final[HSDP] = jax.device_get(hand[0])
+    out = {name: _largest(final[None], final[name]) for name in (*LAYOUTS, HYBRID, HSDP)}
+    out[f"{HYBRID} vs {HSDP}"] = _largest(final[HYBRID], final[HSDP])
+    return out
+
+
+def _largest(a: Any, b: Any) -> float:
+    """The largest |difference| between two trees' leaves."""
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def goals(res: dict[str, Any]) -> list[tuple[str, bool, str]]:
@@ -368,6 +379,8 @@ def goals(res: dict[str, Any]) -> list[tuple[str, bool, str]]:
         (f"issue 36: replicas=2: time <= 1.10x {HSDP}", t_hand <= 1.10, f"{t_hand:.3f}x{smoke}"),
         ("issue 36: replicas=2: 20 Adam steps within 1e-6", diff <= 1e-6, f"{diff:.2e}"),
     ]
+    same = res["max_difference_20_adam_steps"][f"{HYBRID} vs {HSDP}"]
+    out.append((f"issue 36: replicas=2: 20 Adam steps bitwise as {HSDP}", same == 0, f"{same:.2e}"))
     return out
 
 
@@ -392,7 +405,8 @@ def report(res: dict[str, Any]) -> None:
     for name, q in res["cpu_time_ratios"].items():
         print(f"- CPU time {name}: {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f})")
     for name, d in res["max_difference_20_adam_steps"].items():
-        print(f"- 20 adam steps, {name} vs replicated: max |difference| {d:.2e}")
+        against = "" if " vs " in name else " vs replicated"
+        print(f"- 20 adam steps, {name}{against}: max |difference| {d:.2e}")
     print()
     for goal, met, value in res["goals"]:
         print(f"- {'met' if met else 'MISSED'} {goal}: {value}")

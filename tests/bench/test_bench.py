@@ -108,9 +108,11 @@ def test_bench_runs_every_variant_and_reports_the_issue_goals(tmp_path: Path) ->
         "optimizer",
         "params",
         "jaxstep params replicas=2",
+        "hand HSDP",
+        "jaxstep params replicas=2 vs hand HSDP",
     }
     goals = [name for name, _, _ in sharded["goals"]]
-    assert "issue 30: params: memory <= 0.35x replicated" in goals and len(goals) == 13
+    assert "issue 30: params: memory <= 0.35x replicated" in goals and len(goals) == 14
     assert "issue 36: replicas=2: time <= 1.10x hand HSDP" in goals
     for name, met, value in sharded["goals"]:
         assert f"{'met' if met else 'MISSED'} {name}: {value}" in run.stdout
