@@ -182,12 +182,15 @@ def gathered_work(
     new_ms, aux = validate.model_state(aux, model_state)
     ms_bad, ms_leaf = health.first_nonfinite(jax.tree.leaves(new_ms))
     check_failed = ~jnp.stack(list(checks.values())) if checks else jnp.zeros((0,), bool)
+    # an injected loss fault, as it fires: the forward's verdict below sees it (a
+    # device whose loss the fault made non-finite is left out under drop before its
+    # cotangent is scattered, as a device whose own loss is)
+    value = spiked(value, gathering.factor)
     if keep is None:  # what the forward tells, before any cotangent is scattered
         forward = in_bad | ~jnp.isfinite(value) | ms_bad | health.any_true(check_failed)
         masked = options.on_failure == "drop"
         keep = jnp.where(forward, 0.0, 1.0) if masked else jnp.ones((), jnp.float32)
     grads, flags, _ = vjp((jnp.ones_like(scaled), keep))
-    value = spiked(value, gathering.factor)  # an injected loss fault, as it fires
     grads, squares, grad_leaf = gathering.local_health(grads, flags)
     status = status_bits(options, in_bad, value, ~jnp.isfinite(squares), ms_bad, check_failed)
     prints, param_leaf = (None, None) if copies is None else copies

@@ -87,3 +87,36 @@ def test_a_loss_fault_still_fails_its_device_with_a_non_finite_loss_and_gradient
     assert (err.device_id, err.step) == (devices[5].id, 1)
     assert err.status & jaxstep.Status.LOSS_NONFINITE and err.status & jaxstep.Status.GRAD_NONFINITE
     assert [f.device_id for f in err.failures] == [devices[5].id]  # no healthy device blamed
+
+
+@pytest.mark.parametrize("layout", [None, "optimizer", "params"])
+@pytest.mark.parametrize("kind", ["loss", "input", "grad"])
+def test_a_fault_that_fires_under_drop_leaves_its_device_out_at_a_replica_check(kind, layout):
+    # under "params" a loss fault's NaN reached the scattered gradients when the step
+    # also ran the replica check: the forward's verdict did not see the fault, so the
+    # device was not left out and every parameter became NaN
+    from tests.models import init_params
+    from tests.models import loss_fn
+    from tests.models import make_batches
+
+    def run(layout, faults):
+        step = jaxstep.make_train_step(
+            loss_fn,
+            optax.adam(1e-2),
+            shard_state=layout,
+            shard_min_size=0,
+            on_failure="drop",
+            divergence_every=1,
+            faults=faults,
+        )
+        history = jaxstep.History()
+        state = jaxstep.fit(step, step.init(init_params()), make_batches(3), history=history)
+        return history, [np.asarray(x) for x in jax.tree.leaves(step.host_state(state).params)]
+
+    leaf = {"leaf": "['x']"} if kind == "input" else {}
+    history, got = run(layout, [Fault(kind, 6, step=1, mode="device", **leaf)])
+    assert [bool(s.any()) for s in history.status] == [False, True, False]
+    assert history.dropped[1] == (6,)
+    _, want = run(None, [Fault(kind, 6, step=1, mode="device", **leaf)])
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
