@@ -22,6 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstep.program import Pads
+from jaxstep.program import cut
+
 #: where the blocks of step ``k`` are, under the store's root
 DIRECTORY = "blocks"
 
@@ -58,13 +61,20 @@ def spread(tree: Any) -> bool:
     return any(_sharded(x) and not x.is_fully_addressable for x in jax.tree.leaves(tree))
 
 
-def to_host(leaves: Sequence[Any]) -> tuple[list[np.ndarray], dict[str, Any] | None]:
+def to_host(
+    leaves: Sequence[Any], pads: Pads = None
+) -> tuple[list[np.ndarray], dict[str, Any] | None]:
     """Numpy of ``leaves`` (:func:`local_copies`, or a state's leaves, keys as key data):
     each whole when this process holds all of it. Otherwise (a leaf sharded across
     processes) a one-element placeholder in its place, and this process's blocks of it in
-    the second value (None when there are none), for :func:`write`."""
+    the second value (None when there are none), for :func:`write`. ``pads``: the leaves
+    a layout holds padded, cut to their logical shapes (a block in the padding dropped)."""
+    cuts: list[Any] = list(pads) if pads else [None] * len(leaves)
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
-        return [np.asarray(x) for x in jax.device_get(list(leaves))], None
+        whole = [np.asarray(x) for x in jax.device_get(list(leaves))]
+        return [
+            x if p is None else cut(x, p[0], p[1][0]) for x, p in zip(whole, cuts, strict=True)
+        ], None
     host: list[np.ndarray] = []
     blocks: dict[str, Any] = {}
     for i, x in enumerate(leaves):
@@ -77,7 +87,15 @@ def to_host(leaves: Sequence[Any]) -> tuple[list[np.ndarray], dict[str, Any] | N
                 (s.start or 0, x.shape[d] if s.stop is None else s.stop)
                 for d, s in enumerate(shard.index)
             ]
-            blocks[f"{i}_{k}"] = np.asarray(shard.data)
+            data = np.asarray(shard.data)
+            if cuts[i] is not None:  # the part of the block inside the logical shape
+                axis, (length, _) = cuts[i]
+                start, stop = bounds[axis]
+                if start >= length:
+                    continue
+                bounds[axis] = (start, min(stop, length))
+                data = cut(data, axis, min(stop, length) - start)
+            blocks[f"{i}_{k}"] = data
             blocks[f"{i}_{k}_at"] = np.asarray(bounds, np.int64).reshape(-1, 2)
     return host, blocks
 
@@ -124,12 +142,17 @@ def assemble(root: Any, number: int, meta: dict[str, Any], leaves: list[Any]) ->
     return out
 
 
-def describe(leaves: Sequence[Any], processes: Sequence[int]) -> dict[str, Any]:
-    """``meta["blocks"]`` for a step whose sharded ``leaves`` the ``processes`` wrote."""
+def describe(leaves: Sequence[Any], processes: Sequence[int], pads: Pads = None) -> dict[str, Any]:
+    """``meta["blocks"]`` for a step whose sharded ``leaves`` the ``processes`` wrote
+    (``pads``: the leaves a layout holds padded, with their logical shapes)."""
     spread = {i: x for i, x in enumerate(leaves) if _sharded(x)}
+    shapes = {i: list(x.shape) for i, x in spread.items()}
+    for i, p in enumerate(pads or ()):
+        if p is not None and i in shapes:
+            shapes[i][p[0]] = p[1][0]
     return {
         "processes": list(processes),
-        "shapes": {str(i): list(x.shape) for i, x in spread.items()},
+        "shapes": {str(i): s for i, s in shapes.items()},
         "dtypes": {str(i): str(x.dtype) for i, x in spread.items()},
     }
 

@@ -27,11 +27,13 @@ from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
+from jaxstep.checkpoint._layout import logical
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._store import EMERGENCY
 from jaxstep.checkpoint._store import Store
 from jaxstep.checkpoint._store import as_path
 from jaxstep.core import TrainingWorkerError
+from jaxstep.program import Pads
 
 
 def save(
@@ -42,9 +44,11 @@ def save(
     failing: Position,
     stacked: bool,
     devices: Sequence[jax.Device],
+    pads: Pads = None,
 ) -> str:
     """Writes the emergency save of ``error`` under ``directory``; returns its path (the
-    same path on every process of a multi-process run)."""
+    same path on every process of a multi-process run). ``pads``: the leaves of
+    ``error.state`` its layout holds padded (written with their logical shapes)."""
     multi = len(coordination.processes(devices)) > 1
     me = jax.process_index()
     base = directory / EMERGENCY
@@ -56,16 +60,16 @@ def save(
         # sharded across processes: each writes its shards, read from the state as it
         # is (no program runs: a lost peer cannot hold it up); restoring needs them all
         state = [_key_data(x) for x in jax.tree.leaves(error.state)]
-        host, mine = blocks.to_host(state)
+        host, mine = blocks.to_host(state, pads)
         if mine is not None:
             blocks.write(path, error.step, me, mine)
         if coordination.is_writer():
             items["state"] = host
-            meta["layout"] = Layout.of(error.state).to_json()
-            meta["blocks"] = blocks.describe(state, coordination.processes(devices))
+            meta["layout"] = Layout.of(error.state, pads=pads).to_json()
+            meta["blocks"] = blocks.describe(state, coordination.processes(devices), pads)
     elif error.state is not None and (not multi or coordination.is_writer()):
-        items["state"] = jax.device_get(local_copy(error.state, stacked=stacked))
-        meta["layout"] = Layout.of(error.state, stacked=stacked).to_json()
+        items["state"] = logical(jax.device_get(local_copy(error.state, stacked=stacked)), pads)
+        meta["layout"] = Layout.of(error.state, stacked=stacked, pads=pads).to_json()
     batch = jax.tree.map(_local_rows, error.batches[0]) if error.batches else None
     meta.update(
         kind=EMERGENCY,

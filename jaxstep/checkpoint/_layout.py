@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstep.checkpoint import _blocks as blocks
+from jaxstep.program import Pads
+from jaxstep.program import cut
 
 
 def _is_key(x: Any) -> bool:
@@ -33,12 +35,19 @@ class Layout:
     treedef: Any
 
     @classmethod
-    def of(cls, tree: Any, *, stacked: bool = False) -> Layout:
+    def of(cls, tree: Any, *, stacked: bool = False, pads: Pads = None) -> Layout:
+        """``tree``'s layout (``stacked``: leaves carry pmap's device axis; ``pads``: the
+        leaves a layout holds padded, recorded with their logical shapes)."""
         with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
         leaves = [x for _, x in with_paths]
+        shapes = [tuple(np.shape(x))[1 if stacked else 0 :] for x in leaves]
+        for i, p in enumerate(pads or ()):
+            if p is not None:
+                axis, (length, _) = p
+                shapes[i] = (*shapes[i][:axis], length, *shapes[i][axis + 1 :])
         return cls(
             names=tuple(jax.tree_util.keystr(p) for p, _ in with_paths),
-            shapes=tuple(tuple(np.shape(x))[1 if stacked else 0 :] for x in leaves),
+            shapes=tuple(shapes),
             dtypes=tuple(str(x.dtype) for x in leaves),
             keys={i: str(jax.random.key_impl(x)) for i, x in enumerate(leaves) if _is_key(x)},
             treedef=treedef,
@@ -80,6 +89,13 @@ class Layout:
             for i, x in enumerate(leaves)
         ]
         return jax.tree.unflatten(treedef, leaves)
+
+
+def logical(leaves: Sequence[Any], pads: Pads) -> list[Any]:
+    """Host ``leaves`` with each one a layout holds padded cut to its logical shape."""
+    if not pads:
+        return list(leaves)
+    return [x if p is None else cut(x, p[0], p[1][0]) for x, p in zip(leaves, pads, strict=True)]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -61,7 +61,7 @@ def conform(step: Runtime, loaded: Loaded, template: TrainState | None = None) -
     saved = loaded.layout
     leaves = list(loaded.leaves)
     if template is not None:
-        want = Layout.of(template, stacked=step.stacked)
+        want = Layout.of(template, stacked=step.stacked, pads=step.backend.pads(template))
         have = dict(zip(saved.names, zip(saved.shapes, saved.dtypes, strict=True), strict=True))
         differ = []
         fresh: list[Any] | None = None
@@ -141,7 +141,8 @@ def conform(step: Runtime, loaded: Loaded, template: TrainState | None = None) -
 def _fresh(step: Runtime, template: TrainState) -> list[Any]:
     """The template's leaves on the host (its monitor and drop fields are what is
     used: a leaf sharded across processes comes as a placeholder)."""
-    return blocks.to_host(local_copy(template, stacked=step.stacked))[0]
+    leaves = local_copy(template, stacked=step.stacked)
+    return blocks.to_host(leaves, step.backend.pads(template))[0]
 
 
 def _of_drop(name: str) -> bool:

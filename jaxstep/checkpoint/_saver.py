@@ -36,6 +36,7 @@ from jaxstep.core import Status
 from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.core import log
+from jaxstep.program import Pads
 from jaxstep.step import Runtime
 
 # A failed replica check at a checkpoint step: the state it checked is not saved.
@@ -57,6 +58,8 @@ class _Snapshot:
     # rebuilt the step on fewer devices by then (per-device monitor columns included)
     devices: tuple[jax.Device, ...]
     layout: Layout
+    #: the leaves the layout holds padded (written with their logical shapes)
+    pads: Pads = None
 
 
 class FitCheckpoints:
@@ -114,12 +117,14 @@ class FitCheckpoints:
             if not self.writer and not blocks.spread(state):  # (or write its shards)
                 return True
         stacked, devices = self.step.stacked, tuple(self.step.devices)
+        pads = self.step.backend.pads(state)
         self._snap = _Snapshot(
             number,
             local_copy(state, stacked=stacked),
             position,
             devices,
-            Layout.of(state, stacked=stacked),
+            Layout.of(state, stacked=stacked, pads=pads),
+            pads,
         )
         return True
 
@@ -150,7 +155,7 @@ class FitCheckpoints:
         """Writes ``snap`` (verified by its step's replica check, or as ``verified_by``
         says: starting "not verified" when it was not)."""
         assert self.store is not None
-        leaves, mine = blocks.to_host(snap.leaves)
+        leaves, mine = blocks.to_host(snap.leaves, snap.pads)
         if mine is not None and not self._parts_in(snap.number, mine):
             return  # a process that writes its own shards only
         if verified_by is None:
@@ -161,7 +166,7 @@ class FitCheckpoints:
         verified = not verified_by.startswith("not verified")
         meta = self._meta(snap.number, snap.devices, verified=verified)
         if mine is not None:
-            meta["blocks"] = blocks.describe(snap.leaves, self.processes)
+            meta["blocks"] = blocks.describe(snap.leaves, self.processes, snap.pads)
         if self._positions is not None:  # every process's own data position
             found = self._positions.gather(snap.number, _GATHER_TIMEOUT)
             meta["data_by_process"] = {str(p): pos for p, pos in found.items()}
@@ -255,6 +260,7 @@ class FitCheckpoints:
                 failing=self.source.position(first),
                 stacked=self.step.stacked,
                 devices=self.step.devices,
+                pads=self.step.backend.pads(error.state) if error.state is not None else None,
             )
         except Exception as err:  # never hide the failure behind a failed save
             log.exception("the emergency save failed")
@@ -320,13 +326,14 @@ class FitCheckpoints:
             self._positions.publish(number, None if position is None else position.to_json())
             if not self.writer and not blocks.spread(state):
                 return where
-        stacked = self.step.stacked
+        stacked, pads = self.step.stacked, self.step.backend.pads(state)
         snap = _Snapshot(
             number,
             local_copy(state, stacked=stacked),
             position,
             tuple(self.step.devices),
-            Layout.of(state, stacked=stacked),
+            Layout.of(state, stacked=stacked, pads=pads),
+            pads,
         )
         self._write(snap, verified_by)
         self._done.add(number)

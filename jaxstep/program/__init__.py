@@ -22,9 +22,13 @@ from jaxstep.program._scaling import DynamicLossScale as DynamicLossScale
 from jaxstep.program._sharded import shard_mask as shard_mask
 from jaxstep.program._sharded import sharded_step as sharded_step
 from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD_MIN_SIZE
+from jaxstep.program._shards import Kept as Kept
+from jaxstep.program._shards import Pads as Pads
 from jaxstep.program._shards import Plan as Plan
 from jaxstep.program._shards import ShardRule as ShardRule
+from jaxstep.program._shards import cut as cut
 from jaxstep.program._shards import nbytes_per_device as nbytes_per_device
+from jaxstep.program._shards import pad_to as pad_to
 from jaxstep.program._shards import shard_axis as shard_axis
 from jaxstep.program._shards import shard_spec as shard_spec
 
@@ -36,12 +40,15 @@ __all__ = [
     "Fault",
     "Grid",
     "Injector",
+    "Kept",
     "LossSpike",
     "Options",
+    "Pads",
     "Plan",
     "ShardRule",
     "all_agree",
     "body",
+    "cut",
     "drop_memory",
     "example_failed",
     "fingerprint",
@@ -49,6 +56,7 @@ __all__ = [
     "grad_leaves_finite",
     "map_body",
     "nbytes_per_device",
+    "pad_to",
     "shard_axis",
     "shard_mask",
     "shard_spec",

@@ -49,13 +49,16 @@ from jaxstep.program._local import LocalPart
 from jaxstep.program._local import chunk_key
 from jaxstep.program._local import row_of
 from jaxstep.program._options import Options
+from jaxstep.program._shards import Pad
 from jaxstep.program._shards import Plan
+from jaxstep.program._shards import cut
+from jaxstep.program._shards import pad_to
 
 #: the ``checkpoint_name`` of a gathered parameter (never saved for the backward)
 GATHERED = "jaxstep_gathered"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def checked_gather(
     shard: jax.Array,
     probe: jax.Array,
@@ -65,6 +68,7 @@ def checked_gather(
     axis: int,
     links: Links,
     flags: tuple[bool, bool, bool, bool],
+    pad: Pad | None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(all_gather(shard), 0 * one)``. Backward: this device's own cotangent of the
     whole parameter, divided by ``scale`` (the loss scale, as ``DynamicLossScale.unscale``
@@ -75,9 +79,13 @@ def checked_gather(
     arithmetic stays the step's own until a fault fires). ``flags``: (masked, spiked,
     poisoned, scaled), what the backward does of these (static). ``links``: the
     collectives of the device's group (a gather and a reduce-scatter inside it, and
-    the scattered block summed across its twins, ``make_train_step(replicas=k)``)."""
+    the scattered block summed across its twins, ``make_train_step(replicas=k)``).
+    ``pad``: a leaf held padded (after an exclusion): the gathered leaf is cut to its
+    logical length before the loss sees it, and the cotangent padded with zeros before
+    it is scattered (the padding's gradient is 0: its optimizer state stays 0)."""
     del probe, faults, scale, flags
-    return links.gather(shard, axis), one * 0
+    whole = links.gather(shard, axis)
+    return (whole if pad is None else cut(whole, axis, pad[0])), one * 0
 
 
 def _gather_fwd(
@@ -89,8 +97,9 @@ def _gather_fwd(
     axis: int,
     links: Links,
     flags: tuple[bool, bool, bool, bool],
+    pad: Pad | None,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, jax.Array]]:
-    out = checked_gather(shard, probe, one, faults, scale, axis, links, flags)
+    out = checked_gather(shard, probe, one, faults, scale, axis, links, flags, pad)
     return out, (faults, scale)
 
 
@@ -98,6 +107,7 @@ def _gather_bwd(
     axis: int,
     links: Links,
     flags: tuple[bool, bool, bool, bool],
+    pad: Pad | None,
     residuals: tuple[tuple[jax.Array, jax.Array], jax.Array],
     cotangents: tuple[jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array]:
@@ -112,6 +122,8 @@ def _gather_bwd(
     squares = jnp.sum(jnp.square(g.astype(jnp.float32)))
     if masked:  # a cond, not a multiply (NaN * 0 is NaN): the healthy branch is free
         g = jax.lax.cond(keep > 0, lambda x: x, jnp.zeros_like, g)
+    if pad is not None:
+        g = pad_to(g, axis, pad[1])
     shard = links.scatter(g, axis)
     nothing = (jnp.zeros_like(factor), jnp.zeros_like(poison))
     return shard, squares, jnp.zeros_like(keep), nothing, jnp.zeros_like(scale)
@@ -263,6 +275,7 @@ class Gathering:
                 self.plan.params[i],
                 self.links,
                 (masked, spiking, poison is not None, self.scaling),
+                self.plan.param_pad(i),
             )
             full[i] = checkpoint_name(x, GATHERED)
             sink = sink + z

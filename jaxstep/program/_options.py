@@ -26,6 +26,7 @@ from jaxstep.program._faults import Fault
 from jaxstep.program._faults import Injector
 from jaxstep.program._scaling import DynamicLossScale
 from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE
+from jaxstep.program._shards import Kept
 from jaxstep.program._shards import ShardRule
 
 AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
@@ -70,6 +71,10 @@ class Options:
     shard_min_size: int = DEFAULT_SHARD_MIN_SIZE
     replicas: int = 1
     shard_rule: ShardRule | None = None
+    #: after ``TrainStep.exclude_devices`` under ``shard_state`` with one group: the
+    #: layout kept from before (each leaf's axis; a leaf it no longer divides held
+    #: padded), which replaces the rule; None otherwise (internal: not a keyword)
+    kept: Kept | None = None
     #: the faults resolved against the devices (what the traced program injects)
     injector: Injector = dataclasses.field(init=False, repr=False, compare=False)
     #: ``jax.Device.id`` of each device, in order

@@ -33,13 +33,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstep.core import Batch
-from jaxstep.core import Params
 from jaxstep.core import PyTree
 from jaxstep.core import Status
 from jaxstep.core import StepInfo
 from jaxstep.core import StepOutput
 from jaxstep.core import TrainState
-from jaxstep.core import health
 from jaxstep.program import _drop as drop
 from jaxstep.program import _fsdp as fsdp
 from jaxstep.program._body import body
@@ -47,7 +45,6 @@ from jaxstep.program._body import map_body
 from jaxstep.program._body import outputs
 from jaxstep.program._device import device_work
 from jaxstep.program._device import microbatched_work
-from jaxstep.program._faults import Context
 from jaxstep.program._grid import Grid
 from jaxstep.program._local import Beat
 from jaxstep.program._local import Here
@@ -55,6 +52,8 @@ from jaxstep.program._local import LocalPart
 from jaxstep.program._local import chunk_key
 from jaxstep.program._local import here
 from jaxstep.program._local import local_part
+from jaxstep.program._on_shards import OnShards
+from jaxstep.program._on_shards import padded
 from jaxstep.program._options import Options
 from jaxstep.program._reduce import Reduced
 from jaxstep.program._reduce import compare_devices
@@ -146,7 +145,7 @@ def sharded_step(
     )
     if p.repaired is not None:  # the update starts from the repaired copies, not the old
         state = grid.from_blocks(p.repaired, specs)
-    shards = _Shards(options, plan, grid, state, extras, dict(extra_specs), rows)
+    shards = OnShards(options, plan, grid, state, extras, dict(extra_specs), rows)
     gathered = p.gathered._replace(grad_sums=grad_sums)
     new_state, status, columns = update(options, state, gathered, shards=shards)
     table, metrics = outputs(options, gathered.rows, status, columns, gathered.losses)
@@ -290,8 +289,8 @@ def _sums(
     axis = options.axis_name
     local = [g for g, a in zip(leaves, plan.grads, strict=True) if a is None]
     out = [
-        g if a is None or scattered else grid.scatter(g, a)
-        for g, a in zip(leaves, plan.grads, strict=True)
+        g if a is None or scattered else grid.scatter(padded(plan, i, g), a)
+        for i, (g, a) in enumerate(zip(leaves, plan.grads, strict=True))
     ]
     local, floats, gathered = jax.lax.psum((local, floats, sent), axis)
     summed = iter(local)
@@ -299,80 +298,4 @@ def _sums(
     return out, floats, gathered
 
 
-class _Shards:
-    """:class:`jaxstep.program._verdict.Sharded` for one traced step."""
-
-    def __init__(
-        self,
-        options: Options,
-        plan: Plan,
-        grid: Grid,
-        state: TrainState,
-        extras: dict[str, Any],
-        extra_specs: dict[str, P],
-        rows: int,
-    ):
-        self.options, self.plan, self.grid = options, plan, grid
-        self.mesh = grid.state_mesh  # the update runs on the state's global arrays
-        self._grad_specs = plan.grad_specs(state.params, grid.state_axis)
-        self._blocks = plan.grad_specs(state.params, options.axis_name)  # the step's mesh
-        self._param_specs = plan.specs(state, grid.state_axis).params
-        self._step = state.step
-        self._extras = extras
-        self._extra_specs = extra_specs
-        self._rows = rows
-
-    def _named(self, specs: PyTree) -> PyTree:
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
-
-    def to_shards(self, params: Params) -> Params:
-        """Each device's shard of each sharded gradient's parameter (under
-        ``"optimizer"`` a slice of the replicated parameters: no data moves)."""
-        return jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
-
-    def to_state(self, params: Params) -> Params:
-        """The parameters as the state holds them (under ``"optimizer"`` replicated:
-        XLA all-gathers the updated shards)."""
-        to_shards = jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
-        return jax.lax.with_sharding_constraint(to_shards, self._named(self._param_specs))
-
-    def verify(self, params: Params) -> jax.Array:
-        """``verify_update``: every device's first non-finite leaf of the shard of the
-        new parameters it computed ((n,), -1: none), one small ``psum``."""
-        options = self.options
-
-        def check(shards: Params, number: jax.Array, extras: dict[str, Any]) -> jax.Array:
-            index = jax.lax.axis_index(options.axis_name)
-            if options.injector:
-                ctx = Context(
-                    step=number,
-                    device_id=jnp.asarray(options.device_ids, jnp.int32)[index],
-                    chunk=extras["chunk"].reshape(-1)[0],
-                    rows=jnp.arange(self._rows),
-                    fired=extras["fired"],
-                )
-                shards = options.injector.tree("param", shards, ctx)
-            leaf = health.first_nonfinite(jax.tree.leaves(shards))[1]
-            mine = jnp.arange(options.n) == index
-            return jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
-
-        mapped = jax.shard_map(  # on the step's mesh: each device checks its block
-            check,
-            mesh=self.grid.mesh,
-            in_specs=(self._blocks, P(), self._extra_specs),
-            out_specs=P(),
-            check_vma=False,
-        )
-        shards = jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
-        blocks = self.grid.to_blocks(shards, self._grad_specs)
-        return mapped(blocks, self._step, self._extras)
-
-
-def place(state: Any, plan: Plan, mesh: Mesh, axis: str) -> Any:
-    """``state`` on ``mesh`` laid out by ``plan`` (a :class:`TrainState` of host or
-    device arrays; its sharded leaves split, the rest replicated)."""
-    specs = plan.specs(state, axis)
-    return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-
-
-__all__ = ["Parted", "device_part", "place", "reduce", "shard_mask", "sharded_step"]
+__all__ = ["Parted", "device_part", "reduce", "shard_mask", "sharded_step"]

@@ -50,6 +50,8 @@ class Rule(Protocol):
     def shard_rule(self) -> ShardRule | None: ...
     @property
     def group_size(self) -> int: ...
+    @property
+    def kept(self) -> Kept | None: ...
 
 
 #: The default ``shard_min_size``, in elements (256 KiB of float32). Below it the two
@@ -85,16 +87,44 @@ def shard_spec(axis: int | None, name: str) -> P:
     return P() if axis is None else P(*([None] * axis), name)
 
 
+#: a sharded leaf held padded (:class:`Kept`): its (logical, padded) length along its axis
+Pad = tuple[int, int]
+#: per leaf of a state (``jax.tree.leaves``), ``(axis, pad)`` of a leaf held padded, else
+#: None; None: no leaf is
+Pads = Sequence[tuple[int, Pad] | None] | None
+
+
+class Kept(NamedTuple):
+    """A layout an exclusion keeps (``TrainStep.exclude_devices`` under ``shard_state``
+    with one group): each leaf's axis as before the exclusion, and the logical shapes of
+    the parameters and the optimizer state. A leaf whose axis no longer divides by the
+    devices left is held padded to the next multiple (zeros at its end: each device holds
+    ``ceil(rows / n)`` rows of it), never made whole; the padding stays inside the
+    state and its programs (:meth:`Plan.logical`, :meth:`Plan.physical`)."""
+
+    grads: tuple[int | None, ...]
+    params: tuple[int | None, ...]
+    opt: tuple[int | None, ...]
+    param_shapes: tuple[tuple[int, ...], ...]
+    opt_shapes: tuple[tuple[int, ...], ...]
+
+
 class Plan(NamedTuple):
     """Where each leaf of a state is sharded, in tree order (None: replicated).
 
     ``grads``: the gradients' axes (the parameters' shapes under the rule), under both
     layouts; ``params``: the parameters' (``grads`` under ``"params"``, all None under
-    ``"optimizer"``); ``opt``: the optimizer state's, each leaf by its own shape."""
+    ``"optimizer"``); ``opt``: the optimizer state's, each leaf by its own shape.
+    ``grad_pads`` and ``opt_pads`` (after an exclusion, :class:`Kept`): each leaf's
+    ``(logical, padded)`` length along its axis when it is held padded (under
+    ``"params"`` the parameter itself, under ``"optimizer"`` its gradient and update
+    inside the step), else None; empty: nothing is padded."""
 
     grads: tuple[int | None, ...]
     params: tuple[int | None, ...]
     opt: tuple[int | None, ...]
+    grad_pads: tuple[Pad | None, ...] = ()
+    opt_pads: tuple[Pad | None, ...] = ()
 
     @classmethod
     def of(cls, rule: Rule, state: Any) -> Plan:
@@ -107,6 +137,8 @@ class Plan(NamedTuple):
             one whose size does not divide by the group's device count (naming both).
           TypeError: it gave something other than an int or None.
         """
+        if rule.shard_state is not None and rule.kept is not None:
+            return cls.padded(rule.kept, rule.group_size)
         params = [tuple(np.shape(x)) for x in jax.tree.leaves(state.params)]
         opt = [tuple(np.shape(x)) for x in jax.tree.leaves(state.opt_state)]
         if rule.shard_state is None:
@@ -127,10 +159,85 @@ class Plan(NamedTuple):
         kept = grads if rule.shard_state == "params" else (None,) * len(grads)
         return cls(grads, kept, opt_axes)
 
+    @classmethod
+    def padded(cls, kept: Kept, m: int) -> Plan:
+        """The plan of ``kept`` over groups of ``m`` devices: its axes, and a pad for each
+        leaf whose axis's length does not divide by ``m``."""
+
+        def pads(axes: Sequence[int | None], shapes: Sequence[tuple[int, ...]]) -> Any:
+            return tuple(
+                None if a is None or s[a] % m == 0 else (s[a], -(-s[a] // m) * m)
+                for a, s in zip(axes, shapes, strict=True)
+            )
+
+        grad_pads, opt_pads = pads(kept.grads, kept.param_shapes), pads(kept.opt, kept.opt_shapes)
+        if not any((*grad_pads, *opt_pads)):
+            return cls(kept.grads, kept.params, kept.opt)
+        return cls(kept.grads, kept.params, kept.opt, grad_pads, opt_pads)
+
+    def keep(self, state: Any) -> Kept:
+        """This plan as a :class:`Kept` of ``state`` (logical shapes: a host copy)."""
+        shapes = lambda tree: tuple(tuple(np.shape(x)) for x in jax.tree.leaves(tree))  # noqa: E731
+        return Kept(
+            self.grads, self.params, self.opt, shapes(state.params), shapes(state.opt_state)
+        )
+
     @property
     def sharded(self) -> bool:
         """Whether any leaf is sharded."""
         return any(a is not None for a in (*self.grads, *self.opt))
+
+    @property
+    def pads(self) -> bool:
+        """Whether a leaf is held padded."""
+        return any((*self.grad_pads, *self.opt_pads))
+
+    def param_pad(self, i: int) -> Pad | None:
+        """Parameter ``i``'s pad as the state holds it (under ``"optimizer"`` none: the
+        parameters are whole)."""
+        return self.grad_pads[i] if self.grad_pads and self.params[i] is not None else None
+
+    def state_pads(self, state: Any) -> list[tuple[int, Pad] | None]:
+        """Per leaf of ``jax.tree.leaves(state)`` (a :class:`TrainState`): its axis and
+        pad when the state holds it padded, else None."""
+        paths = jax.tree_util.tree_leaves_with_path(state)
+        out: list[tuple[int, Pad] | None] = [None] * len(paths)
+        if not self.pads:
+            return out
+        seen = {"params": 0, "opt_state": 0}
+        for k, (path, _) in enumerate(paths):
+            field = getattr(path[0], "name", None) if path else None
+            if field not in seen:
+                continue
+            i = seen[field]
+            seen[field] += 1
+            pad, a = (
+                (self.param_pad(i), self.params[i])
+                if field == "params"
+                else (self.opt_pads[i], self.opt[i])
+            )
+            if pad is not None and a is not None:
+                out[k] = (a, pad)
+        return out
+
+    def physical_params(self, params: PyTree) -> PyTree:
+        """``params`` with each leaf the layout holds padded padded (zeros at its end)."""
+        leaves, treedef = jax.tree.flatten(params)
+        out = []
+        for i, x in enumerate(leaves):
+            pad, a = self.param_pad(i), self.params[i]
+            out.append(x if pad is None or a is None else pad_to(x, a, pad[1]))
+        return jax.tree.unflatten(treedef, out)
+
+    def logical(self, state: Any) -> Any:
+        """``state`` (host or device arrays) with its padded leaves cut to their logical
+        shapes (as it is when nothing is padded, or a leaf is logical already)."""
+        return _map_pads(self, state, lambda x, a, pad: cut(x, a, pad[0]))
+
+    def physical(self, state: Any) -> Any:
+        """``state`` with its leaves that the layout holds padded padded (zeros at the
+        end of their axis), where they are logical: what the step's programs take."""
+        return _map_pads(self, state, lambda x, a, pad: pad_to(x, a, pad[1]))
 
     def specs(self, state: TrainState, name: str) -> TrainState:
         """``state``'s ``PartitionSpec`` s (a TrainState of them), over mesh axis ``name``."""
@@ -144,6 +251,35 @@ class Plan(NamedTuple):
     def grad_specs(self, params: PyTree, name: str) -> PyTree:
         """The reduced gradients' ``PartitionSpec`` s (a tree like ``params``)."""
         return _as(params, self.grads, name)
+
+
+def cut(x: Any, axis: int, length: int) -> Any:
+    """``x`` (numpy or jax) cut to ``length`` along ``axis`` (as it is if not longer)."""
+    if np.shape(x)[axis] <= length:
+        return x
+    return x[(slice(None),) * axis + (slice(0, length),)]
+
+
+def pad_to(x: Any, axis: int, length: int) -> Any:
+    """``x`` (numpy or jax) with zeros appended along ``axis`` up to ``length`` (as it
+    is if not shorter)."""
+    extra = length - np.shape(x)[axis]
+    if extra <= 0:
+        return x
+    widths = [(0, 0)] * np.ndim(x)
+    widths[axis] = (0, extra)
+    if isinstance(x, jax.Array | jax.core.Tracer):
+        return jax.numpy.pad(x, widths)
+    return np.pad(np.asarray(x), widths)
+
+
+def _map_pads(plan: Plan, state: Any, fn: Callable[[Any, int, Pad], Any]) -> Any:
+    if not plan.pads:
+        return state
+    leaves, treedef = jax.tree.flatten(state)
+    pads = plan.state_pads(state)
+    out = [x if p is None else fn(x, p[0], p[1]) for x, p in zip(leaves, pads, strict=True)]
+    return jax.tree.unflatten(treedef, out)
 
 
 def _asked(rule: ShardRule, name: str, shape: tuple[int, ...], m: int) -> int | None:

@@ -35,6 +35,7 @@ from jaxstep.core import from_host
 from jaxstep.core import to_host
 from jaxstep.program import Grid
 from jaxstep.program import Options
+from jaxstep.program import Pads
 from jaxstep.program import Plan
 from jaxstep.program import map_body
 from jaxstep.program import shard_spec
@@ -64,6 +65,7 @@ class Backend(Protocol):
         self, fn: Callable[[Any], Any], out_specs: Any = None
     ) -> Callable[[Any], Any]: ...
     def plan(self, state: Any) -> Plan | None: ...
+    def pads(self, state: Any) -> Pads: ...
     def place_state(self, state: PyTree) -> PyTree: ...
     def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch: ...
     def place_extras(self, extras: Mapping[str, Any], split: Mapping[str, bool]) -> Any: ...
@@ -144,10 +146,19 @@ class ShardMapBackend:
             return None
         return Plan.of(self.options, state)
 
+    def pads(self, state: Any) -> Pads:
+        """Per leaf of ``state``, the axis and pad of a leaf its layout holds padded
+        (after an exclusion: :class:`jaxstep.program.Kept`); None: none is."""
+        plan = self.plan(state)
+        return plan.state_pads(state) if plan is not None and plan.pads else None
+
     def place_state(self, state: PyTree) -> PyTree:
+        """``state`` on the devices (a layout's leaves split; a leaf it holds padded,
+        after an exclusion, padded first: :class:`jaxstep.program.Kept`)."""
         plan = self.plan(state)
         if plan is None:
             return jax.device_put(state, self.replicated)
+        state = plan.physical(state)
         mesh, specs = self.grid.state_mesh, self.grid.state_specs(plan, state)
         return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
@@ -171,6 +182,9 @@ class ShardMapBackend:
         # its state and must not delete the caller's arrays (jax.device_put onto the
         # devices of a single-device array keeps its buffer for that device, whatever
         # may_alias says).
+        if plan.pads:  # after an exclusion: the leaves it holds padded (zeros at the end)
+            params = plan.physical_params(params)
+            shapes = jax.eval_shape(optimizer.init, params)
         copy = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p), out_shardings=named(params, plan.params)
         )
@@ -194,7 +208,8 @@ class ShardMapBackend:
     def read_first(self, tree: PyTree) -> PyTree:
         """Numpy of the first addressable copy of every leaf (one read each; a sharded
         leaf whole, see :func:`whole`)."""
-        return to_host(lambda x: whole(x, np.asarray(x.addressable_data(0))), tree)
+        host = to_host(lambda x: whole(x, np.asarray(x.addressable_data(0))), tree)
+        return self._logical(host)
 
     def one_replica(self, tree: PyTree) -> PyTree:
         """The first addressable device's copy of every leaf, on that device: a copy
@@ -208,7 +223,7 @@ class ShardMapBackend:
             host = to_host(lambda d: np.array(whole(x, np.asarray(d))), data)
             return jax.device_put(from_host(host), next(iter(data.devices())))
 
-        return jax.tree.map(one, tree)
+        return self._logical(jax.tree.map(one, tree))
 
     def read_at(self, tree: PyTree, position: int) -> PyTree:
         """The numpy copy of ``tree`` held by ``devices[position]`` (typed keys as
@@ -218,7 +233,7 @@ class ShardMapBackend:
         grid = self.grid
         group = grid.groups[position // grid.m]
         among = {self.devices[i] for i in group} if grid.grouped else None
-        return to_host(
+        host = to_host(
             lambda x: whole(
                 x,
                 next(np.asarray(s.data) for s in x.addressable_shards if s.device == device),
@@ -226,6 +241,13 @@ class ShardMapBackend:
             ),
             tree,
         )
+        return self._logical(host)
+
+    def _logical(self, tree: PyTree) -> PyTree:
+        """A state read from the devices with the leaves its layout holds padded cut to
+        their logical shapes (any other tree as it is)."""
+        plan = self.plan(tree)
+        return tree if plan is None else plan.logical(tree)
 
 
 def whole(x: Any, copy: np.ndarray, among: set[jax.Device] | None = None) -> np.ndarray:

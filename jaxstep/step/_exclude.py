@@ -77,9 +77,8 @@ def smaller_options(options: Options, keep: Sequence[int]) -> tuple[Options, lis
     keeps (a fault on a device that goes can no longer fire: it is let go). An
     explicit ``max_dropped`` above the new limit becomes ``n - 1``; None still means
     the default for the new count. Under ``replicas`` the groups left (whole groups
-    go: :func:`kept_positions`); a user's ``shard_rule`` keeps a leaf whole where its
-    axis no longer divides by the devices of a group (the warning of
-    :func:`warn_resharded` names it)."""
+    go: :func:`kept_positions`); with one group the layout is kept by
+    :func:`keep_layout`."""
     devices = [options.devices[i] for i in keep]
     ids = {d.id for d in devices}
     kept_faults = [k for k, f in enumerate(options.faults) if f.device_id in ids]
@@ -87,37 +86,30 @@ def smaller_options(options: Options, keep: Sequence[int]) -> tuple[Options, lis
     if max_dropped is not None:
         max_dropped = min(max_dropped, len(devices) - 1)
     replicas = len(devices) // options.group_size if options.replicas > 1 else 1
-    rule = options.shard_rule
-    if rule is not None and replicas == 1 and len(devices) != options.group_size:
-        rule = Lenient(rule, len(devices))
     smaller = dataclasses.replace(
         options,
         devices=devices,
         faults=[options.faults[k] for k in kept_faults],
         max_dropped=max_dropped,
         replicas=replicas,
-        shard_rule=rule,
     )
     return smaller, kept_faults
 
 
-class Lenient:
-    """A user's ``shard_rule`` on fewer devices: its axis where it still divides by
-    ``n``, else None (the leaf whole, as the default rule keeps a leaf no axis of which
-    divides), so that an exclusion never fails on the rule."""
-
-    def __init__(self, rule: Any, n: int):
-        self.rule = getattr(rule, "rule", rule)  # the user's own, once
-        self.n = n
-        self.__name__ = getattr(self.rule, "__name__", "rule")
-
-    def __call__(self, path: str, shape: tuple[int, ...]) -> int | None:
-        axis = self.rule(path, shape)
-        if axis is None or isinstance(axis, bool) or not isinstance(axis, int | np.integer):
-            return axis  # the step's own check says what is wrong with it
-        if -len(shape) <= axis < len(shape) and shape[axis] % self.n:
-            return None
-        return int(axis)
+def keep_layout(old: Options, options: Options, host: TrainState) -> Options:
+    """``options`` (the smaller step's) with the layout of ``old`` kept for ``host`` (a
+    one-copy host state, logical shapes) under ``shard_state`` with one group: each
+    leaf keeps its axis (the rule is not asked again), and a leaf whose axis no longer
+    divides by the devices left is held padded to the next multiple
+    (:class:`jaxstep.program.Kept`): the state stays sharded, never made whole. Under
+    ``replicas`` > 1 a group leaves whole and the groups left keep their layout as it
+    is: ``options`` unchanged."""
+    if options.shard_state is None or old.replicas > 1:
+        return options
+    plan = Plan.of(old, host)
+    if not plan.sharded:
+        return options
+    return dataclasses.replace(options, kept=plan.keep(host))
 
 
 def warn_groups(old: Options, options: Options, device_ids: Sequence[int]) -> None:
@@ -173,32 +165,29 @@ def _copy_dicts(tree: Any) -> Any:
 
 
 def warn_resharded(old: Options, options: Options, host: TrainState) -> None:
-    """Under ``shard_state``: warns when the state sharded again by the rule on the
-    devices of ``options`` (from those of ``old``) keeps leaves whole that were
-    sharded, naming the bytes per device before and after and what to do."""
+    """Under ``shard_state``: warns when leaves of the state laid out on the devices of
+    ``options`` (from those of ``old``) are held padded, their axis no longer dividing
+    by the devices, naming them and the bytes per device before and after."""
     if options.shard_state is None:
         return
-    layout, before = options.shard_state, old.n
     was, now = Plan.of(old, host), Plan.of(options, host)
-    lost = [
-        name
-        for name, a, b in zip(
-            _names(host), (*was.params, *was.opt), (*now.params, *now.opt), strict=True
-        )
-        if a is not None and b is None
-    ]
-    if not lost:
+    n_params = len(jax.tree.leaves(host.params))
+    pads = [now.param_pad(i) for i in range(n_params)] + list(now.opt_pads or ())
+    padded = [name for name, p in zip(_names(host), pads, strict=False) if p is not None]
+    if not padded:
         return
     old_bytes = nbytes_per_device(host, was, old.group_size)
-    new = nbytes_per_device(host, now, options.group_size)
-    shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+    new = nbytes_per_device(now.physical(host), now, options.group_size)
+    shown = ", ".join(padded[:4]) + (f" and {len(padded) - 4} more" if len(padded) > 4 else "")
     warn(
-        f"shard_state={layout!r} on {options.n} devices (from {before}): {len(lost)} "
-        f"leaves sharded before no longer divide over {options.n} devices and are now "
-        f"whole on every device ({shown}); the state takes {_mb(new)} per device, "
-        f"{_mb(old_bytes)} before. If it does not fit, exclude devices down to a count the "
-        "leaves' axes divide by (e.g. 4 of 8), or restart on such a count from the "
-        "latest checkpoint (jaxstep.restore restores onto any device count)",
+        f"shard_state={options.shard_state!r} on {options.n} devices (from {old.n}): "
+        f"{len(padded)} leaves sharded before no longer divide over {options.n} devices "
+        f"and stay sharded along the same axis, padded with zeros to a multiple of "
+        f"{options.n} ({shown}); the state takes {_mb(new)} per device, {_mb(old_bytes)} "
+        "before. The padding never reaches the loss, the optimizer's moments (they stay "
+        "0), a checkpoint or host_state; the optimizer must be elementwise on those "
+        "leaves (Adam, SGD, a global-norm clip: yes; a factored second moment or a mean "
+        "over a leaf sees the zeros)",
     )
 
 

@@ -30,6 +30,7 @@ from jaxstep.core import Batch
 from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.program import Options
+from jaxstep.program import cut
 from jaxstep.program import example_failed
 from jaxstep.program import grad_leaves_finite
 from jaxstep.step._backends import Backend
@@ -120,7 +121,9 @@ class Passes:
             plan = backend.plan(state)
             # the optimizer state stays out: no pass reads it
             state = dataclasses.replace(state, opt_state=None)
-            gathered: tuple[int | None, ...] = (None,) * len(jax.tree.leaves(state.params))
+            n_params = len(jax.tree.leaves(state.params))
+            gathered: tuple[int | None, ...] = (None,) * n_params
+            lengths: list[int | None] = [None] * n_params
             if backend.stacked:
                 specs = jax.tree.map(lambda _: P(axis), state)
             elif plan is None:
@@ -128,15 +131,17 @@ class Passes:
             else:  # each device's blocks (replicas: tiled onto the step's axis, no copy)
                 state = grid.to_blocks(state, grid.state_specs(plan, state))
                 specs, gathered = grid.block_specs(plan, state), plan.params
-            links = grid.links
+                pads = [plan.param_pad(i) for i in range(n_params)]
+                lengths = [None if p is None else p[0] for p in pads]
+            links, m = grid.links, grid.m
 
             def local(state: TrainState, part: Batch, want: jax.Array, step: jax.Array) -> Any:
                 if backend.stacked:  # this device's copy, as the step's body sees it
                     state = jax.tree.map(lambda x: x[0], state)
                 shards, treedef = jax.tree.flatten(state.params)
                 whole = [  # one gather a sharded leaf (inside its group), as the step's own
-                    x if a is None else links.gather(x, a)
-                    for x, a in zip(shards, gathered, strict=True)
+                    x if a is None else cut(links.gather(x, a), a, length or x.shape[a] * m)
+                    for x, a, length in zip(shards, gathered, lengths, strict=True)
                 ]
                 params = jax.tree.unflatten(treedef, whole)
                 state = dataclasses.replace(state, params=params, step=step[0])

@@ -28,6 +28,7 @@ from jaxstep.core import from_host
 from jaxstep.core import to_host
 from jaxstep.program import Grid
 from jaxstep.program import Options
+from jaxstep.program import Pads
 from jaxstep.program import Plan
 from jaxstep.step._backends import Body
 from jaxstep.step._backends import Compiled
@@ -75,6 +76,9 @@ class PmapBackend:
         return jax.pmap(fn, axis_name=self.axis, devices=self.devices)
 
     def plan(self, state: Any) -> Plan | None:
+        return None
+
+    def pads(self, state: Any) -> Pads:
         return None
 
     def compile_sharded(

@@ -305,6 +305,7 @@ class Runtime:
         here = jax.process_index()  # a copy this process holds, of a device that stays
         source = next(i for i in keep if self.devices[i].process_index == here)
         host = exclude.shrink_state(self.backend.read_at(state, source), keep)
+        options = exclude.keep_layout(self.options, options, host)
         exclude.warn_resharded(self.options, options, host)
         exclude.warn_groups(self.options, options, device_ids)
         fired = self.extras.fired()[kept_faults] if self.extras.n_faults else None

@@ -190,9 +190,12 @@ class TrainStep:
         fires; a transient that fired does not fire again); an explicit
         ``max_dropped`` is lowered to the new count minus one where it must be. The
         compiled programs are compiled again on first use. With several processes,
-        every process calls it with the same ids. Under ``shard_state`` the state is
-        sharded again by the same rule over the devices left (a warning names the
-        bytes per device when leaves that were sharded no longer divide).
+        every process calls it with the same ids. Under ``shard_state`` the state stays
+        sharded: each leaf keeps its axis over the devices left, and a leaf whose axis
+        no longer divides is padded with zeros to the next multiple (a warning names
+        those leaves and the bytes per device); the padding reaches no loss, optimizer
+        moment, checkpoint or ``host_state``. With ``replicas`` > 1 the device's whole
+        group leaves instead.
 
         Args:
           device_ids: the ids of the devices to leave out, from ``step.devices``.

@@ -42,3 +42,7 @@ def test_recover_quarantines_a_row_and_excludes_a_device_then_trains_on_seven(la
     assert [d.id for d in step.devices] == [d.id for d in devices if d != bad]
     assert int(state.step) > 4 and not any(s.any() for s in history.status[-2:])
     assert state.params["dense1"]["kernel"].sharding.device_set == set(step.devices)
+    # and stays sharded on them: dense1's 8 columns padded to 14, 2 a device
+    moment = state.opt_state[0].mu["dense1"]["kernel"]
+    assert {s.data.shape for s in moment.addressable_shards} == {(3, 2)}
+    assert step.host_state(state).opt_state[0].mu["dense1"]["kernel"].shape == (3, 8)
