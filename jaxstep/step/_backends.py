@@ -250,6 +250,32 @@ class ShardMapBackend:
         return tree if plan is None else plan.logical(tree)
 
 
+def owned(given: PyTree, placed: PyTree) -> PyTree:
+    """``placed`` (``given`` put on the devices) with each leaf that came from a
+    ``jax.Array`` of the caller's and is whole on a device copied there: ``device_put``
+    onto a device that holds the caller's array keeps its buffer (whatever
+    ``may_alias`` says), and the step donates its state, which would delete the
+    caller's arrays (``other.place_state(step.host_state(state))`` and then a ``fit``
+    left the host copy deleted). A split leaf is new buffers already; numpy is copied."""
+    leaves, treedef = jax.tree.flatten(placed)
+    shared = [
+        isinstance(x, jax.Array) and isinstance(y, jax.Array) and y.is_fully_replicated
+        for x, y in zip(jax.tree.leaves(given), leaves, strict=True)
+    ]
+    if not any(shared):
+        return placed
+    picked = [y for y, s in zip(leaves, shared, strict=True) if s]
+    copies = iter(_copy_leaves(picked))
+    return jax.tree.unflatten(
+        treedef, [next(copies) if s else y for y, s in zip(leaves, shared, strict=True)]
+    )
+
+
+@jax.jit
+def _copy_leaves(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.array(x, copy=True) for x in leaves]
+
+
 def whole(x: Any, copy: np.ndarray, among: set[jax.Device] | None = None) -> np.ndarray:
     """``x`` as one numpy array: ``copy`` (one device's) when every device holds it
     whole; a leaf sharded over the devices gathered from their shards (those of the

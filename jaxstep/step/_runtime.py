@@ -37,6 +37,7 @@ from jaxstep.step import _exclude as exclude
 from jaxstep.step import _replay as replays
 from jaxstep.step._backends import Backend
 from jaxstep.step._backends import ShardMapBackend
+from jaxstep.step._backends import owned
 from jaxstep.step._dropping import Dropping
 from jaxstep.step._extras import Extras
 from jaxstep.step._first_state import first_state
@@ -136,7 +137,7 @@ class Runtime:
         """A single-copy state (numpy, or another step's ``host_state``) on these devices."""
         if not isinstance(state, TrainState):
             raise TypeError(f"expected a jaxstep.TrainState, got {type(state).__name__}")
-        return self.backend.place_state(from_host(state))
+        return owned(state, self.backend.place_state(from_host(state)))
 
     def host_state(self, state: TrainState) -> TrainState:
         """One device's copy of ``state``, as on a single device (``TrainStep.host_state``)."""

@@ -48,3 +48,23 @@ def test_params_a_step_deleted_are_refused_naming_the_leaf_and_the_fix():
     message = str(info.value)
     assert message.startswith("parameter ['dense1']['bias'] is a deleted array")
     assert "step.host_state(state).params" in message
+
+
+@pytest.mark.parametrize(
+    "layout,backend",
+    [(None, "shard_map"), ("optimizer", "shard_map"), ("params", "shard_map"), (None, "pmap")],
+)
+def test_place_state_copies_what_it_takes_so_a_fit_never_deletes_the_callers_state(layout, backend):
+    # the documented move, other.place_state(step.host_state(state)): host_state's arrays
+    # live on one device, and device_put onto the devices kept that buffer for it, so the
+    # next fit donated (deleted) the caller's host copy
+    kwargs = {"backend": backend}
+    if layout is not None:
+        kwargs |= {"shard_state": layout, "shard_min_size": 0}
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), **kwargs)
+    state = jaxstep.fit(step, step.init(_big_params()), make_batches(1))
+    host = step.host_state(state)
+    other = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), **kwargs)
+    jaxstep.fit(other, other.place_state(host), make_batches(2))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(host) if isinstance(x, jax.Array))
+    assert int(host.step) == 1
