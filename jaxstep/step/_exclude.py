@@ -1,6 +1,6 @@
-"""Training on without some devices (``TrainStep.exclude_devices``): the options of the
-smaller step, and the host-side move of a state onto it. Host code only; nothing here is
-traced or reads a device."""
+"""Training on without some devices (``TrainStep.exclude_devices``): the runtime on the
+devices left (:func:`fewer`), its options, and the host-side move of a state onto it.
+Host code only; nothing here is traced."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxstep.core import TrainState
+from jaxstep.core import from_host
 from jaxstep.core import warn
 from jaxstep.core.names import keystrs
 from jaxstep.program import Options
@@ -24,6 +25,33 @@ PER_DEVICE: tuple[tuple[tuple[str, ...], int], ...] = (
     (("drops",), 0),  # on_failure="drop": steps in a row each device was left out, (n,)
     (("repairs",), 0),  # and how often its replica was repaired, (n,)
 )
+
+
+def fewer(runtime: Any, device_ids: Sequence[int], state: TrainState) -> tuple[Any, TrainState]:
+    """``Runtime.without``: a new runtime of ``runtime``'s class on the devices left when
+    ``device_ids`` go, and ``state`` (checked) moved onto them through the host: one
+    copy read from a device that stays, its per-device monitor columns kept for the
+    devices left, the layout kept (:func:`keep_layout`), placed on the new devices."""
+    old: Options = runtime.options
+    keep = kept_positions(old, device_ids)
+    options, kept_faults = smaller_options(old, keep)
+    here = jax.process_index()  # a copy this process holds, of a device that stays
+    source = next(i for i in keep if runtime.devices[i].process_index == here)
+    host = shrink_state(runtime.backend.read_at(state, source), keep)
+    options = keep_layout(old, options, host)
+    warn_resharded(old, options, host)
+    warn_groups(old, options, device_ids)
+    extras = runtime.extras
+    smaller = type(runtime)(
+        options,
+        inputs=runtime.inputs,
+        origin=runtime.devices if runtime.origin is None else runtime.origin,
+        fired=extras.fired()[kept_faults] if extras.n_faults else None,
+    )
+    placed = smaller.backend.place_state(from_host(host))
+    smaller.inputs.check_state(placed, built=True)  # learns the new state's shapes
+    smaller.continues(placed, int(host.step))
+    return smaller, placed
 
 
 def kept_positions(options: Options, device_ids: Sequence[int]) -> list[int]:

@@ -295,31 +295,19 @@ class Runtime:
 
     def without(self, device_ids: Sequence[int], state: TrainState) -> tuple[Runtime, TrainState]:
         """The runtime on the devices left when ``device_ids`` go, and ``state`` on them
-        (``TrainStep.exclude_devices`` says what changes). This runtime is unchanged.
+        (``TrainStep.exclude_devices`` says what changes; ``_exclude.fewer`` builds
+        them). This runtime is unchanged.
 
         Raises:
           ValueError, TypeError: as ``TrainStep.exclude_devices``; nothing changed.
         """
-        keep = exclude.kept_positions(self.options, device_ids)
-        options, kept_faults = exclude.smaller_options(self.options, keep)
         self.check_state(state)
-        here = jax.process_index()  # a copy this process holds, of a device that stays
-        source = next(i for i in keep if self.devices[i].process_index == here)
-        host = exclude.shrink_state(self.backend.read_at(state, source), keep)
-        options = exclude.keep_layout(self.options, options, host)
-        exclude.warn_resharded(self.options, options, host)
-        exclude.warn_groups(self.options, options, device_ids)
-        fired = self.extras.fired()[kept_faults] if self.extras.n_faults else None
-        smaller = Runtime(
-            options,
-            inputs=self.inputs,
-            origin=self.devices if self.origin is None else self.origin,
-            fired=fired,
-        )
-        placed = smaller.backend.place_state(from_host(host))
-        smaller.inputs.check_state(placed, built=True)  # learns the new state's shapes
-        smaller._last_state, smaller._next_number = placed, int(host.step)
-        return smaller, placed
+        return exclude.fewer(self, device_ids, state)
+
+    def continues(self, state: TrainState, number: int) -> None:
+        """``state``, at step ``number``, is the good state the next call starts from
+        (known good: not checked again), e.g. a state placed on a new runtime."""
+        self._last_state, self._next_number = state, number
 
     # -- the diagnosis -----------------------------------------------------------
 
@@ -386,7 +374,7 @@ class Runtime:
         new, out, number = self.dropping.rerun(
             state, batch, presplit=presplit, heartbeat=heartbeat, warned=warned
         )
-        self._last_state, self._next_number = new, number
+        self.continues(new, number)
         self.inputs.rows_per_device = self.dropping.sibling().inputs.rows_per_device
         return new, out
 
