@@ -18,17 +18,17 @@ from jaxstep.program._faults import float_leaves as float_leaves
 from jaxstep.program._grid import Grid as Grid
 from jaxstep.program._options import AXIS as AXIS
 from jaxstep.program._options import Options as Options
+from jaxstep.program._padding import Kept as Kept
+from jaxstep.program._padding import Pads as Pads
+from jaxstep.program._padding import cut as cut
+from jaxstep.program._padding import pad_to as pad_to
 from jaxstep.program._scaling import DynamicLossScale as DynamicLossScale
 from jaxstep.program._sharded import shard_mask as shard_mask
 from jaxstep.program._sharded import sharded_step as sharded_step
 from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD_MIN_SIZE
-from jaxstep.program._shards import Kept as Kept
-from jaxstep.program._shards import Pads as Pads
 from jaxstep.program._shards import Plan as Plan
 from jaxstep.program._shards import ShardRule as ShardRule
-from jaxstep.program._shards import cut as cut
 from jaxstep.program._shards import nbytes_per_device as nbytes_per_device
-from jaxstep.program._shards import pad_to as pad_to
 from jaxstep.program._shards import shard_axis as shard_axis
 from jaxstep.program._shards import shard_spec as shard_spec
 

@@ -49,10 +49,10 @@ from jaxstep.program._local import LocalPart
 from jaxstep.program._local import chunk_key
 from jaxstep.program._local import row_of
 from jaxstep.program._options import Options
-from jaxstep.program._shards import Pad
+from jaxstep.program._padding import Pad
+from jaxstep.program._padding import cut
+from jaxstep.program._padding import pad_to
 from jaxstep.program._shards import Plan
-from jaxstep.program._shards import cut
-from jaxstep.program._shards import pad_to
 
 #: the ``checkpoint_name`` of a gathered parameter (never saved for the backward)
 GATHERED = "jaxstep_gathered"

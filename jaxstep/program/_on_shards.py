@@ -19,9 +19,9 @@ from jaxstep.core import health
 from jaxstep.program._faults import Context
 from jaxstep.program._grid import Grid
 from jaxstep.program._options import Options
+from jaxstep.program._padding import cut
+from jaxstep.program._padding import pad_to
 from jaxstep.program._shards import Plan
-from jaxstep.program._shards import cut
-from jaxstep.program._shards import pad_to
 
 
 def padded(plan: Plan, i: int, g: jax.Array) -> jax.Array:

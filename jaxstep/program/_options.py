@@ -24,9 +24,9 @@ from jaxstep.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
 from jaxstep.program._cross_checks import LossSpike
 from jaxstep.program._faults import Fault
 from jaxstep.program._faults import Injector
+from jaxstep.program._padding import Kept
 from jaxstep.program._scaling import DynamicLossScale
 from jaxstep.program._shards import DEFAULT_SHARD_MIN_SIZE
-from jaxstep.program._shards import Kept
 from jaxstep.program._shards import ShardRule
 
 AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))

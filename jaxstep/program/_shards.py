@@ -33,6 +33,12 @@ from jax.sharding import PartitionSpec as P
 from jaxstep.core import PyTree
 from jaxstep.core import TrainState
 from jaxstep.core.names import keystrs
+from jaxstep.program._padding import Kept
+from jaxstep.program._padding import Pad
+from jaxstep.program._padding import cut
+from jaxstep.program._padding import grown
+from jaxstep.program._padding import pad_to
+from jaxstep.program._padding import with_size
 
 #: ``shard_rule(path, shape) -> axis | None``: ``path`` as ``jax.tree_util.keystr``
 #: writes it (``"['dense1']['kernel']"``, the names errors use), ``shape`` the leaf's.
@@ -87,44 +93,23 @@ def shard_spec(axis: int | None, name: str) -> P:
     return P() if axis is None else P(*([None] * axis), name)
 
 
-#: a sharded leaf held padded (:class:`Kept`): its (logical, padded) length along its axis
-Pad = tuple[int, int]
-#: per leaf of a state (``jax.tree.leaves``), ``(axis, pad)`` of a leaf held padded, else
-#: None; None: no leaf is
-Pads = Sequence[tuple[int, Pad] | None] | None
-
-
-class Kept(NamedTuple):
-    """A layout an exclusion keeps (``TrainStep.exclude_devices`` under ``shard_state``
-    with one group): each leaf's axis as before the exclusion, and the logical shapes of
-    the parameters and the optimizer state. A leaf whose axis no longer divides by the
-    devices left is held padded to the next multiple (zeros at its end: each device holds
-    ``ceil(rows / n)`` rows of it), never made whole; the padding stays inside the
-    state and its programs (:meth:`Plan.logical`, :meth:`Plan.physical`)."""
-
-    grads: tuple[int | None, ...]
-    params: tuple[int | None, ...]
-    opt: tuple[int | None, ...]
-    param_shapes: tuple[tuple[int, ...], ...]
-    opt_shapes: tuple[tuple[int, ...], ...]
-
-
 class Plan(NamedTuple):
     """Where each leaf of a state is sharded, in tree order (None: replicated).
 
     ``grads``: the gradients' axes (the parameters' shapes under the rule), under both
     layouts; ``params``: the parameters' (``grads`` under ``"params"``, all None under
     ``"optimizer"``); ``opt``: the optimizer state's, each leaf by its own shape.
-    ``grad_pads`` and ``opt_pads`` (after an exclusion, :class:`Kept`): each leaf's
-    ``(logical, padded)`` length along its axis when it is held padded (under
-    ``"params"`` the parameter itself, under ``"optimizer"`` its gradient and update
-    inside the step), else None; empty: nothing is padded."""
+    After an exclusion (:class:`Kept`): ``grad_pads``, each parameter's ``(logical,
+    padded)`` length along its gradient's axis when it is padded (under ``"params"`` the
+    parameter itself, under ``"optimizer"`` its gradient and update inside the step),
+    else None; ``opt_pads``, each optimizer-state leaf's ``(axis, (logical, padded))``
+    when it is held padded, else None; empty: nothing is padded."""
 
     grads: tuple[int | None, ...]
     params: tuple[int | None, ...]
     opt: tuple[int | None, ...]
     grad_pads: tuple[Pad | None, ...] = ()
-    opt_pads: tuple[Pad | None, ...] = ()
+    opt_pads: tuple[tuple[int, Pad] | None, ...] = ()
 
     @classmethod
     def of(cls, rule: Rule, state: Any) -> Plan:
@@ -161,26 +146,57 @@ class Plan(NamedTuple):
 
     @classmethod
     def padded(cls, kept: Kept, m: int) -> Plan:
-        """The plan of ``kept`` over groups of ``m`` devices: its axes, and a pad for each
-        leaf whose axis's length does not divide by ``m``."""
-
-        def pads(axes: Sequence[int | None], shapes: Sequence[tuple[int, ...]]) -> Any:
-            return tuple(
-                None if a is None or s[a] % m == 0 else (s[a], -(-s[a] // m) * m)
-                for a, s in zip(axes, shapes, strict=True)
-            )
-
-        grad_pads, opt_pads = pads(kept.grads, kept.param_shapes), pads(kept.opt, kept.opt_shapes)
+        """The plan of ``kept`` over groups of ``m`` devices: its axes, a pad for each
+        gradient whose axis's length does not divide by ``m``, and each optimizer-state
+        leaf's pad where the optimizer builds it larger."""
+        grad_pads = tuple(
+            None if a is None or s[a] % m == 0 else (s[a], -(-s[a] // m) * m)
+            for a, s in zip(kept.grads, kept.param_shapes, strict=True)
+        )
+        opt_pads = tuple(
+            grown(s, t) for s, t in zip(kept.opt_shapes, kept.opt_physical, strict=True)
+        )
         if not any((*grad_pads, *opt_pads)):
             return cls(kept.grads, kept.params, kept.opt)
         return cls(kept.grads, kept.params, kept.opt, grad_pads, opt_pads)
 
-    def keep(self, state: Any) -> Kept:
-        """This plan as a :class:`Kept` of ``state`` (logical shapes: a host copy)."""
+    def keep(self, state: Any, optimizer: Any, m: int) -> Kept:
+        """This plan as a :class:`Kept` of ``state`` (logical shapes: a host copy) over
+        groups of ``m`` devices: the optimizer-state leaves' shapes from
+        ``optimizer.init`` of the padded parameters, and the axis of a leaf that keeps
+        its shape and no longer divides by ``m`` dropped (whole)."""
         shapes = lambda tree: tuple(tuple(np.shape(x)) for x in jax.tree.leaves(tree))  # noqa: E731
-        return Kept(
-            self.grads, self.params, self.opt, shapes(state.params), shapes(state.opt_state)
+        params, opt = shapes(state.params), shapes(state.opt_state)
+        draft = Plan.padded(Kept(self.grads, self.params, self.opt, params, opt, opt), m)
+        try:
+            physical = shapes(jax.eval_shape(optimizer.init, draft.grad_view(state.params)))
+        except Exception:  # an init that cannot be traced: each leaf padded on its axis
+            physical = tuple(
+                s if a is None or s[a] % m == 0 else with_size(s, a, -(-s[a] // m) * m)
+                for a, s in zip(self.opt, opt, strict=True)
+            )
+        if len(physical) != len(opt):
+            physical = opt  # (a structure that depends on the shapes: not padded)
+        axes = tuple(
+            None if a is None or t[a] % m else a for a, t in zip(self.opt, physical, strict=True)
         )
+        return Kept(self.grads, self.params, axes, params, opt, physical)
+
+    def grad_view(self, params: PyTree) -> PyTree:
+        """``params`` (arrays or ``jax.ShapeDtypeStruct`` s) as their gradients are
+        inside the step: each leaf whose gradient is padded, padded (zeros at its end;
+        as it is where it is already)."""
+        leaves, treedef = jax.tree.flatten(params)
+        out = []
+        for i, x in enumerate(leaves):
+            pad, a = (self.grad_pads[i] if self.grad_pads else None), self.grads[i]
+            if pad is None or a is None:
+                out.append(x)
+            elif isinstance(x, jax.ShapeDtypeStruct):
+                out.append(jax.ShapeDtypeStruct(with_size(x.shape, a, pad[1]), x.dtype))
+            else:
+                out.append(pad_to(x, a, pad[1]))
+        return jax.tree.unflatten(treedef, out)
 
     @property
     def sharded(self) -> bool:
@@ -211,28 +227,38 @@ class Plan(NamedTuple):
                 continue
             i = seen[field]
             seen[field] += 1
-            pad, a = (
-                (self.param_pad(i), self.params[i])
-                if field == "params"
-                else (self.opt_pads[i], self.opt[i])
-            )
+            if field == "opt_state":
+                out[k] = self.opt_pads[i]
+                continue
+            pad, a = self.param_pad(i), self.params[i]
             if pad is not None and a is not None:
                 out[k] = (a, pad)
         return out
 
-    def physical_params(self, params: PyTree) -> PyTree:
-        """``params`` with each leaf the layout holds padded padded (zeros at its end)."""
-        leaves, treedef = jax.tree.flatten(params)
-        out = []
-        for i, x in enumerate(leaves):
-            pad, a = self.param_pad(i), self.params[i]
-            out.append(x if pad is None or a is None else pad_to(x, a, pad[1]))
-        return jax.tree.unflatten(treedef, out)
-
-    def logical(self, state: Any) -> Any:
-        """``state`` (host or device arrays) with its padded leaves cut to their logical
-        shapes (as it is when nothing is padded, or a leaf is logical already)."""
-        return _map_pads(self, state, lambda x, a, pad: cut(x, a, pad[0]))
+    def logical(self, tree: Any) -> Any:
+        """``tree`` (host or device arrays: a :class:`TrainState`, or its ``params`` or
+        ``opt_state`` alone, as ``jaxstep.testing.replicas(step, state.params)`` reads
+        them) with its padded leaves cut to their logical shapes (as it is when nothing
+        is padded, a leaf is logical already, or the tree is none of these)."""
+        if not self.pads:
+            return tree
+        if isinstance(tree, TrainState):
+            return _map_pads(self, tree, lambda x, a, pad: cut(x, a, pad[0]))
+        leaves, treedef = jax.tree.flatten(tree)
+        params = [
+            None if p is None or a is None else (a, p)
+            for a, p in zip(self.params, self.grad_pads, strict=True)
+        ]
+        for pads in (params, list(self.opt_pads)):
+            fits = len(pads) == len(leaves) and all(
+                p is None or (np.ndim(x) > p[0] and np.shape(x)[p[0]] == p[1][1])
+                for x, p in zip(leaves, pads, strict=True)
+            )
+            if fits and any(pads):
+                cuts = zip(leaves, pads, strict=True)
+                out = [x if p is None else cut(x, p[0], p[1][0]) for x, p in cuts]
+                return jax.tree.unflatten(treedef, out)
+        return tree
 
     def physical(self, state: Any) -> Any:
         """``state`` with its leaves that the layout holds padded padded (zeros at the
@@ -251,26 +277,6 @@ class Plan(NamedTuple):
     def grad_specs(self, params: PyTree, name: str) -> PyTree:
         """The reduced gradients' ``PartitionSpec`` s (a tree like ``params``)."""
         return _as(params, self.grads, name)
-
-
-def cut(x: Any, axis: int, length: int) -> Any:
-    """``x`` (numpy or jax) cut to ``length`` along ``axis`` (as it is if not longer)."""
-    if np.shape(x)[axis] <= length:
-        return x
-    return x[(slice(None),) * axis + (slice(0, length),)]
-
-
-def pad_to(x: Any, axis: int, length: int) -> Any:
-    """``x`` (numpy or jax) with zeros appended along ``axis`` up to ``length`` (as it
-    is if not shorter)."""
-    extra = length - np.shape(x)[axis]
-    if extra <= 0:
-        return x
-    widths = [(0, 0)] * np.ndim(x)
-    widths[axis] = (0, extra)
-    if isinstance(x, jax.Array | jax.core.Tracer):
-        return jax.numpy.pad(x, widths)
-    return np.pad(np.asarray(x), widths)
 
 
 def _map_pads(plan: Plan, state: Any, fn: Callable[[Any, int, Pad], Any]) -> Any:

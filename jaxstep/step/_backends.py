@@ -182,14 +182,19 @@ class ShardMapBackend:
         # its state and must not delete the caller's arrays (jax.device_put onto the
         # devices of a single-device array keeps its buffer for that device, whatever
         # may_alias says).
-        if plan.pads:  # after an exclusion: the leaves it holds padded (zeros at the end)
-            params = plan.physical_params(params)
-            shapes = jax.eval_shape(optimizer.init, params)
+        # After an exclusion the optimizer sees each parameter whose gradient is padded
+        # padded (zeros at the end, as inside the step); under "params" the state holds
+        # it so, under "optimizer" the parameters stay whole with their own shape.
+        view = plan.grad_view(params) if plan.pads else params
+        if plan.pads:
+            shapes = jax.eval_shape(optimizer.init, view)
+        stored = view if self.shard_state == "params" else params
         copy = jax.jit(
-            lambda p: jax.tree.map(jnp.copy, p), out_shardings=named(params, plan.params)
+            lambda p: jax.tree.map(jnp.copy, p), out_shardings=named(stored, plan.params)
         )
-        params = copy(params)
-        opt_state = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))(params)
+        params = copy(stored)
+        seen = params if stored is view else view
+        opt_state = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))(seen)
         return params, opt_state
 
     def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:
@@ -244,10 +249,12 @@ class ShardMapBackend:
         return self._logical(host)
 
     def _logical(self, tree: PyTree) -> PyTree:
-        """A state read from the devices with the leaves its layout holds padded cut to
-        their logical shapes (any other tree as it is)."""
-        plan = self.plan(tree)
-        return tree if plan is None else plan.logical(tree)
+        """A state, its parameters or its optimizer state read from the devices, with
+        the leaves the layout holds padded (after an exclusion) cut to their logical
+        shapes (any other tree as it is)."""
+        if self.shard_state is None or self.options.kept is None:
+            return tree
+        return Plan.of(self.options, tree).logical(tree)
 
 
 def owned(given: PyTree, placed: PyTree) -> PyTree:

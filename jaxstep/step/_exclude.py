@@ -137,7 +137,8 @@ def keep_layout(old: Options, options: Options, host: TrainState) -> Options:
     plan = Plan.of(old, host)
     if not plan.sharded:
         return options
-    return dataclasses.replace(options, kept=plan.keep(host))
+    kept = plan.keep(host, old.optimizer, options.group_size)
+    return dataclasses.replace(options, kept=kept)
 
 
 def warn_groups(old: Options, options: Options, device_ids: Sequence[int]) -> None:

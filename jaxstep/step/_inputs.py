@@ -17,6 +17,7 @@ from jaxstep.core import validate
 from jaxstep.core import warn
 from jaxstep.core.names import keystrs as keystrs
 from jaxstep.program import Options
+from jaxstep.program import Plan
 from jaxstep.program import float_leaves
 
 
@@ -272,6 +273,8 @@ class Inputs:
             ),
             state.params,
         )
+        if self.options.kept is not None:  # after an exclusion: as the optimizer sees them
+            params = Plan.of(self.options, state).grad_view(params)
         try:
             want = jax.eval_shape(self.options.optimizer.init, params)
         except Exception:  # an optimizer whose init cannot be traced: not checked

@@ -245,8 +245,10 @@ class TrainStep:
         to evaluate or export what was trained, in tests. Never in a training loop:
         each call stalls the device queue and copies everything. To read a few leaves,
         read those: ``jax.device_get(state.params)`` (the parameters alone, whole, as
-        numpy), ``int(jax.device_get(state.step))``. A failed step's error and its
-        diagnosis never call it.
+        numpy; after an exclusion under ``shard_state="params"`` a leaf the layout
+        holds padded shows its zeros at the end of its axis: ``jaxstep.testing.replicas``
+        and this method cut them), ``int(jax.device_get(state.step))``. A failed step's
+        error and its diagnosis never call it.
 
         It is a copy: later steps (which donate their state) leave it alone.
 

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxstep
+import jaxstep.testing
 from jaxstep import Status
 from jaxstep.testing import Fault
 from jaxstep.testing import assert_fails
@@ -157,3 +158,55 @@ def test_a_rule_of_the_users_is_kept_padded_after_an_exclusion():
     state = jaxstep.fit(step, state, batches)
     for got, expected in zip(_host(step, state), _replicated(_without(0), batches), strict=True):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_excluded_step_inits_and_quarantines_a_row_like_any_step(layout):
+    dev = jax.devices()[6]
+    fault = Fault("input", dev.id, step=1, mode="data", example=2, leaf="['x']")
+    step = _step(layout, faults=[fault])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step.exclude_devices([5], step.init(init_params()))
+    state = step.init(init_params())  # a new state for the step on 7: laid out padded
+    assert state.opt_state[0].mu["dense1"]["kernel"].shape == (3, 14)
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step, state, _rows(make_batches(3), 7), recover=jaxstep.Recover(), history=history
+    )
+    (quarantined,) = history.recoveries
+    assert (quarantined.step, quarantined.action) == (1, "quarantined")
+    position = [d.id for d in step.devices].index(dev.id)
+    assert quarantined.examples == (position * PER_DEVICE + 2,)
+    assert int(state.step) == 3
+    # the parameters alone, read from each device (the testing kit's reads): logical
+    copies = jaxstep.testing.replicas(step, state.params)
+    want = jax.tree.map(np.shape, init_params())
+    assert all(jax.tree.map(np.shape, copy) == want for copy in copies)
+
+
+def test_a_factored_optimizer_state_follows_its_padded_parameter():
+    # adafactor keeps a row and a column second moment of a matrix: each takes the
+    # shape the optimizer builds for the padded parameter
+    params = {"w": np.random.default_rng(0).normal(size=(256, 136)).astype(np.float32)}
+
+    def loss(p, batch):
+        return ((batch["x"] @ p["w"]).mean() - batch["y"].mean()) ** 2
+
+    step = jaxstep.make_train_step(
+        loss,
+        optax.adafactor(1e-2),
+        shard_state="params",
+        shard_min_size=0,
+        divergence_every=None,
+    )
+    with pytest.warns(UserWarning, match="no longer divide over 7 devices"):
+        state = step.exclude_devices([7], step.init(params))
+    assert state.params["w"].shape == (259, 136)  # along its 256 rows: 37 a device
+    rng = np.random.default_rng(1)
+    batches = [{"x": rng.normal(size=(14, 256)).astype(np.float32), "y": np.ones(14)}] * 2
+    state = jaxstep.fit(step, state, batches)
+    host = step.host_state(state)
+    assert host.params["w"].shape == (256, 136) and np.isfinite(host.params["w"]).all()
+    factored = [np.shape(x) for x in jax.tree.leaves(host.opt_state)]
+    assert (256,) in factored and (136,) in factored
