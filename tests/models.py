@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,47 @@ def make_batches(num: int, seed: int = 1) -> list[dict]:
             }
         )
     return out
+
+
+def seq_loss_fn(params, batch):
+    """:func:`loss_fn` over the mean of a sequence axis (sst2-like, padded lengths)."""
+    return loss_fn(params, dict(batch, x=batch["x"].mean(axis=1)))
+
+
+def bucketed_batches(lengths, seed: int = 1) -> list[dict]:
+    """Batches of :data:`BATCH` rows for :func:`seq_loss_fn`, one per length in
+    ``lengths`` (bucketed sequence lengths: ``x`` is ``(BATCH, length, 3)``)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in lengths:
+        x = rng.normal(size=(BATCH, length, 3)).astype(np.float32)
+        y = np.sin(x.mean(axis=1).sum(axis=1, keepdims=True)).astype(np.float32)
+        ones, zeros = np.ones((BATCH, 1), np.float32), np.zeros((BATCH,), np.float32)
+        out.append({"x": x, "y": y, "pos": ones, "poison": zeros})
+    return out
+
+
+def fit_recording(step, state, batches, **kw):
+    """``jaxstep.fit`` with a new History and every warning recorded: (state, history,
+    the warnings' messages)."""
+    import jaxstep
+
+    history = jaxstep.History()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = jaxstep.fit(step, state, batches, history=history, **kw)
+    return state, history, [str(w.message) for w in caught]
+
+
+class RaiseAt:
+    """A callback that raises ``exc`` at the end of step ``at``."""
+
+    def __init__(self, at, exc):
+        self.at, self.exc = at, exc
+
+    def on_step_end(self, table):
+        if table.step == self.at:
+            raise self.exc
 
 
 def rows_of(position: int) -> slice:

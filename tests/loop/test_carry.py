@@ -4,7 +4,6 @@ row came from; rows of different shapes (bucketed lengths) are never joined: eac
 waits for a batch of its own shape (tests/loop/test_carry_shapes.py runs it in fit)."""
 
 import itertools
-import warnings
 
 import chex
 import jax
@@ -16,8 +15,10 @@ import jaxstep
 from jaxstep.loop._carry import Carry
 from jaxstep.loop._pending import Item
 from jaxstep.testing import Fault
+from tests.models import bucketed_batches
+from tests.models import fit_recording
 from tests.models import init_params
-from tests.models import loss_fn
+from tests.models import seq_loss_fn
 
 
 def test_presplit_batches_laid_out_for_the_devices_before_are_joined_and_carried():
@@ -86,30 +87,6 @@ def test_a_take_that_raises_changes_nothing():
     assert spans == [(0, 3, 4)] and rows["x"].shape == (1, 2)
 
 
-def _seq_loss(params, batch):
-    """tests.models.loss_fn over the mean of a sequence axis (sst2-like, padded)."""
-    return loss_fn(params, dict(batch, x=batch["x"].mean(axis=1)))
-
-
-def _bucketed(lengths):
-    rng = np.random.default_rng(1)
-    out = []
-    for length in lengths:
-        x = rng.normal(size=(32, length, 3)).astype(np.float32)
-        y = np.sin(x.mean(axis=1).sum(axis=1, keepdims=True)).astype(np.float32)
-        ones, zeros = np.ones((32, 1), np.float32), np.zeros((32,), np.float32)
-        out.append({"x": x, "y": y, "pos": ones, "poison": zeros})
-    return out
-
-
-def _fit(step, state, batches, **kw):
-    history = jaxstep.History()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        state = jaxstep.fit(step, state, batches, history=history, **kw)
-    return state, history, [str(w.message) for w in caught]
-
-
 def test_a_device_gone_with_bucketed_lengths_trains_or_lists_every_row(backend):
     """Device 5 fails every step from step 0 and is excluded: 32-row batches padded to
     24, 16, 16, 24 tokens go on on 7 devices. Rows carried are joined only with rows
@@ -120,9 +97,11 @@ def test_a_device_gone_with_bucketed_lengths_trains_or_lists_every_row(backend):
     rest))): both end where the first run did."""
     devices = jax.devices()
     faults = [Fault("loss", devices[5].id, step=t, mode="device") for t in range(12)]
-    data = _bucketed([24, 16, 16, 24])
-    step = jaxstep.make_train_step(_seq_loss, optax.adam(1e-2), backend=backend, faults=faults)
-    trained, history, caught = _fit(step, step.init(init_params()), data, recover=jaxstep.Recover())
+    data = bucketed_batches([24, 16, 16, 24])
+    step = jaxstep.make_train_step(seq_loss_fn, optax.adam(1e-2), backend=backend, faults=faults)
+    trained, history, caught = fit_recording(
+        step, step.init(init_params()), data, recover=jaxstep.Recover()
+    )
     assert [(r.step, r.action) for r in history.recoveries] == [(0, "excluded")]
     # batch 0: rows 0..27, 4 carried; batch 1 (shorter): 0..27, 4 carried beside them;
     # batch 2 (short): 4 + 31 rows, 1 carried; batch 3 (long): batch 0's 4 + 31, 1 left
@@ -145,10 +124,10 @@ def test_a_device_gone_with_bucketed_lengths_trains_or_lists_every_row(backend):
         raise OSError("the data source broke")
 
     with pytest.raises(OSError) as info:
-        _fit(step, step.init(init_params()), broken())
+        fit_recording(step, step.init(init_params()), broken())
     err = info.value
     # nothing pulled is lost: each length's rows carried, as one batch each, in order
     assert [x["x"].shape for x in err.batches] == [(4, 24, 3), (4, 16, 3)]
-    resumed, again, _ = _fit(step, err.state, itertools.chain(err.batches, data[2:]))
+    resumed, again, _ = fit_recording(step, err.state, itertools.chain(err.batches, data[2:]))
     assert again.left_over == [(2, 31, 32), (3, 31, 32)]  # err.batches' items are 0 and 1
     chex.assert_trees_all_equal(step.host_state(resumed).params, trained)

@@ -6,7 +6,6 @@ carried names the rows trained between theirs, and a resume trains exactly the r
 import itertools
 import json
 import shutil
-import warnings
 
 import chex
 import jax
@@ -16,9 +15,12 @@ import pytest
 
 import jaxstep
 from jaxstep.testing import Fault
+from tests.models import RaiseAt
+from tests.models import bucketed_batches
+from tests.models import fit_recording
 from tests.models import host_params
 from tests.models import init_params
-from tests.models import loss_fn
+from tests.models import seq_loss_fn
 
 pytestmark = pytest.mark.filterwarnings("ignore:batch leaf .* changed from")  # two lengths
 
@@ -26,24 +28,8 @@ ROWS = 32
 SHORT, LONG = 16, 24
 
 
-def _seq_loss(params, batch):
-    """tests.models.loss_fn over the mean of a sequence axis (padded lengths)."""
-    return loss_fn(params, dict(batch, x=batch["x"].mean(axis=1)))
-
-
-def _bucketed(widths, seed=3):
-    rng = np.random.default_rng(seed)
-    out = []
-    for width in widths:
-        x = rng.normal(size=(ROWS, width, 3)).astype(np.float32)
-        y = np.sin(x.mean(axis=1).sum(axis=1, keepdims=True)).astype(np.float32)
-        ones, zeros = np.ones((ROWS, 1), np.float32), np.zeros((ROWS,), np.float32)
-        out.append({"x": x, "y": y, "pos": ones, "poison": zeros})
-    return out
-
-
 def _alternating(num):
-    return _bucketed([(SHORT, LONG)[b % 2] for b in range(num)])
+    return bucketed_batches([(SHORT, LONG)[b % 2] for b in range(num)], seed=3)
 
 
 def _steps(batches, first, unit):
@@ -76,36 +62,21 @@ def _faulty(backend, at=2, **kw):
     """A step whose device 5 fails every step from ``at``: excluded at step ``at``."""
     faults = [Fault("loss", 5, step=t, mode="device") for t in range(at, 40)]
     return jaxstep.make_train_step(
-        _seq_loss, optax.adam(1e-2), backend=backend, faults=faults, **kw
+        seq_loss_fn, optax.adam(1e-2), backend=backend, faults=faults, **kw
     )
 
 
 def _on_seven(backend):
     rest = [d for d in jax.devices() if d.id != 5]
-    return jaxstep.make_train_step(_seq_loss, optax.adam(1e-2), backend=backend, devices=rest)
-
-
-def _fit(step, state, batches, **kw):
-    history = jaxstep.History()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        state = jaxstep.fit(step, state, batches, history=history, **kw)
-    return state, history, [str(w.message) for w in caught]
+    return jaxstep.make_train_step(seq_loss_fn, optax.adam(1e-2), backend=backend, devices=rest)
 
 
 def _uninterrupted(backend, data):
     step = _faulty(backend)
-    state, history, _ = _fit(step, step.init(init_params()), data, recover=jaxstep.Recover())
+    state, history, _ = fit_recording(
+        step, step.init(init_params()), data, recover=jaxstep.Recover()
+    )
     return host_params(step, state), history
-
-
-class _RaiseAt:
-    def __init__(self, at, exc):
-        self.at, self.exc = at, exc
-
-    def on_step_end(self, table):
-        if table.step == self.at:
-            raise self.exc
 
 
 def test_every_row_is_trained_but_fewer_than_a_step_of_each_shape_at_the_end(backend):
@@ -116,7 +87,9 @@ def test_every_row_is_trained_but_fewer_than_a_step_of_each_shape_at_the_end(bac
     trained on the 7 devices from the state after step 1 end where the run did."""
     data = _alternating(12)
     step = _faulty(backend)
-    state, history, caught = _fit(step, step.init(init_params()), data, recover=jaxstep.Recover())
+    state, history, caught = fit_recording(
+        step, step.init(init_params()), data, recover=jaxstep.Recover()
+    )
     assert [(r.step, r.action, r.device_ids) for r in history.recoveries] == [(2, "excluded", (5,))]
     steps, left = _steps(data, first=2, unit=7)
     assert [len(s["x"]) for s in steps] == [28, 28, 35, 35, 28, 28, 35, 35, 28, 28]
@@ -127,7 +100,7 @@ def test_every_row_is_trained_but_fewer_than_a_step_of_each_shape_at_the_end(bac
     assert told.startswith("12 row(s) carried") and "6 with ['x'] (16, 3) float32" in told, told
     assert "6 with ['x'] (24, 3) float32" in told, told
 
-    head = jaxstep.make_train_step(_seq_loss, optax.adam(1e-2), backend=backend)
+    head = jaxstep.make_train_step(seq_loss_fn, optax.adam(1e-2), backend=backend)
     start = jaxstep.fit(head, head.init(init_params()), data[:2])
     seven = _on_seven(backend)
     reference = jaxstep.fit(seven, seven.place_state(head.host_state(start)), steps)
@@ -153,7 +126,7 @@ def test_a_stop_while_two_shapes_are_carried_hands_back_each_shapes_rows(backend
             data,
             recover=jaxstep.Recover(),
             checkpoint_dir=tmp_path,
-            callbacks=[_RaiseAt(5, KeyboardInterrupt())],
+            callbacks=[RaiseAt(5, KeyboardInterrupt())],
         )
     err = info.value
     assert int(step.host_state(err.state).step) == 7  # steps 0..6 trained
@@ -163,7 +136,7 @@ def test_a_stop_while_two_shapes_are_carried_hands_back_each_shapes_rows(backend
     np.testing.assert_array_equal(carried[1]["x"], data[6]["x"][27:])
     assert all(b is x for b, x in zip(pulled, data[7:], strict=False))  # the prefetch's
     rest = data[7 + len(pulled) :]
-    again, history, _ = _fit(step, err.state, itertools.chain(err.batches, rest))
+    again, history, _ = fit_recording(step, err.state, itertools.chain(err.batches, rest))
     chex.assert_trees_all_close(host_params(step, again), whole, rtol=1e-6, atol=1e-7)
     assert history.left_over == [(5, 26, 32), (6, 26, 32)]  # data 10, 11: after 2 carried
 
@@ -172,7 +145,7 @@ def test_a_stop_while_two_shapes_are_carried_hands_back_each_shapes_rows(backend
     assert (saved["index"], saved["rows"], saved["then"]) == (5, 31, [[6, 27]]), saved
     assert saved["carried"] and meta["exact_resume"]
     seven = _on_seven(backend)
-    resumed, history, _ = _fit(
+    resumed, history, _ = fit_recording(
         seven, seven.init(init_params()), data, resume=True, checkpoint_dir=tmp_path
     )
     assert history.left_over == [(10, 26, 32), (11, 26, 32)]
@@ -190,7 +163,9 @@ def test_a_checkpoint_while_two_shapes_are_carried_resumes_exactly(backend, tmp_
     step = _faulty(backend)
     run = tmp_path / "run"
     kw = {"checkpoint_dir": run, "checkpoint_every": 2, "keep": 5}
-    _fit(step, step.init(init_params()), data, num_steps=8, recover=jaxstep.Recover(), **kw)
+    fit_recording(
+        step, step.init(init_params()), data, num_steps=8, recover=jaxstep.Recover(), **kw
+    )
 
     def position(n):
         data = json.loads((run / str(n) / "meta" / "metadata").read_text())["data"]
@@ -205,7 +180,7 @@ def test_a_checkpoint_while_two_shapes_are_carried_resumes_exactly(backend, tmp_
         for newer in [n for n in (6, 8) if n > latest]:
             shutil.rmtree(directory / str(newer))
         seven = _on_seven(backend)
-        resumed, history, _ = _fit(
+        resumed, history, _ = fit_recording(
             seven, seven.init(init_params()), data, resume=True, checkpoint_dir=directory
         )
         assert int(seven.host_state(resumed).step) == 12
@@ -240,13 +215,13 @@ def test_a_checkpointable_iterator_resumes_at_rows_carried_many_batches_back(bac
     state before batch 2 is kept that long (fit keeps those of the last few batches
     only), so the final checkpoint resumes there, the 24-token batches between passed
     over, and the run ends where the whole one did."""
-    data = _bucketed([SHORT, LONG, SHORT, *[LONG] * 10, SHORT, LONG])
+    data = bucketed_batches([SHORT, LONG, SHORT, *[LONG] * 10, SHORT, LONG], seed=3)
     whole_step = _faulty(backend)
-    whole, _, _ = _fit(
+    whole, _, _ = fit_recording(
         whole_step, whole_step.init(init_params()), _Checkpointable(data), recover=jaxstep.Recover()
     )
     step = _faulty(backend)
-    _fit(
+    fit_recording(
         step,
         step.init(init_params()),
         _Checkpointable(data),
@@ -259,7 +234,7 @@ def test_a_checkpointable_iterator_resumes_at_rows_carried_many_batches_back(bac
     assert (saved["index"], saved["rows"], saved["then"]) == (2, 28, [[11, 31]]), saved
     assert saved["iterator_state"] == {"at": 2}
     seven = _on_seven(backend)
-    resumed, history, caught = _fit(
+    resumed, history, caught = fit_recording(
         seven,
         seven.init(init_params()),
         _Checkpointable(data),

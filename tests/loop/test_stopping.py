@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxstep
+from tests.models import RaiseAt
 from tests.models import assert_params_equal
 from tests.models import init_params
 from tests.models import loss_fn
@@ -28,15 +29,6 @@ def _step(backend, **kw):
     return jaxstep.make_train_step(loss_fn, optax.adam(1e-2), backend=backend, **kw)
 
 
-class _RaiseAt:
-    def __init__(self, at, exc):
-        self.at, self.exc = at, exc
-
-    def on_step_end(self, table):
-        if table.step == self.at:
-            raise self.exc
-
-
 @pytest.mark.parametrize(
     "exc", [KeyboardInterrupt(), ValueError("a callback's bug"), SystemExit(3)], ids=type
 )
@@ -45,7 +37,7 @@ def test_an_exception_from_a_callback_carries_the_state_and_untrained_batches(ba
     batches = make_batches(NUM)
     clean = jaxstep.fit(step, step.init(init_params()), batches)
     with pytest.raises(type(exc)) as info:
-        jaxstep.fit(step, step.init(init_params()), iter(batches), callbacks=[_RaiseAt(3, exc)])
+        jaxstep.fit(step, step.init(init_params()), iter(batches), callbacks=[RaiseAt(3, exc)])
     err = info.value
     assert any("error.state" in note for note in err.__notes__)
     trained = int(np.asarray(step.host_state(err.state).step))
@@ -86,7 +78,7 @@ def test_an_interrupt_with_a_checkpoint_dir_saves_and_resume_goes_on(backend, tm
             checkpoint_dir=tmp_path,
             checkpoint_every=2,  # not a multiple of divergence_every: still verified
             keep=2,
-            callbacks=[_RaiseAt(4, KeyboardInterrupt())],
+            callbacks=[RaiseAt(4, KeyboardInterrupt())],
         )
     assert any(str(tmp_path) in note for note in info.value.__notes__)
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -189,7 +181,7 @@ def test_an_interrupt_of_a_grain_loader_resumes_at_the_first_untrained_batch(tmp
             step.init(init_params()),
             grain_loader(NUM),
             checkpoint_dir=tmp_path,
-            callbacks=[_RaiseAt(4, KeyboardInterrupt())],
+            callbacks=[RaiseAt(4, KeyboardInterrupt())],
         )
     resumed = jaxstep.fit(
         step, step.init(init_params()), grain_loader(NUM), checkpoint_dir=tmp_path, resume=True

@@ -15,30 +15,17 @@ import warnings
 from pathlib import Path
 
 import jax
-import numpy as np
 import optax
 
 import jaxstep
 from jaxstep.distributed import launch
 from jaxstep.testing import Fault
+from tests.models import bucketed_batches
 from tests.models import init_params
 from tests.models import loss_fn
+from tests.models import seq_loss_fn
 
 ROOT = Path(__file__).parents[2]
-
-
-def _seq_loss(params, batch):
-    return loss_fn(params, dict(batch, x=batch["x"].mean(axis=1)))
-
-
-def _bucketed(lengths):
-    rng = np.random.default_rng(1)
-    out = []
-    for length in lengths:
-        x = rng.normal(size=(32, length, 3)).astype(np.float32)
-        y = np.sin(x.mean(axis=1).sum(axis=1, keepdims=True)).astype(np.float32)
-        out.append({"x": x, "y": y, "pos": np.ones((32, 1), np.float32), "poison": np.zeros(32)})
-    return out
 
 
 def test_a_recompile_after_a_device_left_is_told_once_against_the_runs_first_batch(backend):
@@ -47,8 +34,8 @@ def test_a_recompile_after_a_device_left_is_told_once_against_the_runs_first_bat
     smaller step took first), at the line that called fit."""
     devices = jax.devices()
     faults = [Fault("loss", devices[5].id, step=t, mode="device") for t in range(8)]
-    step = jaxstep.make_train_step(_seq_loss, optax.adam(1e-2), backend=backend, faults=faults)
-    data = _bucketed([4, 4, 6, 6])
+    step = jaxstep.make_train_step(seq_loss_fn, optax.adam(1e-2), backend=backend, faults=faults)
+    data = bucketed_batches([4, 4, 6, 6])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jaxstep.fit(step, step.init(init_params()), data, recover=jaxstep.Recover())
