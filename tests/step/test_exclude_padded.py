@@ -46,6 +46,13 @@ def _replicated(devices, batches):
     return _host(step, jaxstep.fit(step, step.init(init_params()), batches))
 
 
+def _excluded(step, state, device_id):
+    """``step.exclude_devices([device_id], state)``, its warning (tested above) quiet."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return step.exclude_devices([device_id], state)
+
+
 def _without(*ids):
     return [d for d in jax.devices() if d.id not in ids]
 
@@ -82,9 +89,7 @@ def test_a_leaf_that_no_longer_divides_stays_sharded_padded_and_trains_as_replic
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_padded_state_is_written_and_restored_with_its_logical_shapes(layout, tmp_path):
     step = _step(layout)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        state = step.exclude_devices([5], step.init(init_params()))
+    state = _excluded(step, step.init(init_params()), 5)
     state = jaxstep.fit(step, state, _rows(make_batches(2), 7), checkpoint_dir=tmp_path)
     written = step.host_state(state)
     # onto a step of all 8 devices (nothing padded) and back onto the 7 (padded again)
@@ -102,9 +107,7 @@ def test_a_nan_row_after_an_exclusion_is_named_by_device_leaf_and_example(layout
     dev = jax.devices()[6]
     fault = Fault("input", dev.id, step=1, mode="data", example=2, leaf="['x']")
     step = _step(layout, faults=[fault])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        state = step.exclude_devices([5], step.init(init_params()))
+    state = _excluded(step, step.init(init_params()), 5)
     state = jaxstep.fit(step, state, _rows(make_batches(1), 7))
     good = [np.asarray(x) for x in jax.tree.leaves(step.host_state(state))]
     with pytest.raises(jaxstep.TrainingWorkerError) as info:
@@ -122,11 +125,9 @@ def test_a_nan_row_after_an_exclusion_is_named_by_device_leaf_and_example(layout
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_second_exclusion_pads_again_for_the_devices_left(layout):
     step = _step(layout)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        state = step.exclude_devices([5], step.init(init_params()))
-        state = jaxstep.fit(step, state, _rows(make_batches(1), 7))
-        state = step.exclude_devices([6], state)
+    state = _excluded(step, step.init(init_params()), 5)
+    state = jaxstep.fit(step, state, _rows(make_batches(1), 7))
+    state = _excluded(step, state, 6)
     mu = state.opt_state[0].mu["dense1"]["kernel"]
     assert mu.shape == (3, 12) and {s.data.shape for s in mu.addressable_shards} == {(3, 2)}
     state = jaxstep.fit(step, state, _rows(make_batches(2, seed=2), 6))
@@ -135,9 +136,7 @@ def test_a_second_exclusion_pads_again_for_the_devices_left(layout):
         loss_fn, optax.adam(1e-2), devices=_without(5), divergence_every=None
     )
     half = jaxstep.fit(reference, reference.init(init_params()), first)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        half = reference.exclude_devices([6], half)
+    half = _excluded(reference, half, 6)
     want = _host(reference, jaxstep.fit(reference, half, _rows(make_batches(2, seed=2), 6)))
     for got, expected in zip(_host(step, state), want, strict=True):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
@@ -165,9 +164,7 @@ def test_an_excluded_step_inits_and_quarantines_a_row_like_any_step(layout):
     dev = jax.devices()[6]
     fault = Fault("input", dev.id, step=1, mode="data", example=2, leaf="['x']")
     step = _step(layout, faults=[fault])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        step.exclude_devices([5], step.init(init_params()))
+    _excluded(step, step.init(init_params()), 5)
     state = step.init(init_params())  # a new state for the step on 7: laid out padded
     assert state.opt_state[0].mu["dense1"]["kernel"].shape == (3, 14)
     history = jaxstep.History()
