@@ -71,10 +71,7 @@ def to_host(
     a layout holds padded, cut to their logical shapes (a block in the padding dropped)."""
     cuts: list[Any] = list(pads) if pads else [None] * len(leaves)
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
-        whole = [np.asarray(x) for x in jax.device_get(list(leaves))]
-        return [
-            x if p is None else cut(x, p[0], p[1][0]) for x, p in zip(whole, cuts, strict=True)
-        ], None
+        return logical([np.asarray(x) for x in jax.device_get(list(leaves))], pads), None
     host: list[np.ndarray] = []
     blocks: dict[str, Any] = {}
     for i, x in enumerate(leaves):
@@ -98,6 +95,13 @@ def to_host(
             blocks[f"{i}_{k}"] = data
             blocks[f"{i}_{k}_at"] = np.asarray(bounds, np.int64).reshape(-1, 2)
     return host, blocks
+
+
+def logical(leaves: Sequence[Any], pads: Pads) -> list[Any]:
+    """Host ``leaves`` with each one a layout holds padded cut to its logical shape."""
+    if not pads:
+        return list(leaves)
+    return [x if p is None else cut(x, p[0], p[1][0]) for x, p in zip(leaves, pads, strict=True)]
 
 
 def write(root: Any, number: int, process: int, blocks: dict[str, Any]) -> None:

@@ -27,7 +27,6 @@ from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.checkpoint import _coordination as coordination
 from jaxstep.checkpoint._layout import Layout
 from jaxstep.checkpoint._layout import local_copy
-from jaxstep.checkpoint._layout import logical
 from jaxstep.checkpoint._position import Position
 from jaxstep.checkpoint._store import EMERGENCY
 from jaxstep.checkpoint._store import Store
@@ -68,7 +67,9 @@ def save(
             meta["layout"] = Layout.of(error.state, pads=pads).to_json()
             meta["blocks"] = blocks.describe(state, coordination.processes(devices), pads)
     elif error.state is not None and (not multi or coordination.is_writer()):
-        items["state"] = logical(jax.device_get(local_copy(error.state, stacked=stacked)), pads)
+        items["state"] = blocks.logical(
+            jax.device_get(local_copy(error.state, stacked=stacked)), pads
+        )
         meta["layout"] = Layout.of(error.state, stacked=stacked, pads=pads).to_json()
     batch = jax.tree.map(_local_rows, error.batches[0]) if error.batches else None
     meta.update(

@@ -16,7 +16,6 @@ import numpy as np
 
 from jaxstep.checkpoint import _blocks as blocks
 from jaxstep.program import Pads
-from jaxstep.program import cut
 
 
 def _is_key(x: Any) -> bool:
@@ -89,13 +88,6 @@ class Layout:
             for i, x in enumerate(leaves)
         ]
         return jax.tree.unflatten(treedef, leaves)
-
-
-def logical(leaves: Sequence[Any], pads: Pads) -> list[Any]:
-    """Host ``leaves`` with each one a layout holds padded cut to its logical shape."""
-    if not pads:
-        return list(leaves)
-    return [x if p is None else cut(x, p[0], p[1][0]) for x, p in zip(leaves, pads, strict=True)]
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -275,7 +275,7 @@ class Gathering:
                 self.plan.params[i],
                 self.links,
                 (masked, spiking, poison is not None, self.scaling),
-                self.plan.param_pad(i),
+                None if (held := self.plan.param_pads[i]) is None else held[1],
             )
             full[i] = checkpoint_name(x, GATHERED)
             sink = sink + z

@@ -20,15 +20,7 @@ from jaxstep.program._faults import Context
 from jaxstep.program._grid import Grid
 from jaxstep.program._options import Options
 from jaxstep.program._padding import cut
-from jaxstep.program._padding import pad_to
 from jaxstep.program._shards import Plan
-
-
-def padded(plan: Plan, i: int, g: jax.Array) -> jax.Array:
-    """Gradient (or parameter) ``i`` padded with zeros along its axis when the layout
-    holds its leaf padded (an exclusion, :class:`jaxstep.program.Kept`), else itself."""
-    pad, axis = (plan.grad_pads[i] if plan.grad_pads else None), plan.grads[i]
-    return g if pad is None or axis is None else pad_to(g, axis, pad[1])
 
 
 class OnShards:
@@ -62,10 +54,9 @@ class OnShards:
         """Each device's shard of each sharded gradient's parameter (under
         ``"optimizer"`` a slice of the replicated parameters: no data moves; a leaf
         held padded, padded as its gradient is)."""
-        leaves, treedef = jax.tree.flatten(params)
-        leaves = [padded(self.plan, i, x) for i, x in enumerate(leaves)]
-        params = jax.tree.unflatten(treedef, leaves)
-        return jax.lax.with_sharding_constraint(params, self._named(self._grad_specs))
+        return jax.lax.with_sharding_constraint(
+            self.plan.grad_view(params), self._named(self._grad_specs)
+        )
 
     def to_state(self, params: Params) -> Params:
         """The parameters as the state holds them (under ``"optimizer"`` replicated:
@@ -112,4 +103,4 @@ class OnShards:
         return mapped(blocks, self._step, self._extras)
 
 
-__all__ = ["OnShards", "padded"]
+__all__ = ["OnShards"]

@@ -53,7 +53,6 @@ from jaxstep.program._local import chunk_key
 from jaxstep.program._local import here
 from jaxstep.program._local import local_part
 from jaxstep.program._on_shards import OnShards
-from jaxstep.program._on_shards import padded
 from jaxstep.program._options import Options
 from jaxstep.program._reduce import Reduced
 from jaxstep.program._reduce import compare_devices
@@ -289,7 +288,7 @@ def _sums(
     axis = options.axis_name
     local = [g for g, a in zip(leaves, plan.grads, strict=True) if a is None]
     out = [
-        g if a is None or scattered else grid.scatter(padded(plan, i, g), a)
+        g if a is None or scattered else grid.scatter(plan.grad_padded(i, g), a)
         for i, (g, a) in enumerate(zip(leaves, plan.grads, strict=True))
     ]
     local, floats, gathered = jax.lax.psum((local, floats, sent), axis)

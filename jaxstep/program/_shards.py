@@ -187,16 +187,17 @@ class Plan(NamedTuple):
         inside the step: each leaf whose gradient is padded, padded (zeros at its end;
         as it is where it is already)."""
         leaves, treedef = jax.tree.flatten(params)
-        out = []
-        for i, x in enumerate(leaves):
-            pad, a = (self.grad_pads[i] if self.grad_pads else None), self.grads[i]
-            if pad is None or a is None:
-                out.append(x)
-            elif isinstance(x, jax.ShapeDtypeStruct):
-                out.append(jax.ShapeDtypeStruct(with_size(x.shape, a, pad[1]), x.dtype))
-            else:
-                out.append(pad_to(x, a, pad[1]))
-        return jax.tree.unflatten(treedef, out)
+        return jax.tree.unflatten(treedef, [self.grad_padded(i, x) for i, x in enumerate(leaves)])
+
+    def grad_padded(self, i: int, x: Any) -> Any:
+        """Gradient (or parameter) ``i`` padded with zeros along its axis when its
+        gradient is padded (a ``jax.ShapeDtypeStruct``: its shape), else ``x``."""
+        pad, a = (self.grad_pads[i] if self.grad_pads else None), self.grads[i]
+        if pad is None or a is None:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(with_size(x.shape, a, pad[1]), x.dtype)
+        return pad_to(x, a, pad[1])
 
     @property
     def sharded(self) -> bool:
@@ -208,10 +209,16 @@ class Plan(NamedTuple):
         """Whether a leaf is held padded."""
         return any((*self.grad_pads, *self.opt_pads))
 
-    def param_pad(self, i: int) -> Pad | None:
-        """Parameter ``i``'s pad as the state holds it (under ``"optimizer"`` none: the
-        parameters are whole)."""
-        return self.grad_pads[i] if self.grad_pads and self.params[i] is not None else None
+    @property
+    def param_pads(self) -> tuple[tuple[int, Pad] | None, ...]:
+        """Each parameter's axis and pad as the state holds it (under ``"optimizer"``
+        none: the parameters are whole)."""
+        if not self.grad_pads:
+            return (None,) * len(self.params)
+        return tuple(
+            None if p is None or a is None else (a, p)
+            for a, p in zip(self.params, self.grad_pads, strict=True)
+        )
 
     def state_pads(self, state: Any) -> list[tuple[int, Pad] | None]:
         """Per leaf of ``jax.tree.leaves(state)`` (a :class:`TrainState`): its axis and
@@ -227,12 +234,7 @@ class Plan(NamedTuple):
                 continue
             i = seen[field]
             seen[field] += 1
-            if field == "opt_state":
-                out[k] = self.opt_pads[i]
-                continue
-            pad, a = self.param_pad(i), self.params[i]
-            if pad is not None and a is not None:
-                out[k] = (a, pad)
+            out[k] = (self.param_pads if field == "params" else self.opt_pads)[i]
         return out
 
     def logical(self, tree: Any) -> Any:
@@ -245,11 +247,7 @@ class Plan(NamedTuple):
         if isinstance(tree, TrainState):
             return _map_pads(self, tree, lambda x, a, pad: cut(x, a, pad[0]))
         leaves, treedef = jax.tree.flatten(tree)
-        params = [
-            None if p is None or a is None else (a, p)
-            for a, p in zip(self.params, self.grad_pads, strict=True)
-        ]
-        for pads in (params, list(self.opt_pads)):
+        for pads in (self.param_pads, self.opt_pads):
             fits = len(pads) == len(leaves) and all(
                 p is None or (np.ndim(x) > p[0] and np.shape(x)[p[0]] == p[1][1])
                 for x, p in zip(leaves, pads, strict=True)

@@ -200,8 +200,7 @@ def warn_resharded(old: Options, options: Options, host: TrainState) -> None:
     if options.shard_state is None:
         return
     was, now = Plan.of(old, host), Plan.of(options, host)
-    n_params = len(jax.tree.leaves(host.params))
-    pads = [now.param_pad(i) for i in range(n_params)] + list(now.opt_pads or ())
+    pads = [*now.param_pads, *now.opt_pads]
     padded = [name for name, p in zip(_names(host), pads, strict=False) if p is not None]
     if not padded:
         return

@@ -131,8 +131,7 @@ class Passes:
             else:  # each device's blocks (replicas: tiled onto the step's axis, no copy)
                 state = grid.to_blocks(state, grid.state_specs(plan, state))
                 specs, gathered = grid.block_specs(plan, state), plan.params
-                pads = [plan.param_pad(i) for i in range(n_params)]
-                lengths = [None if p is None else p[0] for p in pads]
+                lengths = [None if p is None else p[1][0] for p in plan.param_pads]
             links, m = grid.links, grid.m
 
             def local(state: TrainState, part: Batch, want: jax.Array, step: jax.Array) -> Any:
