@@ -61,6 +61,14 @@ class _Snapshot:
     #: the leaves the layout holds padded (written with their logical shapes)
     pads: Pads = None
 
+    @classmethod
+    def of(cls, step: Runtime, number: int, state: TrainState, position: Position | None) -> Any:
+        """A copy of ``state`` (dispatched, not waited for) as ``step`` lays it out."""
+        stacked, pads = step.stacked, step.backend.pads(state)
+        layout = Layout.of(state, stacked=stacked, pads=pads)
+        copy = local_copy(state, stacked=stacked)
+        return cls(number, copy, position, tuple(step.devices), layout, pads)
+
 
 class FitCheckpoints:
     """One fit call's checkpointing, on the step's runtime (:meth:`resumed_on`: a new
@@ -116,16 +124,7 @@ class FitCheckpoints:
             self._positions.publish(number, position.to_json())
             if not self.writer and not blocks.spread(state):  # (or write its shards)
                 return True
-        stacked, devices = self.step.stacked, tuple(self.step.devices)
-        pads = self.step.backend.pads(state)
-        self._snap = _Snapshot(
-            number,
-            local_copy(state, stacked=stacked),
-            position,
-            devices,
-            Layout.of(state, stacked=stacked, pads=pads),
-            pads,
-        )
+        self._snap = _Snapshot.of(self.step, number, state, position)
         return True
 
     @property
@@ -326,16 +325,7 @@ class FitCheckpoints:
             self._positions.publish(number, None if position is None else position.to_json())
             if not self.writer and not blocks.spread(state):
                 return where
-        stacked, pads = self.step.stacked, self.step.backend.pads(state)
-        snap = _Snapshot(
-            number,
-            local_copy(state, stacked=stacked),
-            position,
-            tuple(self.step.devices),
-            Layout.of(state, stacked=stacked, pads=pads),
-            pads,
-        )
-        self._write(snap, verified_by)
+        self._write(_Snapshot.of(self.step, number, state, position), verified_by)
         self._done.add(number)
         return where
 

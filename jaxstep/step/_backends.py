@@ -185,16 +185,18 @@ class ShardMapBackend:
         # After an exclusion the optimizer sees each parameter whose gradient is padded
         # padded (zeros at the end, as inside the step); under "params" the state holds
         # it so, under "optimizer" the parameters stay whole with their own shape.
-        view = plan.grad_view(params) if plan.pads else params
+        view = params
         if plan.pads:
+            view = plan.grad_view(params)
             shapes = jax.eval_shape(optimizer.init, view)
-        stored = view if self.shard_state == "params" else params
+        held = self.shard_state == "params" or not plan.pads  # the state holds the view
         copy = jax.jit(
-            lambda p: jax.tree.map(jnp.copy, p), out_shardings=named(stored, plan.params)
+            lambda p: jax.tree.map(jnp.copy, p),
+            out_shardings=named(view if held else params, plan.params),
         )
-        params = copy(stored)
-        seen = params if stored is view else view
-        opt_state = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))(seen)
+        params = copy(view if held else params)
+        init = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))
+        opt_state = init(params if held else view)
         return params, opt_state
 
     def place_batch(self, batch: Batch, leaves: Sequence[Any] | None = None) -> Batch:

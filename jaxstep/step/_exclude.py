@@ -200,9 +200,11 @@ def warn_resharded(old: Options, options: Options, host: TrainState) -> None:
     if options.shard_state is None:
         return
     was, now = Plan.of(old, host), Plan.of(options, host)
-    pads = [*now.param_pads, *now.opt_pads]
-    padded = [name for name, p in zip(_names(host), pads, strict=False) if p is not None]
-    if not padded:
+    names, pads = _names(host), [*now.param_pads, *now.opt_pads]
+    padded = [name for name, p in zip(names, pads, strict=False) if p is not None]
+    axes = zip(names, (*was.params, *was.opt), (*now.params, *now.opt), strict=True)
+    whole = [name for name, a, b in axes if a is not None and b is None]
+    if not padded and not whole:
         return
     old_bytes = nbytes_per_device(host, was, old.group_size)
     new = nbytes_per_device(now.physical(host), now, options.group_size)
@@ -213,9 +215,15 @@ def warn_resharded(old: Options, options: Options, host: TrainState) -> None:
         f"and stay sharded along the same axis, padded with zeros to a multiple of "
         f"{options.n} ({shown}); the state takes {_mb(new)} per device, {_mb(old_bytes)} "
         "before. The padding never reaches the loss, the optimizer's moments (they stay "
-        "0), a checkpoint or host_state; the optimizer must be elementwise on those "
-        "leaves (Adam, SGD, a global-norm clip: yes; a factored second moment or a mean "
-        "over a leaf sees the zeros)",
+        "0), a checkpoint or host_state; an elementwise optimizer's update of those "
+        "leaves is exact (Adam, SGD, a global-norm clip), while a factored second "
+        "moment or a mean over a leaf sees the zeros in its statistics"
+        + (
+            f"; {len(whole)} optimizer-state leaves the optimizer builds with the same "
+            f"shape for the padded parameters are whole ({', '.join(whole[:4])})"
+            if whole
+            else ""
+        ),
     )
 
 

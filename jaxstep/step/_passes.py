@@ -123,7 +123,7 @@ class Passes:
             state = dataclasses.replace(state, opt_state=None)
             n_params = len(jax.tree.leaves(state.params))
             gathered: tuple[int | None, ...] = (None,) * n_params
-            lengths: list[int | None] = [None] * n_params
+            held: tuple[Any, ...] = (None,) * n_params  # a leaf held padded: (axis, pad)
             if backend.stacked:
                 specs = jax.tree.map(lambda _: P(axis), state)
             elif plan is None:
@@ -131,16 +131,20 @@ class Passes:
             else:  # each device's blocks (replicas: tiled onto the step's axis, no copy)
                 state = grid.to_blocks(state, grid.state_specs(plan, state))
                 specs, gathered = grid.block_specs(plan, state), plan.params
-                lengths = [None if p is None else p[1][0] for p in plan.param_pads]
-            links, m = grid.links, grid.m
+                held = plan.param_pads
+            links = grid.links
 
             def local(state: TrainState, part: Batch, want: jax.Array, step: jax.Array) -> Any:
                 if backend.stacked:  # this device's copy, as the step's body sees it
                     state = jax.tree.map(lambda x: x[0], state)
                 shards, treedef = jax.tree.flatten(state.params)
                 whole = [  # one gather a sharded leaf (inside its group), as the step's own
-                    x if a is None else cut(links.gather(x, a), a, length or x.shape[a] * m)
-                    for x, a, length in zip(shards, gathered, lengths, strict=True)
+                    x if a is None else links.gather(x, a)
+                    for x, a in zip(shards, gathered, strict=True)
+                ]
+                whole = [  # a leaf held padded (after an exclusion) as the loss sees it
+                    x if p is None else cut(x, p[0], p[1][0])
+                    for x, p in zip(whole, held, strict=True)
                 ]
                 params = jax.tree.unflatten(treedef, whole)
                 state = dataclasses.replace(state, params=params, step=step[0])
