@@ -6,15 +6,20 @@ Every process builds the same global batches and passes its own rows. It runs, o
 after the other, a clean ``fit`` and three with ``recover=jaxstep.Recover()`` and a
 fault on process 1's second device (id 2049 on this JAX) at step 2: ``transient``,
 ``data`` (example 1 of its chunk; checkpoints in ``DIR/data``) and ``device`` (it
-fails every step; checkpoints every 2 steps in ``DIR/device``), each with the reference
-it must match. Then three that go back: ``spike`` (that device's chunk spikes at step 6,
-``Recover(rollback_batches=2)``, checkpoints every 4 steps in ``DIR/spike``),
-``diverged`` (its replica corrupted by one ulp before step 3, ``divergence_every=1``:
-repaired) and ``rollback`` (its replica of a model-state count moved inside the fit
-call, at step 4: rolled back to the checkpoint of step 4, every 2 steps in
-``DIR/rollback``). Then ``presplit``: the ``data`` run with pre-split batches
+fails every step; checkpoints every 2 steps in ``DIR/device``: excluded, every row of
+the later batches re-split over the 7 devices left), each with the reference it must
+match, and ``resplit``: ``device`` with a bad example at step 4 in a chunk of process 1
+that holds rows process 0 passed. Then three that go back: ``spike`` (that device's
+chunk spikes at step 6, ``Recover(rollback_batches=2)``, checkpoints every 4 steps in
+``DIR/spike``), ``diverged`` (its replica corrupted by one ulp before step 3,
+``divergence_every=1``: repaired) and ``rollback`` (its replica of a model-state count
+moved inside the fit call, at step 4: rolled back to the checkpoint of step 4, every 2
+steps in ``DIR/rollback``). Then ``presplit``: the ``data`` run with pre-split batches
 (``fit(presplit=True)``) that carry each example's id (``Recover(example_id="id")``,
-checkpoints in ``DIR/presplit``). Each run prints one line ``RESULT {json}`` with what
+checkpoints in ``DIR/presplit``). Then ``stop``: ``device`` stopped by a callback at
+step 3 (each process's rows not trained), and ``resume``: ``device`` cut short after 4
+batches (``DIR/cut``), resumed at its position inside batch 3 on all 8 devices with
+pre-split batches. Each run prints one line ``RESULT {json}`` with what
 this process saw; last, ``keys``: the keys left in the coordination service's store.
 """
 
@@ -49,7 +54,10 @@ STEPS = 6
 AT = 2
 SPIKE_STEPS, SPIKE_AT, SPIKE_EVERY = 8, 6, 4  # back to 4, batches 5 and 6 skipped
 CORRUPT_AT = 3
-MOVED_AT, ROLLBACK_EVERY = 4, 2  # seen at step 5, back to the checkpoint of step 4
+MOVED_AT, ROLLBACK_EVERY = 4, 2
+RESPLIT_AT = (
+    4  # a bad example after the exclusion  # seen at step 5, back to the checkpoint of step 4
+)
 
 
 class Moves:
@@ -72,6 +80,31 @@ class Moves:
             hit = not self.fired and int(position) == self.position and int(count) == self.at
             self.fired |= hit
         return np.int32(hit)
+
+
+class Stopped(Exception):
+    pass
+
+
+class Stop:
+    """A callback that stops fit at the end of step 3."""
+
+    def on_step_end(self, table):
+        if table.step == 3:
+            raise Stopped
+
+
+def resplit(batches, n):
+    """The global batches a run that lost devices trains, ``n`` devices left: every
+    row of ``batches`` in order, each step the largest multiple of ``n`` of the rows at
+    hand (the rest carried into the next)."""
+    rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    out, at, held = [], 0, 0
+    for b in batches:
+        keep = (held + len(b["x"])) // n * n
+        out.append({k: v[at : at + keep] for k, v in rows.items()})
+        at, held = at + keep, held + len(b["x"]) - keep
+    return out
 
 
 def params_of(step, state):
@@ -153,18 +186,30 @@ def main(base: str) -> None:
 
     faults = [Fault("loss", target.id, step=t, mode="device") for t in range(AT, STEPS + 1)]
     out = run(faults, mine, recover=recover, checkpoint_dir=f"{base}/device", checkpoint_every=2)
-    # the reference: two steps on 8 devices, then the rest on the 7 others, each batch
-    # without the rows of the device that left (the global batch cut, then split anew)
+    # the reference: two steps on 8 devices, then the rest on the 7 others: every row of
+    # the later batches, in order, each step the largest multiple of 7 of the rows at
+    # hand (the rest carried), split over the 7 (every process's rows together)
     head = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
     start = jaxstep.fit(head, head.init(init_params()), mine[:AT])
     rest = [d for d in devices if d != target]
-    gone = devices.index(target)
-    cut = np.r_[0 : gone * PER_DEVICE, (gone + 1) * PER_DEVICE : len(full[0]["x"])]
-    tail = child.local_batches([{k: v[cut] for k, v in b.items()} for b in full[AT:]], rest)
+    tail = child.local_batches(resplit(full[AT:], len(rest)), rest)
     step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=rest)
     copy = runtime_of(head).read_at(start, distributed.local_positions(devices)[0])
     reference = jaxstep.fit(step, step.place_state(copy), tail)
     seen("device", *out, target=target.id, reference=params_of(step, reference))
+
+    # Then a bad example on a device of process 1 at step 4, after the exclusion: its
+    # chunk holds rows process 0 passed (the rows re-split); quarantined by its row
+    bad = Fault("input", rest[4].id, step=RESPLIT_AT, mode="data", example=0)
+    out = run([*faults, bad], mine, recover=recover, checkpoint_dir=f"{base}/resplit")
+    quarantine = jaxstep.read_quarantine(f"{base}/resplit")
+    seen(
+        "resplit",
+        *out,
+        target=target.id,
+        bad=bad.device_id,
+        quarantine={str(k): list(v) for k, v in quarantine.items()},
+    )
 
     # A loss spike in the target's chunk alone (only process 1 holds its rows)
     spiky = make_batches(SPIKE_STEPS)
@@ -238,6 +283,42 @@ def main(base: str) -> None:
     )
     lines = jaxstep.read_quarantine(f"{base}/presplit").lines
     seen("presplit", *out, quarantine=[{k: v for k, v in x.items() if k != "time"} for x in lines])
+
+    # The device run stopped by a callback at step 3, after the exclusion: each process
+    # is handed back the rows it passed that were not trained
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults)
+    try:
+        jaxstep.fit(step, step.init(init_params()), mine, recover=recover, callbacks=[Stop()])
+    except Stopped as err:
+        trained = int(runtime_of(step).read_first(err.state.step))
+        handed = [float(x) for b in err.batches for x in np.asarray(b["x"])[:, 0]]
+        result(run="stop", trained=trained, handed=handed)
+
+    # The device run cut short after 4 batches (a row of batch 3 carried: the saved
+    # position is inside it), then resumed from it on all 8 devices with pre-split
+    # batches: the rows are re-split as the run left them
+    out = run(faults, mine, recover=recover, checkpoint_dir=f"{base}/cut", num_steps=4)
+    cut_step, cut_state = out[0], out[1]
+    split = [
+        {k: v.reshape(4, PER_DEVICE, *v.shape[1:]) for k, v in b.items()}
+        for b in child.local_batches(full, devices)
+    ]
+    eight = jaxstep.make_train_step(loss_fn, optax.adam(1e-2))
+    out = train(
+        eight,
+        eight.init(init_params()),
+        split,
+        checkpoint_dir=f"{base}/cut",
+        resume=True,
+        presplit=True,
+    )
+    # the reference: the state the cut run ended with, trained on 8 devices on its rows
+    # not trained (batch 3's last, then batches 4 and 5), re-split
+    copy = runtime_of(cut_step).read_at(cut_state, distributed.local_positions(rest)[0])
+    later = [{k: v[31:] for k, v in full[3].items()}, *full[4:]]
+    tail = child.local_batches([b for b in resplit(later, 8) if len(b["x"])], devices)
+    reference = jaxstep.fit(eight, eight.place_state(copy), tail)
+    seen("resume", *out, reference=params_of(eight, reference))
 
     # Every key a run set in the coordination service's store is gone once read
     store = processes.client()

@@ -23,14 +23,8 @@ oldest carried row lie between rows not trained: the position then also names ea
 later batch that holds rows not trained (``Cursor.then``, ``Position.then``), and a
 resume passes over the rest, so it trains exactly the rows the run had not.
 
-With several processes (:class:`Cut`) rows cannot be carried: each process passes its
-own rows, the rows per device must be the same on every process, and no process can
-hand rows to another. So each batch keeps its rows per device; the process that lost a
-device trains the chunks of its remaining devices and lists the lost device's chunk of
-every batch in ``History.left_over``. Every row is trained or listed. (Training them
-would need padded batches with a weight the loss reads, or rows moved between
-processes on the devices: docs/recovery.md, "Several processes: the lost device's
-rows".)
+With several processes the rows are first gathered from every process, then carried
+the same way on each (:mod:`jaxstep.loop._resplit`).
 """
 
 from __future__ import annotations
@@ -42,7 +36,6 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxstep import distributed
 from jaxstep.core import validate
 from jaxstep.core import warn
 from jaxstep.core.names import keystrs
@@ -53,61 +46,7 @@ from jaxstep.step import join_presplit
 Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the data
 
 
-class Taken(NamedTuple):
-    """What the carry makes of a batch: the item the step trains now (None: fewer rows
-    than a step needs at hand, all carried on), and the rows it listed as never trained
-    (``History.left_over``: a cut device's chunk)."""
-
-    item: Item | None
-    left_over: tuple[Span, ...] = ()
-
-
-def carry_for(
-    runtime: Runtime,
-    start: int,
-    skip: int,
-    presplit: bool,
-    carried: bool = False,
-    then: Sequence[tuple[int, int]] = (),
-) -> Carry | Cut | None:
-    """The carry a fit call starts with (None: none needed): for a resume inside a batch
-    (``skip`` rows of the first batch trained already; ``then``: later batches' rows not
-    trained, :class:`Carry`) or from a checkpoint of a run that carried rows
-    (``carried``), or for a step that lost devices in an earlier fit call. ``start``:
-    the data's count of the first batch pulled."""
-    if skip or then or (carried and not distributed.spans_processes(runtime.devices)):
-        return Carry(_unit(runtime), skip, presplit, start=start, then=then)
-    if runtime.origin is None:
-        return None
-    return after_leaving(None, runtime.origin, runtime, start=start, presplit=presplit)
-
-
-def after_leaving(
-    carry: Carry | Cut | None,
-    before: Sequence[jax.Device],
-    runtime: Runtime,
-    *,
-    start: int,
-    presplit: bool,
-) -> Carry | Cut:
-    """``carry`` (made when None) once the devices of ``before`` that ``runtime`` no
-    longer has left the run: on several processes each batch's rows of the devices
-    gone are cut (:class:`Cut`); on one, the rows that do not divide by the devices left
-    are carried (:class:`Carry`, its unit that of the devices left)."""
-    if distributed.spans_processes(before):  # rows stay with their process
-        if not isinstance(carry, Cut):
-            here = [d.id for d in before if d.process_index == jax.process_index()]
-            carry = Cut(here, start, presplit)
-        kept = {d.id for d in runtime.devices}
-        carry.exclude([d.id for d in before if d.id not in kept])
-        return carry
-    if not isinstance(carry, Carry):
-        carry = Carry(_unit(runtime), presplit=presplit, start=start)
-    carry.unit = _unit(runtime)
-    return carry
-
-
-def _unit(runtime: Runtime) -> int:
+def unit_of(runtime: Runtime) -> int:
     """The rows a step's batch must divide by: devices x micro-batches."""
     return len(runtime.devices) * (runtime.options.microbatches or 1)
 
@@ -153,11 +92,10 @@ class Carry:
         self.presplit = presplit
         self.start = start
         self.then = list(then)
-        self.listed: list[Span] = []  # the rows this carry listed as never trained
         #: the rows carried of each shape that has some (:func:`shape_of`)
         self.held: dict[Shape, Held] = {}
 
-    def take(self, item: Item) -> Taken:
+    def take(self, item: Item) -> Item | None:
         """The batch to train now from ``item``'s rows and those carried of their shape
         (its item None: fewer than ``unit`` rows of that shape at hand, all carried
         on). Its ``spans`` say where each of its rows is in the data, ``first``/``offset``
@@ -172,7 +110,7 @@ class Carry:
             size = validate.batch(batch, 1)
             skip = self._trained(item.seq, size)
             if skip >= size:  # a resume: trained whole before the checkpoint
-                return Taken(None)
+                return None
             if skip:  # a resume inside this batch
                 batch = jax.tree.map(lambda x: x[skip:], batch)
             spans: list[Span] = [(item.seq, skip, size)]
@@ -191,14 +129,18 @@ class Carry:
         else:
             self.held.pop(shape, None)
         if keep == 0:
-            return Taken(None)
+            return None
         taken = item._replace(
             batch=jax.tree.map(lambda x: x[:keep], batch),
             first=head[0][0],
             offset=head[0][1],
             spans=tuple(head),
         )
-        return Taken(taken)
+        return taken
+
+    def user_rows(self, rows: Any) -> Any:
+        """The user's batch of rows held (what a warning describes)."""
+        return rows
 
     def _trained(self, seq: int, size: int) -> int:
         """The first rows of batch ``seq`` (of ``size`` rows) trained before this fit
@@ -233,13 +175,12 @@ class Carry:
         if not self.held:
             return []
         listed = [(self.start + seq, lo, hi) for seq, lo, hi in self.left()]
-        self.listed += listed
         helds = sorted(self.held.values(), key=lambda held: held.spans[0])  # data order
         self.held.clear()
         counts = [sum(hi - lo for _, lo, hi in held.spans) for held in helds]
         why = f"the data ended with fewer than the {self.unit} a step needs"
         if len(helds) > 1:  # each shape's rows waited for batches of their own shape
-            kinds = describe([held.rows for held in helds])
+            kinds = describe([self.user_rows(held.rows) for held in helds])
             each = "; ".join(f"{n} with {kind}" for n, kind in zip(counts, kinds, strict=True))
             why += f" of each shape (rows of two shapes are never joined: {each})"
         warn(
@@ -296,83 +237,3 @@ def _split(spans: list[Span], rows: int) -> tuple[list[Span], list[Span]]:
             tail.append((seq, lo + take, hi))
         rows -= take
     return head, tail
-
-
-class Cut:
-    """Several processes, a device gone: the chunks of each of this process's batches
-    that no device is left to train, cut out and listed (``History.left_over``); an
-    action of the loop like :class:`Carry`.
-
-    Batches keep the layout of the devices this process held when the first device
-    left (``origin``): chunk ``j`` of each is ``origin[j]``'s. A batch keeps its rows per
-    device; the chunks of the devices still there are trained, in order, and the others
-    are listed as ``(batch, first row, stop)``, rows of the batch as this process passed
-    it. Nothing is carried, so a checkpoint's data position is the next batch's start,
-    as without a device gone.
-
-    Args:
-      origin: the ids of this process's devices, in the step's order, before any left.
-      start: the data's count of the first batch fit pulled (``History.left_over``
-        counts batches from the data's first).
-      presplit: batches come ``(n_devices, per_device, ...)``: joined here when cut.
-    """
-
-    def __init__(self, origin: Sequence[int], start: int, presplit: bool = False):
-        self.origin = list(origin)
-        self.here = set(self.origin)  # of them, the devices still in the step
-        self.start = start
-        self.listed: list[Span] = []  # the rows this cut listed as never trained
-        self.presplit = presplit
-        self.cut = 0  # rows listed by this fit call
-
-    def exclude(self, device_ids: Sequence[int]) -> None:
-        """Devices that left: their chunks are cut from now on."""
-        self.here -= set(device_ids)
-
-    def take(self, item: Item) -> Taken:
-        """``item`` without the chunks of devices that left (as it is when it has none),
-        and the rows cut. An item cut before (a recovery queued it again) loses only
-        what left since."""
-        chunks = tuple(range(len(self.origin))) if item.chunks is None else item.chunks
-        keep = tuple(j for j in chunks if self.origin[j] in self.here)
-        if keep == chunks:
-            return Taken(item)
-        batch = item.batch
-        if self.presplit and item.first is None:
-            batch = join_presplit(jax.tree.map(np.asarray, batch), len(self.origin))
-        size = validate.batch(batch, len(chunks)) // len(chunks)
-        at = {j: i for i, j in enumerate(chunks)}
-        rows = np.concatenate([np.arange(at[j] * size, (at[j] + 1) * size) for j in keep])
-        first = item.seq if item.first is None else item.first
-        listed = []
-        for j in chunks:
-            if j not in keep:  # rows of the batch as passed: chunk j of its layout
-                listed.append((self.start + first, j * size, (j + 1) * size))
-                self.cut += size
-        self.listed += listed
-        taken = item._replace(
-            batch=jax.tree.map(lambda x: np.asarray(x)[rows], batch),
-            first=first,
-            chunks=keep,
-        )
-        return Taken(taken, tuple(listed))
-
-    def release(self) -> list[Item]:
-        """Nothing carried to hand back."""
-        return []
-
-    def left(self) -> list[Span]:
-        """No rows carried."""
-        return []
-
-    def finish(self) -> list[Span]:
-        """The rows cut by this fit call, in a warning (they are in ``History.left_over``
-        already: nothing more to list)."""
-        if self.cut:
-            warn(
-                f"{self.cut} row(s) of this process's batches were not trained: they "
-                "were the chunks of devices that left the run, and with several processes "
-                "a process cannot hand its rows to another; they are listed in "
-                f"history.left_over {self.listed}",
-            )
-        return []

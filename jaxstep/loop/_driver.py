@@ -27,9 +27,6 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.loop._actions import actions
 from jaxstep.loop._carry import Carry
-from jaxstep.loop._carry import Cut
-from jaxstep.loop._carry import after_leaving
-from jaxstep.loop._carry import carry_for
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._flight import InFlight
 from jaxstep.loop._history import History
@@ -44,6 +41,9 @@ from jaxstep.loop._position import end_position
 from jaxstep.loop._position import placed_in_data
 from jaxstep.loop._recorder import Recorder
 from jaxstep.loop._records import Recovery
+from jaxstep.loop._resplit import Resplit
+from jaxstep.loop._resplit import after_leaving
+from jaxstep.loop._resplit import carry_for
 from jaxstep.loop._stopping import Untrained
 from jaxstep.loop._stopping import attach
 from jaxstep.loop._stopping import last_good
@@ -84,7 +84,7 @@ class Loop:
         self.presplit = options.presplit
         self.record = Recorder(history)
         source = checkpoints.source
-        self.carry: Carry | Cut | None = carry_for(
+        self.carry: Carry | Resplit | None = carry_for(
             runtime,
             source.start,
             source.skip_rows,
@@ -177,12 +177,11 @@ class Loop:
         flight.in_hand = item  # a take that raises leaves it untouched: handed back
         if self.carry is not None:
             taken = self.carry.take(item)
-            self.record.left_over(taken.left_over)
-            if taken.item is None:  # fewer rows than devices at hand: all carried on
+            if taken is None:  # fewer rows than devices at hand: all carried on
                 flight.in_hand = None
                 return
             queue, pulled = self.flight.queue, self.pulled
-            item = placed_in_data(taken.item, self.carry, queue, pulled, self.source.hold)
+            item = placed_in_data(taken, self.carry, queue, pulled, self.source.hold)
             flight.in_hand = item
         presplit = self.presplit and item.first is None  # carried rows come joined
         check = False

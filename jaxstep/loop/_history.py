@@ -108,9 +108,9 @@ class History:
       recoveries: ``fit(..., recover=...)``: each recovery action, in the order taken.
       left_over: rows never trained because the data ended while they were carried (a
         run that lost a device carries the rows that do not divide by the devices left
-        into the next step, each shape's until a batch of its shape comes), or on
-        several processes a lost device's chunk of each batch: ``(batch, first row,
-        stop)`` of each stretch, the batch counted from the data's first (0).
+        into the next step, each shape's until a batch of its shape comes):
+        ``(batch, first row, stop)`` of each stretch, the batch counted from the data's
+        first (0), its rows every process's together (the same on every process).
     """
 
     step = _Decoded()

@@ -7,6 +7,7 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from jaxstep.checkpoint import Cursor
 from jaxstep.core import StepOutput
@@ -26,14 +27,28 @@ class Item(NamedTuple):
     # rows carried: where each stretch of its rows is in the data, ``(seq, start, stop)``
     # in order (None: the whole batch ``seq``, as pulled)
     spans: tuple[tuple[int, int, int], ...] | None = None
-    # several processes, a device gone (loop._carry.Cut): the chunks this batch still
-    # holds, as indices into this process's chunks of the batches it passes (None: all)
-    chunks: tuple[int, ...] | None = None
+    # several processes, rows re-split (loop._resplit): every process's rows of the
+    # step, of which ``batch`` holds this process's devices' chunks (None: not re-split)
+    shared: Shared | None = None
     # fit(prefetch=...): the batch already on the devices (None: the step places it)
     placed: Placed | None = None
     # rows carried: where the rows not trained by the state it is dispatched on are in
     # the data (that state's checkpoint position; None: from this batch's first row)
     at: Cursor | None = None
+
+
+class Shared(NamedTuple):
+    """A step's rows on several processes once they were re-split over the devices
+    (:mod:`jaxstep.loop._resplit`): all of them, every process's (host arrays, in the
+    order ``Item.spans`` gives), and which process passed each (its index)."""
+
+    rows: Any
+    owner: np.ndarray
+
+    def own(self) -> Any:
+        """The rows this process passed: what it hands back untrained."""
+        mine = np.flatnonzero(self.owner == jax.process_index())
+        return jax.tree.map(lambda x: x[mine], self.rows)
 
 
 class Placed(NamedTuple):

@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 from jaxstep.checkpoint import Cursor
 from jaxstep.loop._carry import Carry
-from jaxstep.loop._carry import Cut
 from jaxstep.loop._pending import Item
+from jaxstep.loop._resplit import Resplit
 
 
 def starts(item: Item) -> list[tuple[int, int]]:
@@ -44,7 +44,7 @@ def untrained_at(untrained: Iterable[tuple[int, int]], pulled: int) -> Cursor:
 
 def placed_in_data(
     item: Item,
-    carry: Carry | Cut | None,
+    carry: Carry | Resplit | None,
     queue: Iterable[Item],
     pulled: int,
     hold: Callable[[int], None],
@@ -54,7 +54,7 @@ def placed_in_data(
     carried of every shape, the batches ``queue`` d and those not pulled yet (of the
     ``pulled`` batches pulled). ``hold(batch)``: the source keeps a checkpointable
     iterator's state from there on."""
-    if not isinstance(carry, Carry):
+    if carry is None:
         return item
     spans = [*starts(item), *((seq, lo) for seq, lo, _ in carry.left())]
     spans += [start for queued in queue for start in starts(queued)]
@@ -63,7 +63,7 @@ def placed_in_data(
     return item._replace(at=at)
 
 
-def end_position(carry: Carry | Cut | None, cut_short: bool, pulled: int) -> Cursor | None:
+def end_position(carry: Carry | Resplit | None, cut_short: bool, pulled: int) -> Cursor | None:
     """Where the data not trained begins at the end of a fit call: None (after every
     batch pulled) unless the call's count of batches cut it short (``cut_short``) while
     rows were carried, which a resume then trains (of every shape)."""

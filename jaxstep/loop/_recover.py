@@ -20,8 +20,8 @@ and what it should record, and never touches the loop, the history or another ac
 With several processes every process takes the same action at the same step: the
 failure and the replays are read from global health tables, the offending examples are
 shared (:mod:`jaxstep.loop._diagnose`), so every process appends the same records. A
-device gone leaves its process's rows with it: see :class:`jaxstep.loop._carry.Cut`
-(the loop makes the carry once a device left).
+device gone: every process's rows are gathered and re-split over the devices left
+(:mod:`jaxstep.loop._resplit`; the loop makes the carry once a device left).
 """
 
 from __future__ import annotations
@@ -297,16 +297,15 @@ class Recoverer(Action):
         if len(ids) >= len(before):
             return error.with_note("not recovered: every device failed")
         many = distributed.spans_processes(before)
-        gone = sorted({d.process_index for d in before if d.id in ids})
         try:
             runtime, state = self.runtime.without(ids, state_of(error))
         except ValueError as err:  # a process would keep none of its devices
             return error.with_note(f"not recovered: {err}")
         detail = f"training goes on on the other {len(runtime.devices)} device(s)"
-        if many:  # rows stay with their process: the lost devices' chunks are listed
+        if many:  # a process's rows may go to another's devices
             detail += (
-                f"; process(es) {gone} no longer train their chunk(s) of each batch "
-                "(a process cannot hand its rows to another): listed in history.left_over"
+                "; each batch's rows, every process's, are re-split over them (the rows "
+                "that do not divide are carried into the next step)"
             )
         item = item_of(pending)
         record = RecoveryRecord(

@@ -45,9 +45,10 @@ class Rows:
         if self.example_id is not None:
             id_leaf(batch, self.example_id, self.presplit)
         rows = rows_as_given(batch, self.presplit)  # this process's rows: its devices' chunks
-        if rows is not None:
-            mine = len(distributed.local_positions(self.runtime.devices))
-            self.batch_rows = rows * len(self.runtime.devices) // max(mine, 1)
+        if rows is not None:  # (of the devices the batches are laid out for)
+            laid = self.runtime.origin or self.runtime.devices
+            mine = len(distributed.local_positions(laid))
+            self.batch_rows = rows * len(laid) // max(mine, 1)
 
     def size(self, item: Item) -> int:
         """The rows of a batch in the data (every process's), else of ``item``'s."""

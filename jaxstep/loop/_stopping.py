@@ -108,12 +108,21 @@ def untrained_batches(
     order = [u.item if isinstance(u, Pending) else u for u in known]
     items = [item for item in order if item is not None]
     if len(items) < len(order):
-        return [u.batch for u in known], None
+        return [given(u) for u in known], None
     where = [starts(item) for item in items]
     known = [u for _, u in sorted(zip(where, known, strict=True), key=lambda p: p[0][0])]
     if not known:
         return [], None
-    return [u.batch for u in known], untrained_at([s for w in where for s in w], pulled)
+    return [given(u) for u in known], untrained_at([s for w in where for s in w], pulled)
+
+
+def given(left: Pending | Item) -> Any:
+    """The rows of a batch not trained as this process gave them: on several processes
+    once rows were re-split (``Item.shared``), those it passed, not its devices'."""
+    item = left.item if isinstance(left, Pending) else left
+    if item is not None and item.shared is not None:
+        return item.shared.own()
+    return left.batch
 
 
 def last_good(runtime: Runtime, state: TrainState, failed: str | None) -> TrainState | None:

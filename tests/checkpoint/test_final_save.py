@@ -123,7 +123,7 @@ def test_a_position_saved_while_rows_were_carried_resumes_carrying_them():
     resume carries rows too (its batches need not divide by the devices left)."""
     from jaxstep.checkpoint._position import Position
     from jaxstep.loop._carry import Carry
-    from jaxstep.loop._carry import carry_for
+    from jaxstep.loop._resplit import carry_for
     from jaxstep.step import runtime_of
 
     at = Position(6, "sequence", rows=0, carried=True)

@@ -6,9 +6,10 @@ three recovered ones, each with a fault on process 1's second device at step 2, 
 three that go back: a loss spike in that device's chunk rolled back to a checkpoint,
 its replica corrupted then repaired from the majority, and its replica moved inside a
 fit call, rolled back to a checkpoint. Then the bad example again, with pre-split
-batches that carry each example's id; last, the keys left in the coordination
-service's store. The tests read what each process printed. Device ids are read, never
-assumed.
+batches that carry each example's id; after the device's exclusion, a bad example in
+rows re-split across processes, a stop, and a resume inside a batch; last, the keys
+left in the coordination service's store. The tests read what each process printed.
+Device ids are read, never assumed.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import numpy as np
 import pytest
 
 from tests.models import PER_DEVICE
+from tests.models import make_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = ROOT / "tests" / "recover_child.py"
 JOB_TIMEOUT = 300  # seconds, start-up and compiles included (~60 s here)
 AT = 2  # the failing step
+STEPS = 6  # the batches of a run
 
 pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
 
@@ -57,7 +60,7 @@ def job(tmp_path_factory):
         if rest.startswith("RESULT "):
             got = json.loads(rest[len("RESULT ") :])
             results[got["run"], int(head[2:])] = got
-    assert len(results) == 18, output[-6000:]
+    assert len(results) == 24, output[-6000:]
     return results, base
 
 
@@ -105,7 +108,7 @@ def test_a_data_fault_on_process_1_is_quarantined_on_both_processes(job):
     _assert_close(p0["params"], p0["reference"])
 
 
-def test_a_device_of_process_1_that_keeps_failing_is_excluded_and_its_rows_listed(job):
+def test_a_device_of_process_1_that_keeps_failing_is_excluded_and_every_row_trained(job):
     results, base = job
     clean, _ = _both(results, "clean")
     p0, p1 = _both(results, "device")
@@ -115,25 +118,77 @@ def test_a_device_of_process_1_that_keeps_failing_is_excluded_and_its_rows_liste
         (record,) = seen["recoveries"]
         assert (record["step"], record["verdict"], record["action"]) == (AT, "device", "excluded")
         assert record["device_ids"] == [target] and record["batch"] == AT
-        assert "process(es) [1] no longer train their chunk(s)" in record["detail"]
+        assert "every process's, are re-split over them" in record["detail"]
         assert seen["devices"] == rest  # 7 devices, the same on both processes
         assert seen["history_step"] == [0, 1, 2, 2, 3, 4, 5]
         assert seen["step"] == 6
+        # Every row of batches 2..5 (128) trained but 2: the steps took 28, 35, 28 and
+        # 35 rows of every process's rows together; the last 2 rows of batch 5 (rows
+        # process 1 passed) are fewer than the 7 a step needs
+        assert seen["left_over"] == [[5, 30, 32]]
+        (warning,) = seen["warnings"]
+        assert "2 row(s) carried after a device left the run were not trained" in warning
     assert p0["recoveries"] == p1["recoveries"]
-    # Process 1 trains the chunks of its 3 devices left and lists the target's (rows
-    # 4..7 of each batch it passes, from the failing batch on); process 0 trains all.
-    assert p1["left_over"] == [[b, PER_DEVICE, 2 * PER_DEVICE] for b in range(AT, 6)]
-    assert p0["left_over"] == [] and p0["warnings"] == []
-    assert "16 row(s) of this process's batches were not trained" in p1["warnings"][0]
     assert p0["params"] == p1["params"]
-    # two steps on 8 devices, then the 7 others on the batches without the target's rows
+    # two steps on 8 devices, then the 7 others on every row, re-split (1e-6: the same
+    # steps on the same rows as a fit on 7 devices given those batches)
     _assert_close(p0["params"], p0["reference"])
-    # the checkpoint after the exclusion: 7 devices, each process's data position the
-    # start of batch 4 (nothing carried)
+    # the checkpoint of step 4: 7 devices, the same data position on every process, the
+    # first row not trained (batch 3's last, carried into step 4)
     meta = json.loads((base / "device" / "4" / "meta" / "metadata").read_text())
     assert meta["device_ids"] == rest
     positions = {p: (d["index"], d["rows"]) for p, d in meta["data_by_process"].items()}
-    assert positions == {"0": (4, 0), "1": (4, 0)}
+    assert positions == {"0": (3, 31), "1": (3, 31)}
+
+
+def test_a_bad_example_after_the_exclusion_is_named_by_its_row_on_both_processes(job):
+    results, _ = job
+    p0, p1 = _both(results, "resplit")
+    bad = p1["bad"]  # process 1's first device: at step 4 it holds batch 4's rows 15..18
+    for seen in (p0, p1):
+        excluded, quarantined = seen["recoveries"]
+        assert excluded["action"] == "excluded" and excluded["device_ids"] == [p1["target"]]
+        assert (quarantined["step"], quarantined["verdict"]) == (4, "data")
+        assert quarantined["action"] == "quarantined" and quarantined["device_ids"] == [bad]
+        # its example 0 (the step's example 16, as 7 x 4 rows): after batch 3's last
+        # row carried, row 15 of batch 4, a row process 0 passed
+        assert quarantined["batch"] == 4 and quarantined["examples"] == [16]
+        assert "(in the data: batch 4 rows [15])" in quarantined["detail"]
+        assert seen["quarantine"] == {"4": [15]}
+        assert seen["history_step"] == [0, 1, 2, 2, 3, 4, 4, 5]
+        assert seen["step"] == 6 and seen["left_over"] == [[5, 30, 32]]
+    assert p0["recoveries"] == p1["recoveries"]
+    assert p0["params"] == p1["params"]
+
+
+def test_a_stop_after_the_exclusion_hands_each_process_its_own_rows_not_trained(job):
+    results, _ = job
+    p0, p1 = _both(results, "stop")
+    assert p0["trained"] == p1["trained"] >= 4  # stopped at the end of step 3 or later
+    later = make_batches(STEPS)[AT:]
+    # the steps after the exclusion took 28, 35, 28, ... rows of every process's rows,
+    # in the data's order: the rows after them were not trained
+    sizes = [28, 35, 28, 35][: p0["trained"] - AT]
+    rows = np.concatenate([b["x"][:, 0] for b in later])
+    untrained = rows[sum(sizes) :]
+    handed = p0["handed"] + p1["handed"]
+    assert sorted(handed) == sorted(untrained[: len(handed)].tolist()) and handed
+    # each process holds the rows it passed (of each global batch, process p's rows are
+    # p * 16 .. p * 16 + 15), none of the other's
+    for p, seen in enumerate((p0, p1)):
+        own = {float(x) for b in later for x in b["x"][16 * p : 16 * (p + 1), 0]}
+        assert set(seen["handed"]) <= own
+
+
+def test_a_position_inside_a_batch_resumes_on_every_device_with_the_rows_re_split(job):
+    results, _ = job
+    p0, p1 = _both(results, "resume")
+    for seen in (p0, p1):
+        assert seen["devices"] == results["clean", 0]["devices"]  # all 8 again
+        assert seen["history_step"] == [4, 5]  # batch 3's last row + batch 4; the rest
+        assert seen["step"] == 6 and seen["left_over"] == [[5, 31, 32]]
+    assert p0["params"] == p1["params"]
+    _assert_close(p0["params"], p0["reference"])
 
 
 def test_a_loss_spike_on_process_1_rolls_both_processes_back_to_the_same_checkpoint(job):

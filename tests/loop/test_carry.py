@@ -24,7 +24,7 @@ from tests.models import seq_loss_fn
 def test_presplit_batches_laid_out_for_the_devices_before_are_joined_and_carried():
     carry = Carry(unit=3, presplit=True)  # 4 devices before, 3 left
     split = {"x": np.arange(16, dtype=np.float32).reshape(4, 2, 2), "y": np.arange(8).reshape(4, 2)}
-    taken = carry.take(Item(split, seq=5)).item
+    taken = carry.take(Item(split, seq=5))
     assert taken.batch["y"].tolist() == [0, 1, 2, 3, 4, 5] and taken.batch["x"].shape == (6, 2)
     assert (taken.first, taken.offset, taken.spans) == (5, 0, ((5, 0, 6),))
     ((rows, spans),) = carry.held.values()
@@ -39,17 +39,16 @@ def test_carried_rows_of_another_shape_wait_for_a_batch_of_their_own_shape():
     long = {"x": np.zeros((4, 24), np.float32)}
     short = {"x": np.ones((4, 16), np.float32)}
     first = carry.take(Item(long, seq=0))
-    assert first.item.batch["x"].shape == (3, 24) and carry.left() == [(0, 3, 4)]
-    assert first.left_over == ()
-    second, listed = carry.take(Item(short, seq=1))
+    assert first.batch["x"].shape == (3, 24) and carry.left() == [(0, 3, 4)]
+    second = carry.take(Item(short, seq=1))
     assert second.batch["x"].shape == (3, 16) and (second.first, second.offset) == (1, 0)
-    assert second.spans == ((1, 0, 3),) and listed == ()
+    assert second.spans == ((1, 0, 3),)
     assert carry.left() == [(0, 3, 4), (1, 3, 4)]  # both shapes carried, in the data's order
-    third = carry.take(Item({"x": np.full((5, 24), 2, np.float32)}, seq=2)).item  # 1 + 5
+    third = carry.take(Item({"x": np.full((5, 24), 2, np.float32)}, seq=2))  # 1 + 5
     assert third.spans == ((0, 3, 4), (2, 0, 5))
     assert third.batch["x"][:, 0].tolist() == [0, 2, 2, 2, 2, 2]
     assert carry.left() == [(1, 3, 4)]  # the short row still waits
-    assert carry.take(Item({"x": np.ones((1, 16), np.float32)}, seq=3)).item is None
+    assert carry.take(Item({"x": np.ones((1, 16), np.float32)}, seq=3)) is None
     released = carry.release()  # one item a shape, by first row: what err.batches gets
     assert [(i.first, i.offset, i.spans) for i in released] == [(1, 3, ((1, 3, 4), (3, 0, 1)))]
     assert carry.left() == [] and carry.finish() == []
@@ -71,11 +70,11 @@ def test_a_resume_passes_over_the_rows_trained_between_the_untrained_ones():
     trained whole, batch 2 from row 3 (``then``), batch 3 on whole."""
     carry = Carry(unit=3, skip=2, then=[(2, 3)])
     rows = [{"x": np.arange(4, dtype=np.float32)[:, None] + 10 * b} for b in range(4)]
-    assert carry.take(Item(rows[0], seq=0)).item is None and carry.left() == [(0, 2, 4)]
-    assert carry.take(Item(rows[1], seq=1)) == (None, ())  # trained before: passed over
-    taken = carry.take(Item(rows[2], seq=2)).item
+    assert carry.take(Item(rows[0], seq=0)) is None and carry.left() == [(0, 2, 4)]
+    assert carry.take(Item(rows[1], seq=1)) is None  # trained before: passed over
+    taken = carry.take(Item(rows[2], seq=2))
     assert taken.spans == ((0, 2, 4), (2, 3, 4)) and taken.batch["x"][:, 0].tolist() == [2, 3, 23]
-    assert carry.take(Item(rows[3], seq=3)).item.spans == ((3, 0, 3),)
+    assert carry.take(Item(rows[3], seq=3)).spans == ((3, 0, 3),)
 
 
 def test_a_take_that_raises_changes_nothing():

@@ -1,0 +1,74 @@
+"""Rows re-split over the devices on several processes (loop._resplit): the route
+a batch's rows travel, checked against a hand-made gather for layouts of several
+processes (the 2-process runs are in tests/distributed/test_recover_multihost.py), and
+the real exchange and carry on one process's fake devices."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from jaxstep.loop._carry import Carry
+from jaxstep.loop._pending import Item
+from jaxstep.loop._resplit import Resplit
+from jaxstep.loop._resplit import Route
+from jaxstep.loop._resplit import exchange
+from jaxstep.step import runtime_of
+from tests.models import loss_fn
+
+
+def gathered(origin, devices, per, route):
+    """What the all-gather holds when each process places the rows it passed (its
+    chunks of a global batch numbered 0..) on its devices, ``route.slot`` a device."""
+    rows = np.arange(per * len(origin)).reshape(len(origin), per)
+    slots = np.full((len(devices), route.slot), -1)
+    for p in set(origin):
+        passed = rows[[i for i, q in enumerate(origin) if q == p]].ravel()
+        ks = [k for k, q in enumerate(devices) if q == p]
+        padded = np.full(route.slot * len(ks), -1)
+        padded[: len(passed)] = passed
+        slots[ks] = padded.reshape(len(ks), route.slot)
+    return slots.ravel()
+
+
+@pytest.mark.parametrize(
+    ("origin", "devices", "per", "slot"),
+    [
+        ([0] * 4 + [1] * 4, [0] * 4 + [1] * 3, 4, 6),  # process 1 lost a device: 16 over 3
+        ([0] * 4 + [1] * 4, [0] * 2 + [1] * 4, 5, 10),  # process 0 lost two
+        ([0, 1, 0, 1, 2, 2], [0, 1, 1, 2, 2], 3, 6),  # interleaved, three processes
+        ([0] * 4 + [1] * 4, [0] * 4 + [1] * 4, 4, 4),  # none lost (a resume)
+    ],
+)
+def test_the_route_puts_every_row_back_in_the_data_order(origin, devices, per, slot):
+    route = Route.of(origin, devices, per)
+    assert route.slot == slot
+    held = gathered(origin, devices, per, route)
+    assert held[route.order].tolist() == list(range(per * len(origin)))
+    assert route.owner.tolist() == np.repeat(origin, per).tolist()
+
+
+def test_the_exchange_on_one_process_gives_the_rows_back_unchanged():
+    devices = jax.devices()
+    rows = {"x": np.arange(64, dtype=np.float32).reshape(32, 2), "y": np.arange(32)}
+    whole, owner = exchange(rows, devices, devices[:7])  # through 7 devices, 5 rows each
+    np.testing.assert_array_equal(whole["x"], rows["x"])
+    np.testing.assert_array_equal(whole["y"], rows["y"])
+    assert owner.tolist() == [0] * 32
+
+
+def test_a_resplit_takes_the_rows_a_carry_takes_and_hands_back_its_own():
+    seven = runtime_of(jaxstep.make_train_step(loss_fn, optax.sgd(0.1), devices=jax.devices()[:7]))
+    resplit = Resplit(jax.devices(), seven, start=0, presplit=True)
+    carry = Carry(7, presplit=True)
+    for seq in range(3):
+        batch = {"x": np.arange(32, dtype=np.float32).reshape(8, 4) + 100 * seq}
+        want, got = carry.take(Item(batch, seq)), resplit.take(Item(batch, seq))
+        np.testing.assert_array_equal(got.batch["x"], want.batch["x"])
+        np.testing.assert_array_equal(got.shared.rows["x"], want.batch["x"])
+        assert (got.spans, got.first, got.offset) == (want.spans, want.first, want.offset)
+    assert resplit.left() == carry.left() == [(2, 27, 32)]
+    (held,) = resplit.release()
+    np.testing.assert_array_equal(held.batch["x"], np.arange(227, 232, dtype=np.float32))
+    assert held.spans == ((2, 27, 32),)
