@@ -108,7 +108,7 @@ class Carry:
             if self.presplit:  # laid out for the devices before any left: its leading axis
                 batch = join_presplit(batch, len(jax.tree.leaves(batch)[0]))
             size = validate.batch(batch, 1)
-            skip = self._trained(item.seq, size)
+            skip = self.trained_before(item.seq, size)
             if skip >= size:  # a resume: trained whole before the checkpoint
                 return None
             if skip:  # a resume inside this batch
@@ -142,7 +142,7 @@ class Carry:
         """The user's batch of rows held (what a warning describes)."""
         return rows
 
-    def _trained(self, seq: int, size: int) -> int:
+    def trained_before(self, seq: int, size: int) -> int:
         """The first rows of batch ``seq`` (of ``size`` rows) trained before this fit
         call (a resume), passed over: ``skip`` of the first batch, what ``then`` says
         of a later one, all of a batch between two it names."""

@@ -2,7 +2,7 @@
 (dispatch a batch, then settle the step before it, already finished),
 :meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
 :meth:`Loop.abandon` (an exception leaves: the state and the untrained batches go on
-it, :mod:`jaxstep.loop._stopping`) and :meth:`Loop.finish`. What is there only when
+it; the ways out are :mod:`jaxstep.loop._exits`) and :meth:`Loop.finish`. What is there only when
 asked for (checkpoints, the watchdog, recovery, the callbacks, the replay, the
 prefetch) are the loop's actions (:mod:`jaxstep.loop._actions`), each with the hooks it
 needs; the loop alone writes the :class:`History` and swaps the step's runtime."""
@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
 from typing import Any
 from typing import NoReturn
 
 import numpy as np
 
-from jaxstep import distributed
-from jaxstep.checkpoint import Cursor
 from jaxstep.checkpoint import FitCheckpoints
 from jaxstep.core import COL
 from jaxstep.core import HealthTable
@@ -27,12 +24,14 @@ from jaxstep.core import TrainingWorkerError
 from jaxstep.core import TrainState
 from jaxstep.loop._actions import actions
 from jaxstep.loop._carry import Carry
+from jaxstep.loop._exits import Exits
 from jaxstep.loop._failure import failure_error
 from jaxstep.loop._flight import InFlight
 from jaxstep.loop._history import History
 from jaxstep.loop._options import FitOptions
 from jaxstep.loop._options import limit
 from jaxstep.loop._outcome import Resume
+from jaxstep.loop._peers import Peers
 from jaxstep.loop._pending import Item
 from jaxstep.loop._pending import Pending
 from jaxstep.loop._pending import Placed
@@ -44,9 +43,6 @@ from jaxstep.loop._records import Recovery
 from jaxstep.loop._resplit import Resplit
 from jaxstep.loop._resplit import after_leaving
 from jaxstep.loop._resplit import carry_for
-from jaxstep.loop._stopping import Untrained
-from jaxstep.loop._stopping import attach
-from jaxstep.loop._stopping import last_good
 from jaxstep.step import TrainStep
 from jaxstep.step import adopt
 from jaxstep.step import runtime_of
@@ -54,7 +50,7 @@ from jaxstep.step import runtime_of
 _FAILED, _HALTED = COL["failed"], COL["halted"]  # step-wide columns of the raw table
 
 
-class Loop:
+class Loop(Exits):
     """What one :func:`jaxstep.fit` call holds between its steps: the newest state, the
     step's runtime, the batches in flight (:class:`~jaxstep.loop._flight.InFlight`), the
     rows carried once a device left, the history's recorder and the actions
@@ -91,10 +87,11 @@ class Loop:
             options.presplit,
             source.carrying,
             then=source.then,
+            ready=self._ready,
         )
         self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
         self.flight = InFlight()
-        self.watch_peers = False  # set by start: several processes, peer heartbeats on
+        self.peers = Peers()  # how it waits on devices shared with other processes
         self.last: StepOutput | None = None  # the newest dispatched step
         self.number = checkpoints.number  # the number of the next step dispatched
         #: the batches this call may train (num_steps, until_step), None: all
@@ -128,8 +125,7 @@ class Loop:
         runtime.heartbeats.clear()
         self.actions.on_fit_start(self.step, self.history)
         self.record.since = time.perf_counter()  # the first step's rate includes compiling
-        many = distributed.spans_processes(runtime.devices)
-        self.watch_peers = many and distributed.watch() is not None
+        self.peers.start(runtime.devices)
 
     def train(self) -> None:
         """Advances on each batch of the data, in order, up to ``num_steps``: handed over
@@ -176,7 +172,7 @@ class Loop:
         actions, flight = self.actions, self.flight
         flight.in_hand = item  # a take that raises leaves it untouched: handed back
         if self.carry is not None:
-            taken = self.carry.take(item)
+            taken = self._take(self.carry, item)
             if taken is None:  # fewer rows than devices at hand: all carried on
                 flight.in_hand = None
                 return
@@ -191,10 +187,7 @@ class Loop:
             self.state, out = actions.runner.run(self.state, item, self.number, check, presplit)
             self.last = out
         except (ValueError, TypeError) as err:
-            pending, flight.pending = flight.pending, None
-            if pending is not None:  # a failure of the previous step comes first
-                self.settle(pending, item)
-            err.state = self.state  # type: ignore[union-attr]
+            self._refused(err, item)
             raise
         except TrainingWorkerError as err:  # a hung step
             flight.in_hand = None
@@ -218,6 +211,30 @@ class Loop:
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
 
+    def _take(self, carry: Carry | Resplit, item: Item) -> Item | None:
+        """``carry.take(item)``; on several processes its rows travel through the
+        devices (a collective, :mod:`jaxstep.loop._resplit`), watched as a step is."""
+        try:
+            return carry.take(item)
+        except (ValueError, TypeError) as err:  # a batch refused: as at its dispatch
+            self._refused(err, item)
+            raise
+        except Exception as err:
+            cause = self._lost(err, self.number, [self.flight.pending, item])
+            raise cause from (None if cause is err else err)
+
+    def _refused(self, err: ValueError | TypeError, item: Item) -> None:
+        """``item`` was refused before it ran (``err``): a failure of the step before it
+        comes first, and the error holds the state before it (``err.state``)."""
+        pending, self.flight.pending = self.flight.pending, None
+        if pending is not None:
+            self.settle(pending, item)
+        err.state = self.state  # type: ignore[union-attr]
+
+    def _ready(self, array: Any) -> None:
+        """Waits for ``array``, of the step about to run (:meth:`Peers.ready`)."""
+        self.peers.ready(array, self.number, self.runtime.devices)
+
     def settle(self, pending: Pending, after: Item | None = None) -> None:
         """Reads ``pending``'s health table and appends it to the history; the actions
         see it. ``after``: the batch pulled after it, which its failure must hand back
@@ -229,19 +246,12 @@ class Loop:
             from :attr:`state`), or a peer process was lost while waiting for it.
         """
         runtime = self.runtime
-        try:
-            if self.watch_peers:  # never block where a lost peer would leave this process stuck
-                distributed.wait_ready(pending.out.health, pending.number, runtime.devices)
+        try:  # never blocks where a lost peer would leave this process stuck
+            self.peers.ready(pending.out.health, pending.number, runtime.devices)
             raw = runtime.raw_table(pending.out)
-        except TrainingWorkerError as err:  # a lost peer: nothing pulled is lost either
-            raise self._hung(err, [pending, after]) from None
-        except Exception as err:  # a collective failed: a lost peer is the likely cause
-            if not self.watch_peers:
-                raise
-            lost = distributed.lost_after(err, pending.number, runtime.devices)
-            if isinstance(lost, TrainingWorkerError):
-                raise self._hung(lost, [pending, after]) from err
-            raise lost from err
+        except Exception as err:
+            cause = self._lost(err, pending.number, [pending, after])
+            raise cause from (None if cause is err else err)
         self.record.settled(pending, raw)
         self.flight.reading = pending  # recorded; until its settling completes
         actions = self.actions
@@ -289,6 +299,7 @@ class Loop:
                 resume.runtime,
                 start=self.source.start,
                 presplit=self.presplit,
+                ready=self._ready,
             )
         carried = [] if self.carry is None else self.carry.release()
         self.flight.restart(resume.items, pending.number, carried)
@@ -318,46 +329,6 @@ class Loop:
             except Recovered:
                 self._run_queue()
 
-    def abandon(self, err: BaseException) -> None:
-        """An exception (``err``) leaves fit. With peer processes, first lets the newest
-        dispatched step finish, so no collective is left half done (a peer still in it
-        would abort). A :class:`TrainingWorkerError` already carries what it must;
-        anything else (Ctrl-C, a callback's or the data source's exception,
-        ``SystemExit``, a rejected batch) gets ``err.state``, the last good state
-        (usable: nothing of it donated), and ``err.batches``, every batch pulled and not
-        trained, in order, with a note saying so; with a checkpoint directory the state
-        is saved first, so ``resume=True`` goes on from it. The actions are closed on
-        every path."""
-        if self.watch_peers and self.last is not None:
-            distributed.finish_in_flight(self.last.health, err)
-        if isinstance(err, TrainingWorkerError):
-            self.actions.close()
-            return
-        try:
-            left, failed = self.flight.read_unconfirmed(
-                self.runtime, self.record, self.actions.read
-            )
-        except Exception as why:  # the steps in flight cannot be read: say so, lose nothing
-            left, failed = list(self.flight.unconfirmed), f"(unread: {why!r})"
-        untrained, first = self._untrained(*left, self.flight.in_hand)
-        state = last_good(self.runtime, self.state, failed)
-        saved = None
-        if state is not None and self.last is not None:  # something trained: keep it
-            try:
-                saved = self.actions.stopped(state, len(untrained), first)
-            except Exception as why:
-                err.add_note(f"jaxstep: saving the state on the way out failed: {why!r}")
-        self.actions.close()
-        attach(err, state, untrained, failed, saved)
-
-    def _untrained(self, *left: Pending | Item | None) -> tuple[Untrained, Cursor | None]:
-        """The batches of ``left``, of the queue, the rows carried and those the feeder
-        pulled and never handed over, untrained, in the order they were pulled (with a
-        batch still on its way from the data, :class:`Untrained`), and where the first
-        is in the data (:func:`untrained_batches`); empties the queue and the carry."""
-        carried = [] if self.carry is None else self.carry.release()
-        return self.flight.untrained([*left, *carried], self.actions.feeder, self.pulled)
-
     def finish(self) -> TrainState:
         """After the last step settled: lists the rows still carried, lets the actions
         finish (the final state saved with checkpoints on, the recoveries made), waits
@@ -371,23 +342,3 @@ class Loop:
         self.actions.close()
         self.actions.on_fit_end(self.history)
         return self.state
-
-    def _report(
-        self, error: TrainingWorkerError, untrained: Sequence[Pending | Item | None]
-    ) -> TrainingWorkerError:
-        """A failure, a hang or a lost peer: the ``untrained`` batches (failing batch
-        first, then those pulled after it and those a recovery queued) go on the error,
-        the actions report it (the emergency save) and the callbacks hear of it."""
-        batches, first = self._untrained(*untrained)
-        error = self.actions.report(error.replace(batches=batches), first)
-        self.actions.on_failure(error)
-        return error
-
-    def _hung(
-        self, error: TrainingWorkerError, batches: Sequence[Pending | Item | None]
-    ) -> TrainingWorkerError:
-        """A hung step or a lost peer, reported (:meth:`_report`). Nothing of this
-        process can go on: under ``recover`` it exits for a restart (``hung``)."""
-        error = self._report(error, batches)
-        self.actions.hung(error)
-        return error

@@ -187,7 +187,7 @@ class Prefetch(Feeder):
 
     def resumed(self, resume: Resume, number: int) -> None:
         """The loop went on from a recovery: placing again, unless a device left
-        (rows are carried or cut from now on: the step places them)."""
+        (rows are carried from now on: the step places them)."""
         if resume.runtime is not None:
             self.runtime = resume.runtime
             self.place = False

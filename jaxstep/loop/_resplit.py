@@ -29,12 +29,18 @@ on every process).
 
 The cost, paid only once rows must move: every step's batch goes through the devices
 twice (the all-gather, then the step's own placement of each process's chunks) and
-once through each host.
+once through each host, and the host reads the gathered rows (after the step before,
+on the devices) before it dispatches the next step: steps no longer overlap the host.
+The read waits through the loop's ``ready`` (:class:`~jaxstep.loop._peers.Peers`), so a
+peer lost meanwhile is a hang reported, not a wait forever. Rows travel as bytes: a
+device would make 64-bit ids 32-bit.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -63,19 +69,20 @@ def carry_for(
     presplit: bool,
     carried: bool = False,
     then: Sequence[tuple[int, int]] = (),
+    ready: Callable[[jax.Array], None] = jax.block_until_ready,
 ) -> Carry | Resplit | None:
     """The carry a fit call starts with (None: none needed): for a resume inside a batch
     (``skip`` rows of the first batch trained already; ``then``: later batches' rows not
     trained) or from a checkpoint of a run that carried rows (``carried``), or for a step
     that lost devices in an earlier fit call (:class:`Resplit` on several processes,
     else :class:`~jaxstep.loop._carry.Carry`). ``start``: the data's count of the first
-    batch pulled."""
+    batch pulled; ``ready``: a :class:`Resplit`'s wait for the rows it gathers."""
     origin = runtime.origin or runtime.devices
     many = distributed.spans_processes(origin)
     if not (skip or then or runtime.origin is not None or (carried and not many)):
         return None  # (several processes at a batch's start: every batch divides)
     if many:
-        return Resplit(origin, runtime, start, presplit, skip, then)
+        return Resplit(origin, runtime, start, presplit, skip, then, ready)
     return Carry(unit_of(runtime), skip, presplit, start=start, then=then)
 
 
@@ -86,6 +93,7 @@ def after_leaving(
     *,
     start: int,
     presplit: bool,
+    ready: Callable[[jax.Array], None] = jax.block_until_ready,
 ) -> Carry | Resplit:
     """``carry`` (made when None) once devices of ``before`` left the run and the steps
     train on ``runtime``'s: the rows that do not divide by the devices left are
@@ -93,7 +101,7 @@ def after_leaving(
     (:class:`Resplit`, its batches laid out for ``before``'s devices)."""
     if carry is None:
         if distributed.spans_processes(before):
-            return Resplit(before, runtime, start, presplit)
+            return Resplit(before, runtime, start, presplit, ready=ready)
         carry = Carry(unit_of(runtime), presplit=presplit, start=start)
     if isinstance(carry, Resplit):
         carry.now_on(runtime)
@@ -116,6 +124,7 @@ class Resplit:
       skip: rows of the first batch (every process's together) trained before this fit
         call (a resume inside it): passed over.
       then: a resume's later batches holding rows not trained (``Position.then``).
+      ready: returns once gathered rows can be read (:func:`exchange`).
     """
 
     def __init__(
@@ -126,8 +135,10 @@ class Resplit:
         presplit: bool,
         skip: int = 0,
         then: Sequence[tuple[int, int]] = (),
+        ready: Callable[[jax.Array], None] = jax.block_until_ready,
     ):
         self.origin = list(origin)
+        self.ready = ready
         self.devices = list(runtime.devices)
         self.presplit = presplit
         self.carry = Tagged(unit_of(runtime), skip, start=start, then=then)
@@ -148,7 +159,10 @@ class Resplit:
             here = sum(d.process_index == jax.process_index() for d in self.origin)
             if self.presplit:
                 batch = join_presplit(batch, here)
-            whole = exchange(batch, self.origin, self.devices)
+            size = validate.batch(batch, here) // here * len(self.origin)  # every process's
+            if self.carry.trained_before(item.seq, size) >= size:
+                return None  # trained whole before a resume: every process passes it over
+            whole = exchange(batch, self.origin, self.devices, self.ready)
         else:  # queued again by a recovery: every process's rows at hand already
             whole = (item.shared.rows, item.shared.owner)
         taken = self.carry.take(item._replace(batch=whole, shared=None, placed=None))
@@ -188,7 +202,10 @@ class Tagged(Carry):
 
 
 def exchange(
-    rows: Any, origin: Sequence[jax.Device], devices: Sequence[jax.Device]
+    rows: Any,
+    origin: Sequence[jax.Device],
+    devices: Sequence[jax.Device],
+    ready: Callable[[jax.Array], None] = jax.block_until_ready,
 ) -> tuple[Any, np.ndarray]:
     """Every process's ``rows`` of one batch, on every process: the global batch in the
     layout of ``origin`` (chunk ``i``: ``origin[i]``'s), and the process each row came
@@ -200,6 +217,8 @@ def exchange(
         ``origin``, in their order, joined.
       origin: the devices the batch is laid out for.
       devices: the devices the rows travel through (each process holds at least one).
+      ready: returns once the gathered rows can be read (the loop's raises a lost
+        peer's error rather than wait for rows that will never come).
 
     Raises:
       ValueError: ``rows`` does not divide into this process's chunks of ``origin``.
@@ -215,18 +234,27 @@ def exchange(
     sharding = NamedSharding(Mesh(np.array(list(devices)), ("rows",)), PartitionSpec("rows"))
 
     def place(x: np.ndarray) -> jax.Array:
-        padded = np.zeros((route.slot * len(here), *x.shape[1:]), x.dtype)
-        padded[: len(x)] = x
+        # as bytes: a device would make 64-bit values 32-bit (ids, hashes), bools ints
+        width = x.dtype.itemsize * math.prod(x.shape[1:])
+        raw = np.ascontiguousarray(x).view(np.uint8).reshape(len(x), width)
+        padded = np.zeros((route.slot * len(here), raw.shape[1]), np.uint8)
+        padded[: len(raw)] = raw
         parts = [
             jax.device_put(padded[j * route.slot : (j + 1) * route.slot], devices[k])
             for j, k in enumerate(here)
         ]
-        shape = (route.slot * len(devices), *x.shape[1:])
+        shape = (route.slot * len(devices), raw.shape[1])
         return jax.make_array_from_single_device_arrays(shape, sharding, parts)
 
-    gathered = _gather(tuple(devices))(jax.tree.map(place, rows))
-    whole = jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[route.order], gathered)
-    return whole, route.owner
+    leaves, tree = jax.tree.flatten(rows)
+    gathered = _gather(tuple(devices))([place(x) for x in leaves])
+    if gathered:
+        ready(gathered[0])
+    back = []
+    for g, x in zip(gathered, leaves, strict=True):  # back from bytes, in the data's order
+        raw = np.asarray(g.addressable_data(0))[route.order]
+        back.append(raw.view(x.dtype).reshape(len(raw), *x.shape[1:]))
+    return jax.tree.unflatten(tree, back), route.owner
 
 
 class Route(NamedTuple):

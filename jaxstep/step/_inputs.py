@@ -24,7 +24,7 @@ from jaxstep.program import float_leaves
 def join_presplit(batch: Batch, n: int) -> Batch:
     """A pre-split ``(n, per_device, ...)`` batch as the global batch. ``n`` is the
     devices the batch is laid out for: the step's, or, once a device left the run,
-    those it was laid out for before (``fit``'s carried and cut rows).
+    those it was laid out for before (``fit``'s carried rows).
 
     Raises:
       ValueError: a leaf is not ``(n, per_device, ...)``.

@@ -50,11 +50,20 @@ def test_the_route_puts_every_row_back_in_the_data_order(origin, devices, per, s
 
 
 def test_the_exchange_on_one_process_gives_the_rows_back_unchanged():
+    """Bit for bit and dtype for dtype: 64-bit ids (a device would make them 32-bit),
+    float64, bools, a leaf with no values."""
     devices = jax.devices()
-    rows = {"x": np.arange(64, dtype=np.float32).reshape(32, 2), "y": np.arange(32)}
+    rows = {
+        "x": np.arange(64, dtype=np.float32).reshape(32, 2),
+        "id": np.arange(32, dtype=np.int64) + 2**40,
+        "w": np.linspace(0, 1, 32 * 3).reshape(32, 3, 1),
+        "mask": np.arange(32) % 3 == 0,
+        "none": np.zeros((32, 0), np.int16),
+    }
     whole, owner = exchange(rows, devices, devices[:7])  # through 7 devices, 5 rows each
-    np.testing.assert_array_equal(whole["x"], rows["x"])
-    np.testing.assert_array_equal(whole["y"], rows["y"])
+    for key, x in rows.items():
+        assert whole[key].dtype == x.dtype and whole[key].shape == x.shape, key
+        np.testing.assert_array_equal(whole[key], x, err_msg=key)
     assert owner.tolist() == [0] * 32
 
 
