@@ -16,7 +16,8 @@ chunk spikes at step 6, ``Recover(rollback_batches=2)``, checkpoints every 4 ste
 moved inside the fit call, at step 4: rolled back to the checkpoint of step 4, every 2
 steps in ``DIR/rollback``). Then ``presplit``: the ``data`` run with pre-split batches
 (``fit(presplit=True)``) that carry each example's id (``Recover(example_id="id")``,
-checkpoints in ``DIR/presplit``). Then ``stop``: ``device`` stopped by a callback at
+checkpoints in ``DIR/presplit``). Then ``buckets``: ``device`` on bucketed lengths.
+Then ``stop``: ``device`` stopped by a callback at
 step 3 (each process's rows not trained), and ``resume``: ``device`` cut short after 4
 batches (``DIR/cut``), resumed at its position inside batch 3 on all 8 devices with
 pre-split batches. Each run prints one line ``RESULT {json}`` with what
@@ -45,10 +46,12 @@ from jaxstep.testing import corrupt_replica
 from tests import child
 from tests.child import result
 from tests.models import PER_DEVICE
+from tests.models import bucketed_batches
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
 from tests.models import rows_of
+from tests.models import seq_loss_fn
 
 STEPS = 6
 AT = 2
@@ -95,15 +98,18 @@ class Stop:
 
 
 def resplit(batches, n):
-    """The global batches a run that lost devices trains, ``n`` devices left: every
-    row of ``batches`` in order, each step the largest multiple of ``n`` of the rows at
-    hand (the rest carried into the next)."""
-    rows = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
-    out, at, held = [], 0, 0
+    """The global batches a run that lost devices trains, ``n`` devices left: each batch
+    joins the rows carried of its own shape, in order, and the largest multiple of
+    ``n`` of them is a step (empty: none), the rest carried into the next."""
+    held, out = {}, []
     for b in batches:
-        keep = (held + len(b["x"])) // n * n
-        out.append({k: v[at : at + keep] for k, v in rows.items()})
-        at, held = at + keep, held + len(b["x"]) - keep
+        shape = b["x"].shape[1:]
+        rows = {
+            k: np.concatenate([held[shape][k], v]) if shape in held else v for k, v in b.items()
+        }
+        keep = len(rows["x"]) // n * n
+        held[shape] = {k: v[keep:] for k, v in rows.items()}
+        out.append({k: v[:keep] for k, v in rows.items()})
     return out
 
 
@@ -283,6 +289,27 @@ def main(base: str) -> None:
     )
     lines = jaxstep.read_quarantine(f"{base}/presplit").lines
     seen("presplit", *out, quarantine=[{k: v for k, v in x.items() if k != "time"} for x in lines])
+
+    # The device run on bucketed lengths (widths 16 and 24 alternating, 12 batches):
+    # each width's rows wait for the next batch of that width
+    buckets = bucketed_batches([16, 24] * 6)
+    bucket_faults = [Fault("loss", target.id, step=t, mode="device") for t in range(AT, 20)]
+    step = jaxstep.make_train_step(seq_loss_fn, optax.adam(1e-2), faults=bucket_faults)
+    out = train(
+        step, step.init(init_params()), child.local_batches(buckets, devices), recover=recover
+    )
+    head = jaxstep.make_train_step(seq_loss_fn, optax.adam(1e-2))
+    start = jaxstep.fit(head, head.init(init_params()), child.local_batches(buckets[:AT], devices))
+    on_rest = jaxstep.make_train_step(seq_loss_fn, optax.adam(1e-2), devices=rest)
+    copy = runtime_of(head).read_at(start, distributed.local_positions(devices)[0])
+    tail = [b for b in resplit(buckets[AT:], len(rest)) if len(b["x"])]
+    reference = jaxstep.fit(on_rest, on_rest.place_state(copy), child.local_batches(tail, rest))
+    seen(
+        "buckets",
+        *out,
+        sizes=[len(b["x"]) for b in tail],
+        reference=params_of(on_rest, reference),
+    )
 
     # The device run stopped by a callback at step 3, after the exclusion: each process
     # is handed back the rows it passed that were not trained

@@ -60,7 +60,7 @@ def job(tmp_path_factory):
         if rest.startswith("RESULT "):
             got = json.loads(rest[len("RESULT ") :])
             results[got["run"], int(head[2:])] = got
-    assert len(results) == 24, output[-6000:]
+    assert len(results) == 26, output[-6000:]
     return results, base
 
 
@@ -159,6 +159,21 @@ def test_a_bad_example_after_the_exclusion_is_named_by_its_row_on_both_processes
         assert seen["step"] == 6 and seen["left_over"] == [[5, 30, 32]]
     assert p0["recoveries"] == p1["recoveries"]
     assert p0["params"] == p1["params"]
+
+
+def test_bucketed_rows_after_the_exclusion_wait_for_a_batch_of_their_shape(job):
+    """Widths 16 and 24 alternate, 32 rows a batch: on the 7 devices left each width's
+    rows wait for its next batch, every process's together: 28, 28, 35, 35, ... rows,
+    6 of each width left at the end (the one-process run's figures)."""
+    results, _ = job
+    p0, p1 = _both(results, "buckets")
+    assert p0["sizes"] == [28, 28, 35, 35, 28, 28, 35, 35, 28, 28]
+    for seen in (p0, p1):
+        assert [r["action"] for r in seen["recoveries"]] == ["excluded"]
+        assert seen["left_over"] == [[10, 26, 32], [11, 26, 32]]
+        assert seen["history_step"][3:] == list(range(2, 12))
+    assert p0["params"] == p1["params"]
+    _assert_close(p0["params"], p0["reference"])
 
 
 def test_a_stop_after_the_exclusion_hands_each_process_its_own_rows_not_trained(job):
