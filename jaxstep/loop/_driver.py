@@ -220,8 +220,7 @@ class Loop(Exits):
             self._refused(err, item)
             raise
         except Exception as err:
-            cause = self._lost(err, self.number, [self.flight.pending, item])
-            raise cause from (None if cause is err else err)
+            self._lost(err, self.number, [self.flight.pending, item])
 
     def _refused(self, err: ValueError | TypeError, item: Item) -> None:
         """``item`` was refused before it ran (``err``): a failure of the step before it
@@ -250,8 +249,7 @@ class Loop(Exits):
             self.peers.ready(pending.out.health, pending.number, runtime.devices)
             raw = runtime.raw_table(pending.out)
         except Exception as err:
-            cause = self._lost(err, pending.number, [pending, after])
-            raise cause from (None if cause is err else err)
+            self._lost(err, pending.number, [pending, after])
         self.record.settled(pending, raw)
         self.flight.reading = pending  # recorded; until its settling completes
         actions = self.actions

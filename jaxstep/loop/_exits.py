@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from typing import NoReturn
 
 from jaxstep.checkpoint import Cursor
 from jaxstep.core import StepOutput
@@ -41,14 +42,14 @@ class Exits:
     carry: Carry | Resplit | None
     pulled: int  # batches pulled from the source
 
-    def _lost(self, err: Exception, number: int, untrained: list[Any]) -> Exception:
-        """What to raise for ``err``, raised while waiting on the devices for step
-        ``number``: a lost peer (or a collective it failed) reported as a hang with the
-        ``untrained`` batches (:meth:`_hung`), else ``err``."""
+    def _lost(self, err: Exception, number: int, untrained: list[Any]) -> NoReturn:
+        """Raises for ``err``, raised while waiting on the devices for step ``number``:
+        a lost peer (or a collective it failed) as a hang reported with the
+        ``untrained`` batches (:meth:`_hung`), anything else as it is."""
         cause = self.peers.cause(err, number, self.runtime.devices)
-        if isinstance(cause, TrainingWorkerError):
-            return self._hung(cause, untrained)
-        return cause
+        if not isinstance(cause, TrainingWorkerError):
+            raise err
+        raise self._hung(cause, untrained) from (None if cause is err else err)
 
     def abandon(self, err: BaseException) -> None:
         """An exception (``err``) leaves fit. With peer processes, first lets the newest

@@ -138,6 +138,8 @@ class Resplit:
         ready: Callable[[jax.Array], None] = jax.block_until_ready,
     ):
         self.origin = list(origin)
+        #: this process's chunks of a batch (its devices among ``origin``)
+        self.chunks = sum(d.process_index == jax.process_index() for d in origin)
         self.ready = ready
         self.devices = list(runtime.devices)
         self.presplit = presplit
@@ -156,13 +158,13 @@ class Resplit:
         from every process first (a collective: every process takes every batch)."""
         if item.shared is None:
             batch = jax.tree.map(np.asarray, item.batch)
-            here = sum(d.process_index == jax.process_index() for d in self.origin)
             if self.presplit:
-                batch = join_presplit(batch, here)
-            size = validate.batch(batch, here) // here * len(self.origin)  # every process's
+                batch = join_presplit(batch, self.chunks)
+            per = validate.batch(batch, self.chunks) // self.chunks  # rows a chunk
+            size = per * len(self.origin)  # every process's
             if self.carry.trained_before(item.seq, size) >= size:
                 return None  # trained whole before a resume: every process passes it over
-            whole = exchange(batch, self.origin, self.devices, self.ready)
+            whole = exchange(batch, per, self.origin, self.devices, self.ready)
         else:  # queued again by a recovery: every process's rows at hand already
             whole = (item.shared.rows, item.shared.owner)
         taken = self.carry.take(item._replace(batch=whole, shared=None, placed=None))
@@ -203,6 +205,7 @@ class Tagged(Carry):
 
 def exchange(
     rows: Any,
+    per: int,
     origin: Sequence[jax.Device],
     devices: Sequence[jax.Device],
     ready: Callable[[jax.Array], None] = jax.block_until_ready,
@@ -215,23 +218,15 @@ def exchange(
     Args:
       rows: this process's rows (host arrays): the chunks of its devices among
         ``origin``, in their order, joined.
+      per: the rows of a chunk (the same on every process).
       origin: the devices the batch is laid out for.
       devices: the devices the rows travel through (each process holds at least one).
       ready: returns once the gathered rows can be read (the loop's raises a lost
         peer's error rather than wait for rows that will never come).
-
-    Raises:
-      ValueError: ``rows`` does not divide into this process's chunks of ``origin``.
     """
-    me = jax.process_index()
-    here = [k for k, d in enumerate(devices) if d.process_index == me]
-    mine = sum(d.process_index == me for d in origin)
-    route = Route.of(
-        [d.process_index for d in origin],
-        [d.process_index for d in devices],
-        validate.batch(rows, mine) // mine,
-    )
-    sharding = NamedSharding(Mesh(np.array(list(devices)), ("rows",)), PartitionSpec("rows"))
+    here = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    route = Route.of([d.process_index for d in origin], [d.process_index for d in devices], per)
+    sharding, gather = _gather(tuple(devices))
 
     def place(x: np.ndarray) -> jax.Array:
         # as bytes: a device would make 64-bit values 32-bit (ids, hashes), bools ints
@@ -247,7 +242,7 @@ def exchange(
         return jax.make_array_from_single_device_arrays(shape, sharding, parts)
 
     leaves, tree = jax.tree.flatten(rows)
-    gathered = _gather(tuple(devices))([place(x) for x in leaves])
+    gathered = gather([place(x) for x in leaves])
     if gathered:
         ready(gathered[0])
     back = []
@@ -302,8 +297,11 @@ class Route(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _gather(devices: tuple[jax.Device, ...]) -> Any:
-    """A compiled copy of its argument onto every one of ``devices`` (an all-gather of
-    rows sharded over them)."""
-    everywhere = NamedSharding(Mesh(np.array(devices), ("rows",)), PartitionSpec())
-    return jax.jit(lambda tree: tree, out_shardings=everywhere)
+def _gather(devices: tuple[jax.Device, ...]) -> tuple[NamedSharding, Any]:
+    """Rows sharded over ``devices`` (the sharding they are placed with), and a
+    compiled copy of them onto every one of the devices (an all-gather)."""
+    mesh = Mesh(np.array(devices), ("rows",))
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec("rows")), jax.jit(
+        lambda tree: tree, out_shardings=everywhere
+    )

@@ -60,7 +60,7 @@ def test_the_exchange_on_one_process_gives_the_rows_back_unchanged():
         "mask": np.arange(32) % 3 == 0,
         "none": np.zeros((32, 0), np.int16),
     }
-    whole, owner = exchange(rows, devices, devices[:7])  # through 7 devices, 5 rows each
+    whole, owner = exchange(rows, 4, devices, devices[:7])  # through 7 devices, 5 rows each
     for key, x in rows.items():
         assert whole[key].dtype == x.dtype and whole[key].shape == x.shape, key
         np.testing.assert_array_equal(whole[key], x, err_msg=key)
