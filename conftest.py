@@ -1,4 +1,4 @@
-"""The repo's tests run on the plugin jaxstep ships (``jaxstep.testing.pytest``,
+"""The repo's tests run on the plugin jaxstep ships (``jaxstep._src.testing.pytest``,
 loaded through its pytest11 entry point by an installed jaxstep, editable or not):
 8 fake CPU devices set through chex before anything starts a backend, and both
 backends through ``jaxstep_backend``."""

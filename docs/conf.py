@@ -71,7 +71,7 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
 napoleon_use_ivar = False  # an Attributes entry is an object: searchable, linkable
-# An attribute's type would be written where it is defined (jaxstep.core._state.X): the
+# An attribute's type would be written where it is defined (jaxstep._src.core._state.X): the
 # class's signature shows the types, as the code writes them.
 napoleon_attr_annotations = False
 # A reference to a name the site does not document is a warning, and so an error: a

@@ -1,5 +1,5 @@
 import sys
 
-from jaxstep.cli import main
+from jaxstep._src.cli import main
 
 sys.exit(main())

@@ -4,10 +4,10 @@
 
 import sys
 
-from jaxstep.distributed.launch import child_env as child_env
-from jaxstep.distributed.launch import free_port as free_port
-from jaxstep.distributed.launch import launch as launch
-from jaxstep.distributed.launch import main as main
+from jaxstep._src.distributed.launch import child_env as child_env
+from jaxstep._src.distributed.launch import free_port as free_port
+from jaxstep._src.distributed.launch import launch as launch
+from jaxstep._src.distributed.launch import main as main
 
 __all__ = ["child_env", "free_port", "launch", "main"]
 

@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstep  # noqa: E402
-from jaxstep.step import runtime_of  # noqa: E402
+from jaxstep._src.step import runtime_of  # noqa: E402
 
 NEW_CHECKS = hasattr(jaxstep, "LossSpike")  # make_train_step(divergence_every=, loss_spike=)
 IN_FLIGHT = 2  # wait for step t-1 before dispatching t+1: ~45 queued steps deadlock CPU
@@ -287,7 +287,7 @@ def build_variants(setup: Setup) -> list[Variant]:
         ]
     if NEW_CHECKS:  # to split the default step's cost into host time and program
         variants.append(setup.program_alone(PROGRAM))
-    if "drop" in getattr(jaxstep.core, "POLICIES", ()):  # issue 21's policy
+    if "drop" in getattr(jaxstep._src.core, "POLICIES", ()):  # issue 21's policy
         variants.append(setup.jaxstep(DROP, group="feature", on_failure="drop"))
     variants += [  # features, not checks: their price, not part of the check goals
         setup.jaxstep("jaxstep microbatches=4", group="feature", microbatches=4),

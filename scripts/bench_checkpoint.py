@@ -50,10 +50,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstep  # noqa: E402
-from jaxstep.checkpoint import FitCheckpoints  # noqa: E402
-from jaxstep.checkpoint._layout import local_copy  # noqa: E402
-from jaxstep.checkpoint._store import Store  # noqa: E402
-from jaxstep.step import runtime_of  # noqa: E402
+from jaxstep._src.checkpoint import FitCheckpoints  # noqa: E402
+from jaxstep._src.checkpoint._layout import local_copy  # noqa: E402
+from jaxstep._src.checkpoint._store import Store  # noqa: E402
+from jaxstep._src.step import runtime_of  # noqa: E402
 
 SIZES = (784, 512, 512, 10)
 

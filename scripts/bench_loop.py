@@ -24,11 +24,11 @@ import jax
 import numpy as np
 
 import jaxstep
-from jaxstep.checkpoint._position import Source
-from jaxstep.loop._callbacks import Callbacks
-from jaxstep.loop._recorder import Recorder
-from jaxstep.step import Runtime
-from jaxstep.step import runtime_of
+from jaxstep._src.checkpoint._position import Source
+from jaxstep._src.loop._callbacks import Callbacks
+from jaxstep._src.loop._recorder import Recorder
+from jaxstep._src.step import Runtime
+from jaxstep._src.step import runtime_of
 
 # The phases of fit's host path, in the order of a step, and the hand loop's.
 PHASES = ("pull", "check", "place", "dispatch", "call", "table read", "history", "callbacks")

@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxstep
-from jaxstep.program import DEFAULT_SHARD_MIN_SIZE
-from jaxstep.program import shard_axis
+from jaxstep._src.program import DEFAULT_SHARD_MIN_SIZE
+from jaxstep._src.program import shard_axis
 
 AXIS = "x"
 LAYOUTS = {"optimizer": "hand ZeRO-1", "params": "hand FSDP"}

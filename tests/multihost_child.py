@@ -28,7 +28,7 @@ import optax
 
 import jaxstep
 from jaxstep import distributed
-from jaxstep.step import runtime_of
+from jaxstep._src.step import runtime_of
 from jaxstep.testing import Fault
 from tests import child
 from tests.child import result

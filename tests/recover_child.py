@@ -39,8 +39,8 @@ from jax.experimental import io_callback
 
 import jaxstep
 from jaxstep import distributed
-from jaxstep.core import processes
-from jaxstep.step import runtime_of
+from jaxstep._src.core import processes
+from jaxstep._src.step import runtime_of
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
 from tests import child

@@ -19,13 +19,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxstep"
 
-#: Bottom to top; a module may import its own layer and any layer below it. The
-#: pictures (``jaxstep.plot``) read a run's History like the callbacks; the users' kits
-#: (the testing kit, the flax helpers, the digits data of ``jaxstep.data``) sit on the
+#: Bottom to top; a module may import its own layer and any layer below it. The layers
+#: are the folders (and two modules) of ``jaxstep/_src``. The pictures
+#: (``_src/plot.py``) read a run's History like the callbacks; the users' kits (the
+#: testing kit, the flax helpers, the digits data of ``_src/data.py``) sit on the
 #: library's layers; the ``jaxstep`` command demos the testing kit (faults, fake
 #: devices, a corrupted replica) on the digits, so it sits on them; the public faces
-#: (``jaxstep/__init__.py`` and the other top-level modules) re-export from everything
-#: below.
+#: (everything outside ``_src``: ``jaxstep/__init__.py``, ``jaxstep.testing``, ...)
+#: re-export from everything below.
 ORDER = [
     ("core",),
     ("program",),
@@ -40,9 +41,9 @@ ORDER = [
 ]
 RANK = {package: rank for rank, packages in enumerate(ORDER) for package in packages}
 
-#: Top-level modules that hold the code of a layer of their own (where the docs point
-#: users: ``jaxstep.plot``, ``jaxstep.data``), not a face.
-TOP_LEVEL_LAYERS = {"jaxstep.plot": "plot", "jaxstep.data": "data"}
+#: The folder of the internals: every module under it belongs to a layer, every module
+#: outside it is a public face.
+SRC = "jaxstep._src"
 
 #: A function longer than this (lines of code: docstring, blank and comment lines
 #: left out) must say why in its docstring, with these words.
@@ -56,8 +57,8 @@ MAX_MODULE_LINES = 400
 class Import:
     """One ``import`` of a jaxstep module, where it stands in its module."""
 
-    source: str  # the importing module, e.g. jaxstep.loop._fit
-    target: str  # the module imported, e.g. jaxstep.core._state
+    source: str  # the importing module, e.g. jaxstep._src.loop._fit
+    target: str  # the module imported, e.g. jaxstep._src.core._state
     names: tuple[str, ...]  # for ``from target import a, b``: a, b
     line: int
     top_level: bool  # runs when the module is imported (not inside a function)
@@ -87,13 +88,13 @@ def path_of(module: str) -> str:
 
 
 def package_of(module: str) -> str:
-    """The layer a module belongs to: its sub-package, its own for the top-level modules
-    of :data:`TOP_LEVEL_LAYERS` (``plot`` for jaxstep.plot), and ``faces`` for jaxstep
-    itself and its other top-level modules."""
+    """The layer a module belongs to: its folder (or module) under ``jaxstep/_src``
+    (``loop`` for jaxstep._src.loop._fit, ``plot`` for jaxstep._src.plot), and ``faces``
+    for every module outside ``_src`` (and ``_src``'s own empty ``__init__``)."""
     parts = module.split(".")
-    if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
-        return parts[1]
-    return TOP_LEVEL_LAYERS.get(module, "faces")
+    if module.startswith(SRC + ".") and len(parts) > 2:
+        return parts[2]
+    return "faces"
 
 
 def is_package(module: str) -> bool:
@@ -171,21 +172,23 @@ def test_every_module_belongs_to_a_layer_of_the_order():
 def test_the_walk_finds_imports_in_functions_and_marks_type_checking_ones():
     text = (
         "from typing import TYPE_CHECKING\n"
-        "from jaxstep.core import Status\n"
+        "from jaxstep._src.core import Status\n"
         "if TYPE_CHECKING:\n"
-        "    from jaxstep.loop import History\n"
+        "    from jaxstep._src.loop import History\n"
         "def f():\n"
         "    import jaxstep\n"
         "    from jaxstep import data\n"
         "    from . import _passes\n"
     )
-    found = {(i.target, i.top_level, i.type_checking) for i in imports("jaxstep.step._build", text)}
+    found = {
+        (i.target, i.top_level, i.type_checking) for i in imports("jaxstep._src.step._build", text)
+    }
     assert found == {
-        ("jaxstep.core", True, False),
-        ("jaxstep.loop", True, True),
+        ("jaxstep._src.core", True, False),
+        ("jaxstep._src.loop", True, True),
         ("jaxstep", False, False),
         ("jaxstep.data", False, False),
-        ("jaxstep.step._passes", False, False),
+        ("jaxstep._src.step._passes", False, False),
     }
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -293,9 +296,10 @@ def test_no_function_is_longer_than_80_lines_unless_its_docstring_says_why():
     )
 
 
-#: The sub-packages' faces, and the top-level modules that re-export (jaxstep.plot, ...);
+#: Every module that hands names on: the layers' faces (each ``__init__.py`` under
+#: ``_src``) and the public faces (every module outside ``_src`` with an ``__all__``);
 #: jaxstep/__init__.py groups its names by subject and also reaches jaxstep.flax lazily.
-FACES = [m for m in MODULES if is_package(m) and m != "jaxstep"] + [
+FACES = [m for m in MODULES if is_package(m) and m not in ("jaxstep", SRC)] + [
     m
     for m in MODULES
     if package_of(m) == "faces" and not is_package(m) and "__all__" in MODULES[m].read_text()
@@ -329,20 +333,16 @@ def test_a_face_lists_in_all_sorted_exactly_the_names_it_imports(face):
         assert not others, f"{path_of(face)}: a sub-package's face only re-exports: {others}"
 
 
-#: The sub-packages users import (docs/internals.md); the other sub-packages' faces are
-#: the layers' own, for the layers above them.
-PUBLIC_PACKAGES = ["jaxstep.distributed", "jaxstep.flax", "jaxstep.testing"]
-#: The modules the docs send users to: ``import jaxstep``, the modules beside it
-#: (``jaxstep.plot``, ``jaxstep.data``, ``jaxstep.launch``) and the public sub-packages
-#: (``jaxstep.flax`` among them).
-PUBLIC_FACES = sorted(
-    [m for m in MODULES if (m.count(".") <= 1 and not is_package(m)) or m == "jaxstep"]
-    + PUBLIC_PACKAGES
-)
-#: The modules beside ``jaxstep/__init__.py``.
-TOP_LEVEL = [m for m in PUBLIC_FACES if m.count(".") == 1 and m not in PUBLIC_PACKAGES]
-#: The layers' faces: each sub-package's ``__init__.py`` that users are not sent to.
-LAYER_FACES = [m for m in MODULES if is_package(m) and m not in PUBLIC_FACES]
+#: The modules the docs send users to: every module outside ``_src`` (``import
+#: jaxstep``, ``jaxstep.plot``, ``jaxstep.data``, ``jaxstep.launch``,
+#: ``jaxstep.testing``, ``jaxstep.flax``, ``jaxstep.distributed`` and its ``reports``).
+OUTSIDE_SRC = sorted(m for m in MODULES if m != SRC and not m.startswith(SRC + "."))
+#: Of those, the modules whose names are each public thing's one path: the modules of
+#: ``__all__`` one level down (``jaxstep.distributed.reports`` is a namespace users may
+#: also reach as ``jaxstep.distributed.reports``; the pytest plugin is loaded by pytest).
+PUBLIC_FACES = [m for m in OUTSIDE_SRC if m.count(".") <= 1]
+#: The layers' faces: each ``__init__.py`` under ``_src``, for the layers above them.
+LAYER_FACES = [m for m in MODULES if is_package(m) and m.startswith(SRC + ".")]
 
 
 def _listed(module: str) -> list[str]:
@@ -377,10 +377,10 @@ def _module_of(thing: str) -> str:
 
 def test_the_walk_follows_a_name_to_the_module_that_makes_it():
     assert {"jaxstep", "jaxstep.plot", "jaxstep.data", "jaxstep.testing"} <= set(PUBLIC_FACES)
-    assert "jaxstep.loop" in LAYER_FACES and "jaxstep.testing" not in LAYER_FACES
-    assert origin("jaxstep", "fit") == "jaxstep.loop._fit.fit"  # through jaxstep.loop
+    assert "jaxstep._src.loop" in LAYER_FACES and "jaxstep.testing" not in LAYER_FACES
+    assert origin("jaxstep", "fit") == "jaxstep._src.loop._fit.fit"  # through jaxstep._src.loop
     assert origin("jaxstep", "testing") == "jaxstep.testing"  # a module
-    assert origin("jaxstep.testing", "Fault") == "jaxstep.program._faults.Fault"
+    assert origin("jaxstep.testing", "Fault") == "jaxstep._src.program._faults.Fault"
 
 
 def _paths(faces: list[str]) -> dict[str, list[str]]:
@@ -400,18 +400,56 @@ def test_a_public_thing_has_one_public_path():
     assert not twice, "public things with more than one public path:\n" + "\n".join(twice)
 
 
-def test_a_top_level_module_hands_on_nothing_a_layers_face_lists():
-    """``jaxstep.plot`` is the home of the pictures, not a second path to a layer's
-    (a shim kept for an older path is one). ``import jaxstep`` gathers the layers'
-    faces, and is left out."""
-    layers = _paths(LAYER_FACES)
-    shims = [
-        f"{path} (also {', '.join(layers[thing])})"
-        for thing, paths in _paths(TOP_LEVEL).items()
-        for path in paths
-        if thing in layers
-    ]
-    assert not shims, "top-level modules that hand on a layer's names:\n" + "\n".join(shims)
+#: What a public face may hold besides its imports, its docstring and ``__all__``: the
+#: package's version and its lazy ``jaxstep.flax``, and a command's ``__main__`` guard.
+FACE_EXTRAS = {"jaxstep": {"__version__", "__getattr__"}, "jaxstep.launch": {"__main__"}}
+
+
+def _defined(module: str) -> list[str]:
+    """What a module's top level does besides importing, documenting and ``__all__``."""
+    found = []
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == [
+            "__all__"
+        ]:
+            continue
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found.append(node.name)
+        elif isinstance(node, ast.Try):
+            found += [
+                t.id
+                for n in ast.walk(node)
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            ]
+        elif isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            found.append("__main__")
+        else:
+            found.append(ast.unparse(node).splitlines()[0])
+    return found
+
+
+@pytest.mark.parametrize("face", OUTSIDE_SRC, ids=path_of)
+def test_a_public_face_only_hands_names_on(face):
+    """Everything outside ``jaxstep/_src`` re-exports (optax's and orbax's faces over
+    their ``_src``): a reader lists the package and sees the public face, and the code
+    lives in one place, under ``_src``."""
+    extra = set(_defined(face)) - FACE_EXTRAS.get(face, set())
+    if face == "jaxstep.__main__":  # ``python -m jaxstep``: the command, called
+        extra -= {"sys.exit(main())"}
+    assert not extra, f"{path_of(face)} does more than hand names on: {sorted(extra)}"
+
+
+def test_the_internals_are_reached_only_through_jaxstep_src():
+    """No module under ``_src`` imports a public face (but the one public face
+    ``jaxstep.testing.pytest``'s plugin is loaded by pytest, not imported)."""
+    upward = [str(i) for i in IMPORTS if i.source.startswith(SRC) and package_of(i.target) == "faces"]
+    assert not upward, "internals importing a public face:\n" + "\n".join(upward)
 
 
 @pytest.mark.parametrize("face", LAYER_FACES, ids=path_of)
@@ -428,7 +466,11 @@ def test_a_layers_face_lists_only_what_its_own_package_makes(face):
 
 
 def _private(dotted: str) -> bool:
-    return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
+    """A private part (``_mod``, ``_name``); ``_src`` itself is where every layer is."""
+    return any(
+        part.startswith("_") and not part.startswith("__") and part != "_src"
+        for part in dotted.split(".")
+    )
 
 
 def test_no_module_imports_the_private_names_of_another_package():
@@ -497,7 +539,7 @@ def test_no_code_is_kept_from_the_formatter():
 
 
 #: A class whose private attributes only its own module touches, and that module.
-OWNERS = {"TrainStep": "jaxstep.step._train_step", "Runtime": "jaxstep.step._runtime"}
+OWNERS = {"TrainStep": "jaxstep._src.step._train_step", "Runtime": "jaxstep._src.step._runtime"}
 
 
 def _private_attributes(module: str) -> set[str]:

@@ -156,3 +156,24 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     SNAPSHOT.write_text(HEADER + "\n" + "\n".join(face()) + "\n")
     print(f"wrote {SNAPSHOT.relative_to(ROOT)} ({len(face())} lines)")
+
+
+def test_a_layer_that_moved_under_src_still_imports_with_a_warning_that_names_the_way():
+    """``jaxstep.loop`` and the other layers moved to ``jaxstep._src`` in 0.2.0: the old
+    path gives the same module for one release, and says where to go."""
+    import warnings
+
+    import jaxstep
+
+    sys.modules.pop("jaxstep.checkpoint", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from jaxstep.checkpoint import read_emergency
+    assert read_emergency is jaxstep.read_emergency
+    assert sys.modules["jaxstep.checkpoint"] is importlib.import_module("jaxstep._src.checkpoint")
+    (warning,) = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert "jaxstep.checkpoint is internal and moved to jaxstep._src.checkpoint" in str(
+        warning.message
+    )
+    assert "goes in 0.3.0" in str(warning.message)
+    assert warning.filename == __file__  # pointed at the importing line

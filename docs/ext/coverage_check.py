@@ -10,7 +10,7 @@ its public members: methods, properties, dataclass and NamedTuple fields, enum
 members. Each public function, method and class must describe every argument it takes
 (Google style: Args, or Attributes for a class's fields) and, when it returns
 something, what (Returns, or Yields). An entry whose name has a private part
-(``jaxstep.step._build.x``) fails the build too: the reference never sends a user to an
+(``jaxstep._src.step._build.x``) fails the build too: the reference never sends a user to an
 internal module.
 
 ``python docs/ext/coverage_check.py`` prints the names the check requires.
@@ -150,7 +150,7 @@ def unsaid(obj: Any) -> list[str]:
 
 
 def private_entries(documented: Iterable[str]) -> list[str]:
-    """Entries that name a private module or member (``jaxstep.loop._fit.fit``);
+    """Entries that name a private module or member (``jaxstep._src.loop._fit.fit``);
     dunders (``TrainStep.__call__``) are public."""
 
     def private(part: str) -> bool:

@@ -33,14 +33,14 @@ Sharded state laid out as the model's ``nn.with_partitioning`` boxes say::
     )
 """
 
-from jaxstep.flax._linen import linen_apply as linen_apply
-from jaxstep.flax._linen import linen_merge as linen_merge
-from jaxstep.flax._linen import linen_split as linen_split
-from jaxstep.flax._nnx import NNXGraph as NNXGraph
-from jaxstep.flax._nnx import nnx_loss_fn as nnx_loss_fn
-from jaxstep.flax._nnx import nnx_merge as nnx_merge
-from jaxstep.flax._nnx import nnx_split as nnx_split
-from jaxstep.flax._partitioning import shard_rule as shard_rule
+from jaxstep._src.flax import NNXGraph as NNXGraph
+from jaxstep._src.flax import linen_apply as linen_apply
+from jaxstep._src.flax import linen_merge as linen_merge
+from jaxstep._src.flax import linen_split as linen_split
+from jaxstep._src.flax import nnx_loss_fn as nnx_loss_fn
+from jaxstep._src.flax import nnx_merge as nnx_merge
+from jaxstep._src.flax import nnx_split as nnx_split
+from jaxstep._src.flax import shard_rule as shard_rule
 
 __all__ = [
     "NNXGraph",

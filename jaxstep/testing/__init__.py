@@ -6,15 +6,15 @@ point) gives every test session fake CPU devices and a ``jaxstep_backend`` fixtu
 see ``docs/testing.md``.
 """
 
-from jaxstep.program import Fault
-from jaxstep.testing.assertions import assert_fails
-from jaxstep.testing.assertions import assert_matches_reference
-from jaxstep.testing.assertions import assert_replicas_equal
-from jaxstep.testing.devices import set_cpu_devices
-from jaxstep.testing.replica import corrupt_replica
-from jaxstep.testing.replica import replicas
-from jaxstep.testing.tiny import TinyStep
-from jaxstep.testing.tiny import tiny_step
+from jaxstep._src.program import Fault as Fault
+from jaxstep._src.testing import TinyStep as TinyStep
+from jaxstep._src.testing import assert_fails as assert_fails
+from jaxstep._src.testing import assert_matches_reference as assert_matches_reference
+from jaxstep._src.testing import assert_replicas_equal as assert_replicas_equal
+from jaxstep._src.testing import corrupt_replica as corrupt_replica
+from jaxstep._src.testing import replicas as replicas
+from jaxstep._src.testing import set_cpu_devices as set_cpu_devices
+from jaxstep._src.testing import tiny_step as tiny_step
 
 __all__ = [
     "Fault",

@@ -105,7 +105,7 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
     import optax
 
     import jaxstep
-    from jaxstep.program import DEFAULT_DIVERGENCE_EVERY
+    from jaxstep._src.program import DEFAULT_DIVERGENCE_EVERY
 
     model = make_model(args.hidden)
 

@@ -64,7 +64,7 @@ def _fit(*callbacks) -> jaxstep.History:
     """What fit does with callbacks, in its order: each recovery goes into the history,
     then to ``on_recovery``, before the step it recovered is recorded."""
     history = jaxstep.History(device_ids=IDS)
-    hooks = jaxstep.loop.Callbacks(callbacks)
+    hooks = jaxstep._src.loop.Callbacks(callbacks)
     hooks.on_fit_start(None, history)
     for t in range(STEPS):
         if t in RECOVERIES:

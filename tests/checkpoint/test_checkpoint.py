@@ -18,7 +18,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.checkpoint._emergency import read_emergency
+from jaxstep._src.checkpoint._emergency import read_emergency
 from jaxstep.testing import corrupt_replica
 from jaxstep.testing import replicas
 from tests.models import init_params
@@ -354,7 +354,7 @@ def test_checkpoints_ahead_of_the_state_are_not_mixed_in(tmp_path):
 
 
 def test_a_plain_iterator_warns_once_that_resume_is_not_exact(tmp_path, monkeypatch):
-    from jaxstep.checkpoint import _position
+    from jaxstep._src.checkpoint import _position
 
     monkeypatch.setattr(_position, "_warned_plain", False)
     step = _step("shard_map")

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.checkpoint import Store
+from jaxstep._src.checkpoint import Store
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.sources import callable_source
@@ -121,10 +121,10 @@ def test_save_writes_what_restore_and_resume_read_back(tmp_path, layout):
 def test_a_position_saved_while_rows_were_carried_resumes_carrying_them():
     """A checkpoint a run wrote after a device left it, at a batch's first row: the
     resume carries rows too (its batches need not divide by the devices left)."""
-    from jaxstep.checkpoint._position import Position
-    from jaxstep.loop._carry import Carry
-    from jaxstep.loop._resplit import carry_for
-    from jaxstep.step import runtime_of
+    from jaxstep._src.checkpoint._position import Position
+    from jaxstep._src.loop._carry import Carry
+    from jaxstep._src.loop._resplit import carry_for
+    from jaxstep._src.step import runtime_of
 
     at = Position(6, "sequence", rows=0, carried=True)
     assert Position.from_json(at.to_json()) == at

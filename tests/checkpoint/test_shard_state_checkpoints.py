@@ -72,8 +72,8 @@ def test_the_writer_never_deletes_the_blocks_of_a_step_newer_than_the_one_it_wro
     # several processes: process 1 may write its blocks of step 2 before the writer has
     # finished step 0; clearing after step 0 must leave them (a lost block made step 2
     # unreadable and a restore fall back to step 0)
-    from jaxstep.checkpoint import _blocks as blocks
-    from jaxstep.checkpoint._store import as_path
+    from jaxstep._src.checkpoint import _blocks as blocks
+    from jaxstep._src.checkpoint._store import as_path
 
     root = as_path(tmp_path)
     for number in (0, 1, 2):

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxstep.cli import _doctor as doctor
-from jaxstep.cli import _main as cli
+from jaxstep._src.cli import _doctor as doctor
+from jaxstep._src.cli import _main as cli
 
 PER_DEVICE = 16  # the demo's default
 

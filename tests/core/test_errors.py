@@ -60,7 +60,7 @@ def test_message_and_fields():
 
 def _alike(status, reason, n=4, **kw):
     failures = [Failure(i, 0, 7, status, reason, None, (4 * i, 4 * i + 4)) for i in range(n)]
-    return TrainingWorkerError(failures, alike=jaxstep.core.failed_alike(failures, 4), **kw)
+    return TrainingWorkerError(failures, alike=jaxstep._src.core.failed_alike(failures, 4), **kw)
 
 
 def test_every_device_failing_alike_says_the_device_named_is_only_the_first():
@@ -80,7 +80,7 @@ def test_every_device_failing_alike_says_the_device_named_is_only_the_first():
         Failure(2, 0, 7, Status.INPUT_NONFINITE, "non-finite input", "['x']", (8, 12)),
         *(Failure(i, 0, 7, Status.LOSS_NONFINITE, "non-finite loss", None) for i in (0, 1, 3)),
     ]
-    assert not jaxstep.core.failed_alike(failures, 4)
+    assert not jaxstep._src.core.failed_alike(failures, 4)
     plain = _alike(Status.LOSS_NONFINITE, "non-finite loss")
     back = pickle.loads(pickle.dumps(plain))
     assert back.alike and str(back) == str(plain)

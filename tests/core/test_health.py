@@ -10,8 +10,8 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.core.health import SHARED_BELOW
-from jaxstep.core.health import gradient_health
+from jaxstep._src.core.health import SHARED_BELOW
+from jaxstep._src.core.health import gradient_health
 from tests.models import make_batches
 from tests.models import poison_grad
 from tests.models import rows_of

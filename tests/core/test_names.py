@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxstep.core.names import without_root
+from jaxstep._src.core.names import without_root
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxstep
+from jaxstep._src.step import runtime_of
 from jaxstep.distributed import reports
-from jaxstep.step import runtime_of
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -285,7 +285,7 @@ def _assert_params_close(step, a, b):
 
 
 def test_checkpoints_of_two_processes_hold_every_position_and_restore_on_one(jobs):
-    from jaxstep.checkpoint._emergency import read_emergency
+    from jaxstep._src.checkpoint._emergency import read_emergency
     from tests.models import make_batches
 
     job = jobs["nan"].wait()
@@ -318,7 +318,7 @@ def test_checkpoints_of_two_processes_hold_every_position_and_restore_on_one(job
 
 
 def test_lost_process_still_gets_an_emergency_save_and_two_processes_resume(jobs):
-    from jaxstep.checkpoint._emergency import read_emergency
+    from jaxstep._src.checkpoint._emergency import read_emergency
     from tests.models import make_batches
 
     job = jobs["kill"].wait()

@@ -52,7 +52,7 @@ def run_launcher(codes: list[str], restarts: int, **kwargs) -> tuple[int, str]:
 
 
 def test_the_exit_code_is_ex_tempfail_where_the_process_and_its_launcher_read_it():
-    assert jaxstep.RESTART_EXIT_CODE == jaxstep.core.RESTART_EXIT_CODE == 75
+    assert jaxstep.RESTART_EXIT_CODE == jaxstep._src.core.RESTART_EXIT_CODE == 75
 
 
 def test_a_requested_restart_runs_the_job_again_and_its_last_attempt_decides():
@@ -204,7 +204,7 @@ TRAIN = """
 import json, os, sys
 import jax, optax
 import jaxstep
-from jaxstep.step import runtime_of
+from jaxstep._src.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import init_params, loss_fn, make_batches
 

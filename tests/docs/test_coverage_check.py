@@ -43,8 +43,8 @@ def test_a_public_name_without_an_entry_fails_it(check):
 
 def test_an_entry_that_names_a_private_module_fails_it(check):
     required, entries = documented(check)
-    found = check.problems(required, entries | {"jaxstep.loop._fit.fit"}, {})
-    assert "jaxstep.loop._fit.fit has an entry but names a private module or member" in found
+    found = check.problems(required, entries | {"jaxstep._src.loop._fit.fit"}, {})
+    assert "jaxstep._src.loop._fit.fit has an entry but names a private module or member" in found
     assert not check.private_entries({"jaxstep.TrainStep.__call__"})  # dunders are public
 
 

@@ -21,7 +21,7 @@ from flax import traverse_util
 import jaxstep
 import jaxstep.flax
 from jaxstep import Status
-from jaxstep.step import runtime_of
+from jaxstep._src.step import runtime_of
 from tests.models import init_params as mlp_params
 from tests.models import loss_fn as mlp_loss
 

@@ -7,19 +7,19 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.checkpoint import CheckpointOptions
-from jaxstep.checkpoint import begin_fit
-from jaxstep.loop import FitOptions
-from jaxstep.loop import Loop
-from jaxstep.loop._actions import Direct
-from jaxstep.loop._callbacks import Callbacks
-from jaxstep.loop._checkpoints import Checkpoints
-from jaxstep.loop._diagnose import Replay
-from jaxstep.loop._prefetch import InTurn
-from jaxstep.loop._prefetch import Prefetch
-from jaxstep.loop._recover import Recoverer
-from jaxstep.loop._watchdog import StepWatchdog
-from jaxstep.step import runtime_of
+from jaxstep._src.checkpoint import CheckpointOptions
+from jaxstep._src.checkpoint import begin_fit
+from jaxstep._src.loop import FitOptions
+from jaxstep._src.loop import Loop
+from jaxstep._src.loop._actions import Direct
+from jaxstep._src.loop._callbacks import Callbacks
+from jaxstep._src.loop._checkpoints import Checkpoints
+from jaxstep._src.loop._diagnose import Replay
+from jaxstep._src.loop._prefetch import InTurn
+from jaxstep._src.loop._prefetch import Prefetch
+from jaxstep._src.loop._recover import Recoverer
+from jaxstep._src.loop._watchdog import StepWatchdog
+from jaxstep._src.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import init_params
 from tests.models import loss_fn

@@ -12,8 +12,8 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.loop._carry import Carry
-from jaxstep.loop._pending import Item
+from jaxstep._src.loop._carry import Carry
+from jaxstep._src.loop._pending import Item
 from jaxstep.testing import Fault
 from tests.models import bucketed_batches
 from tests.models import fit_recording

@@ -9,7 +9,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.step import runtime_of
+from jaxstep._src.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import PER_DEVICE
 from tests.models import init_params

@@ -27,7 +27,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.loop import _driver as driver
+from jaxstep._src.loop import _driver as driver
 from jaxstep.testing import Fault
 from jaxstep.testing import assert_fails
 

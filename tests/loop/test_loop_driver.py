@@ -1,4 +1,4 @@
-"""fit's driver step by step: each named step of jaxstep.loop.Loop alone, and the
+"""fit's driver step by step: each named step of jaxstep._src.loop.Loop alone, and the
 callback fan-out."""
 
 import numpy as np
@@ -6,10 +6,10 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.checkpoint import begin_fit
-from jaxstep.loop import Callbacks
-from jaxstep.loop import Loop
-from jaxstep.step import runtime_of
+from jaxstep._src.checkpoint import begin_fit
+from jaxstep._src.loop import Callbacks
+from jaxstep._src.loop import Loop
+from jaxstep._src.step import runtime_of
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches

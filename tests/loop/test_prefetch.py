@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.loop import FitOptions
+from jaxstep._src.loop import FitOptions
 from jaxstep.testing import Fault
 from tests.models import assert_params_equal
 from tests.models import init_params

@@ -12,7 +12,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.step import Runtime
+from jaxstep._src.step import Runtime
 from jaxstep.testing import Fault
 from jaxstep.testing import corrupt_replica
 from tests.models import PER_DEVICE

@@ -9,12 +9,12 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.loop._carry import Carry
-from jaxstep.loop._pending import Item
-from jaxstep.loop._resplit import Resplit
-from jaxstep.loop._resplit import Route
-from jaxstep.loop._resplit import exchange
-from jaxstep.step import runtime_of
+from jaxstep._src.loop._carry import Carry
+from jaxstep._src.loop._pending import Item
+from jaxstep._src.loop._resplit import Resplit
+from jaxstep._src.loop._resplit import Route
+from jaxstep._src.loop._resplit import exchange
+from jaxstep._src.step import runtime_of
 from tests.models import loss_fn
 
 

@@ -82,7 +82,7 @@ def test_a_shard_that_differs_from_its_twins_is_named_with_four_groups(layout, l
         pytest.skip("the optimizer layout keeps parameters whole: test_shard_state's case")
     step = _step(layout, 4, divergence_every=1)
     state = jaxstep.fit(step, step.init(init_params()), make_batches(1))
-    runtime = jaxstep.step.runtime_of(step)
+    runtime = jaxstep._src.step.runtime_of(step)
     assert runtime.replicas_agree(state)
     bad = corrupt_replica(step, state, jax.devices()[5].id, leaf)
     assert not runtime.replicas_agree(bad)
@@ -122,7 +122,7 @@ def test_drop_repairs_a_shard_from_its_twins_once_bit_for_bit(layout, leaf):
     step, state, history = run(True)
     assert history.repaired == [(5,), (), (), ()]
     assert np.asarray(step.host_state(state).monitor["repairs"]).tolist() == [0] * 5 + [1, 0, 0]
-    assert jaxstep.step.runtime_of(step).replicas_agree(state)
+    assert jaxstep._src.step.runtime_of(step).replicas_agree(state)
     for x, y in zip(_host(step, state), _host(step, clean), strict=True):
         np.testing.assert_array_equal(x, y)
 

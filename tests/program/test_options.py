@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.program import Options
+from jaxstep._src.program import Options
 from tests.models import loss_fn
 
 FACE = {

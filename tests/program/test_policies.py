@@ -8,7 +8,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.step import Runtime
+from jaxstep._src.step import Runtime
 from jaxstep.testing import assert_replicas_equal
 from jaxstep.testing import replicas
 from tests.models import BATCH

@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.program import DEFAULT_SHARD_MIN_SIZE
-from jaxstep.program import Plan
-from jaxstep.program import shard_axis
+from jaxstep._src.program import DEFAULT_SHARD_MIN_SIZE
+from jaxstep._src.program import Plan
+from jaxstep._src.program import shard_axis
 from jaxstep.testing import Fault
 from jaxstep.testing import assert_fails
 from jaxstep.testing import assert_matches_reference

@@ -14,9 +14,9 @@ import optax
 import pytest
 
 import jaxstep
-from jaxstep.step import Runtime
-from jaxstep.step import TrainStep
-from jaxstep.step import runtime_of
+from jaxstep._src.step import Runtime
+from jaxstep._src.step import TrainStep
+from jaxstep._src.step import runtime_of
 from jaxstep.testing import Fault
 from tests.models import init_params
 from tests.models import loss_fn

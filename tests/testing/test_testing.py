@@ -15,7 +15,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
-from jaxstep.core import Failure
+from jaxstep._src.core import Failure
 from jaxstep.testing import Fault
 from jaxstep.testing import assert_fails
 from jaxstep.testing import assert_matches_reference

@@ -114,7 +114,7 @@ def test_the_command_line_wins_over_the_ini_and_fulltrace_shows_jaxsteps_frames(
     text = result.stdout.str()
     assert re.findall(r"SEEN \w+ \d+", text) == ["SEEN pmap 2"]
     section = _failure_section(text, "test_fails_in_fit")
-    assert "jaxstep/loop/" in "\n".join(section)  # the loop's frames, on request
+    assert "jaxstep/_src/loop/" in "\n".join(section)  # the loop's frames, on request
     assert len(section) > 25
 
 

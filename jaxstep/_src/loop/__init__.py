@@ -1,0 +1,35 @@
+"""The training loop: :func:`fit` (dispatch step t, settle step t-1), a short driver
+over :class:`Loop`'s named steps and its actions (checkpoints, the step watchdog that
+names a hung device, recovery, the carry, the callbacks, the replay diagnosis); the
+:class:`History` it keeps, the :class:`Callbacks` fan-out, and the replay diagnosis of
+a failed step."""
+
+from jaxstep._src.loop._callbacks import Callbacks as Callbacks
+from jaxstep._src.loop._diagnose import Diagnosis as Diagnosis
+from jaxstep._src.loop._diagnose import diagnose as diagnose
+from jaxstep._src.loop._driver import Loop as Loop
+from jaxstep._src.loop._failure import replica_state as replica_state
+from jaxstep._src.loop._fit import fit as fit
+from jaxstep._src.loop._history import Entry as Entry
+from jaxstep._src.loop._history import History as History
+from jaxstep._src.loop._options import FitOptions as FitOptions
+from jaxstep._src.loop._options import Recover as Recover
+from jaxstep._src.loop._pending import Item as Item
+from jaxstep._src.loop._pending import Pending as Pending
+from jaxstep._src.loop._records import Recovery as Recovery
+
+__all__ = [
+    "Callbacks",
+    "Diagnosis",
+    "Entry",
+    "FitOptions",
+    "History",
+    "Item",
+    "Loop",
+    "Pending",
+    "Recover",
+    "Recovery",
+    "diagnose",
+    "fit",
+    "replica_state",
+]

@@ -1,0 +1,206 @@
+"""The actions of one fit call (:func:`actions`), and their hooks bound once
+(:class:`Actions`): the loop calls a hook on the actions that override it, in the order
+of :func:`actions`, and never on one that keeps :class:`~jaxstep._src.loop._action.Action`'s
+no-op. What each hook is for: :class:`~jaxstep._src.loop._action.Action`.
+
+A new action is a module with its class (an :class:`~jaxstep._src.loop._action.Action` that
+overrides the hooks it needs) and one line in :func:`actions`: docs/internals.md says
+how, with the hook table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from jaxstep._src.checkpoint import Cursor
+from jaxstep._src.checkpoint import FitCheckpoints
+from jaxstep._src.core import StepOutput
+from jaxstep._src.core import TrainingWorkerError
+from jaxstep._src.core import TrainState
+from jaxstep._src.loop._action import Action
+from jaxstep._src.loop._action import Feeder
+from jaxstep._src.loop._action import Runner
+from jaxstep._src.loop._callbacks import Callbacks
+from jaxstep._src.loop._checkpoints import Checkpoints
+from jaxstep._src.loop._diagnose import Replay
+from jaxstep._src.loop._history import History
+from jaxstep._src.loop._options import FitOptions
+from jaxstep._src.loop._outcome import Resume
+from jaxstep._src.loop._pending import Item
+from jaxstep._src.loop._pending import Pending
+from jaxstep._src.loop._prefetch import InTurn
+from jaxstep._src.loop._prefetch import Prefetch
+from jaxstep._src.loop._records import Recovery
+from jaxstep._src.loop._recover import Recoverer
+from jaxstep._src.loop._watchdog import StepWatchdog
+from jaxstep._src.step import Runtime
+from jaxstep._src.step import TrainStep
+
+
+class Direct(Runner):
+    """The dispatch without the watchdog: the step, on the calling thread (its table is
+    read a step later)."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def run(
+        self, state: TrainState, item: Item, number: int, check: bool, presplit: bool
+    ) -> tuple[TrainState, StepOutput]:
+        runtime = self.runtime
+        if item.drop:  # a data recovery: the failing chunks left out of the mean
+            return runtime.rerun_dropping(state, item.batch, presplit=presplit)
+        placed = item.placed  # prefetched: on the devices already, joined
+        if placed is not None and placed.key is runtime:
+            return runtime.dispatch(state, placed.batch, check_replicas=check)
+        return runtime.dispatch(state, item.batch, check_replicas=check, presplit=presplit)
+
+    def resumed(self, resume: Resume, number: int) -> None:
+        """A recovery left a device out: the steps run on its runtime from now on."""
+        if resume.runtime is not None:
+            self.runtime = resume.runtime
+
+
+def actions(
+    runtime: Runtime,
+    options: FitOptions,
+    checkpoints: FitCheckpoints,
+    carried: bool,
+) -> Actions:
+    """The actions of one fit call, in the order their hooks run: the feeder stops
+    placing when a step fails (before a recovery takes a device out), the checkpoints
+    see the state before the step and its table first, the callbacks hear of a step
+    before a recovery acts on it, and a recovery acts on a failure before its replay is
+    asked for. ``carried``: the fit call starts with rows carried (the step places its
+    batches itself)."""
+    callbacks = Callbacks(options.callbacks)
+    runner: Runner = Direct(runtime)
+    if options.step_timeout is not None:
+        runner = StepWatchdog(runtime, options.step_timeout)
+    feeder: Feeder = InTurn()
+    if options.prefetch:  # placing ahead: a step placing batches itself, rows not carried
+        place = not carried and options.step_timeout is None
+        feeder = Prefetch(runtime, options.prefetch, presplit=options.presplit, place=place)
+    recoverer = None
+    if options.recover is not None:
+        recoverer = Recoverer(
+            options.recover,
+            runtime,
+            checkpoints=checkpoints,
+            presplit=options.presplit,
+            step_timeout=options.step_timeout,
+            shown=callbacks.show_recoveries,
+        )
+    replay = None
+    if options.diagnose is not False:
+        replay = Replay(runtime, options.diagnose, options.presplit, options.step_timeout)
+    found = (
+        feeder,
+        None if checkpoints.store is None else Checkpoints(checkpoints),
+        runner,
+        callbacks if callbacks.hooked else None,
+        recoverer,
+        replay,
+    )
+    parts: list[Action] = [part for part in found if part is not None]
+    return Actions(parts, runner, feeder, shows_recoveries=callbacks.show_recoveries)
+
+
+Hooks = tuple[Callable[..., Any], ...]
+
+
+class Actions:
+    """The hooks of ``parts``, bound once, in order: for each hook the bound methods of
+    the parts that override it (no call at all for a hook no part overrides). The hooks
+    of every step (``pulled``, ``before``, ``dispatched``, ``read``, ``on_step_end``,
+    ``settled``) are tuples the loop runs itself; the others are methods here.
+    ``runner`` and ``feeder``: the explicit dispatch and data (each also one of
+    ``parts``, for its other hooks); ``shows_recoveries``: a callback shows each
+    recovery (the loop then logs them at INFO, not WARNING)."""
+
+    def __init__(
+        self, parts: list[Action], runner: Runner, feeder: Feeder, *, shows_recoveries: bool
+    ):
+        self.parts = parts
+        self.runner = runner
+        self.feeder = feeder
+        self.shows_recoveries = shows_recoveries
+
+        def bind(hook: str) -> Hooks:
+            default = getattr(Action, hook)
+            return tuple(getattr(p, hook) for p in parts if getattr(type(p), hook) is not default)
+
+        self._on_fit_start = bind("on_fit_start")
+        self.pulled = bind("pulled")
+        self.before = bind("before")
+        self.dispatched = bind("dispatched")
+        self.read = bind("read")
+        self.on_step_end = bind("on_step_end")
+        self.settled = bind("settled")
+        #: whether a hook takes a step's decoded table (without, the loop reads it raw)
+        self.tables = bool(self.read or self.on_step_end or self.settled)
+        self._failed = bind("failed")
+        self._resumed = bind("resumed")
+        self._on_recovery = bind("on_recovery")
+        self._report = bind("report")
+        self._on_failure = bind("on_failure")
+        self._hung = bind("hung")
+        self._stopped = bind("stopped")
+        self._close = bind("close")
+        self._finish = bind("finish")
+        self._on_fit_end = bind("on_fit_end")
+
+    def on_fit_start(self, step: TrainStep, history: History) -> None:
+        for hook in self._on_fit_start:
+            hook(step, history)
+
+    def failed(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
+        """The error amended by each part, or the first ``Resume`` one returns."""
+        for hook in self._failed:
+            outcome = hook(pending, error)
+            if not isinstance(outcome, TrainingWorkerError):
+                return outcome
+            error = outcome
+        return error
+
+    def resumed(self, resume: Resume, number: int) -> None:
+        for hook in self._resumed:
+            hook(resume, number)
+
+    def on_recovery(self, record: Recovery) -> None:
+        for hook in self._on_recovery:
+            hook(record)
+
+    def report(self, error: TrainingWorkerError, first: Cursor | None) -> TrainingWorkerError:
+        for hook in self._report:
+            error = hook(error, first)
+        return error
+
+    def on_failure(self, error: TrainingWorkerError) -> None:
+        for hook in self._on_failure:
+            hook(error)
+
+    def hung(self, error: TrainingWorkerError) -> None:
+        for hook in self._hung:
+            hook(error)
+
+    def stopped(self, state: TrainState, untrained: int, first: Cursor | None) -> str | None:
+        """Where the state was saved (the first part that saved it), or None."""
+        saved = None
+        for hook in self._stopped:
+            where = hook(state, untrained, first)
+            saved = saved or where
+        return saved
+
+    def close(self) -> None:
+        for hook in self._close:
+            hook()
+
+    def finish(self, state: TrainState, first: Cursor | None) -> None:
+        for hook in self._finish:
+            hook(state, first)
+
+    def on_fit_end(self, history: History) -> None:
+        for hook in self._on_fit_end:
+            hook(history)

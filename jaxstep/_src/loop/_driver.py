@@ -1,0 +1,342 @@
+"""One fit call's state and its steps by name: :meth:`Loop.start`, :meth:`Loop.advance`
+(dispatch a batch, then settle the step before it, already finished),
+:meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
+:meth:`Loop.abandon` (an exception leaves: the state and the untrained batches go on
+it; the ways out are :mod:`jaxstep._src.loop._exits`) and :meth:`Loop.finish`. What is
+there only when asked for (checkpoints, the watchdog, recovery, the callbacks, the replay, the
+prefetch) are the loop's actions (:mod:`jaxstep._src.loop._actions`), each with the hooks it
+needs; the loop alone writes the :class:`History` and swaps the step's runtime."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+from typing import NoReturn
+
+import numpy as np
+
+from jaxstep._src.checkpoint import FitCheckpoints
+from jaxstep._src.core import COL
+from jaxstep._src.core import HealthTable
+from jaxstep._src.core import StepOutput
+from jaxstep._src.core import TrainingWorkerError
+from jaxstep._src.core import TrainState
+from jaxstep._src.loop._actions import actions
+from jaxstep._src.loop._carry import Carry
+from jaxstep._src.loop._exits import Exits
+from jaxstep._src.loop._failure import failure_error
+from jaxstep._src.loop._flight import InFlight
+from jaxstep._src.loop._history import History
+from jaxstep._src.loop._options import FitOptions
+from jaxstep._src.loop._options import limit
+from jaxstep._src.loop._outcome import Resume
+from jaxstep._src.loop._peers import Peers
+from jaxstep._src.loop._pending import Item
+from jaxstep._src.loop._pending import Pending
+from jaxstep._src.loop._pending import Placed
+from jaxstep._src.loop._pending import Recovered
+from jaxstep._src.loop._position import end_position
+from jaxstep._src.loop._position import placed_in_data
+from jaxstep._src.loop._recorder import Recorder
+from jaxstep._src.loop._records import Recovery
+from jaxstep._src.loop._resplit import Resplit
+from jaxstep._src.loop._resplit import after_leaving
+from jaxstep._src.loop._resplit import carry_for
+from jaxstep._src.step import TrainStep
+from jaxstep._src.step import adopt
+from jaxstep._src.step import runtime_of
+
+_FAILED, _HALTED = COL["failed"], COL["halted"]  # step-wide columns of the raw table
+
+
+class Loop(Exits):
+    """What one :func:`jaxstep.fit` call holds between its steps: the newest state, the
+    step's runtime, the batches in flight (:class:`~jaxstep._src.loop._flight.InFlight`), the
+    rows carried once a device left, the history's recorder and the actions
+    (``options``: the fit call's, or ``keywords`` of :class:`FitOptions`).
+
+    ``state`` is always the newest state dispatched (or the one fit started from):
+    a batch that is rejected or an exception that leaves fit does not change it. Once
+    a step failed it is the error's last good state, which took over the halted
+    state's buffers (:func:`~jaxstep._src.loop._failure.failure_error`).
+    """
+
+    def __init__(
+        self,
+        step: TrainStep,
+        state: TrainState,
+        checkpoints: FitCheckpoints,
+        options: FitOptions | None = None,
+        **keywords: Any,
+    ):
+        options = FitOptions(**keywords) if options is None else options
+        history = History() if options.history is None else options.history
+        self.step = step
+        self.runtime = runtime = runtime_of(step)
+        self.state = state
+        self.source = checkpoints.source
+        self.options = options
+        self.presplit = options.presplit
+        self.record = Recorder(history)
+        source = checkpoints.source
+        self.carry: Carry | Resplit | None = carry_for(
+            runtime,
+            source.start,
+            source.skip_rows,
+            options.presplit,
+            source.carrying,
+            then=source.then,
+            ready=self._ready,
+        )
+        self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
+        self.flight = InFlight()
+        self.peers = Peers()  # how it waits on devices shared with other processes
+        self.last: StepOutput | None = None  # the newest dispatched step
+        self.number = checkpoints.number  # the number of the next step dispatched
+        #: the batches this call may train (num_steps, until_step), None: all
+        self.limit = limit(options, checkpoints.number)
+        self.waited = 0.0  # seconds waited for data since the last dispatch
+        self.interrupted = False  # a first Ctrl-C: stop after the step in flight
+        self.pulled = 0  # batches pulled from the source (advance's calls)
+
+    @property
+    def history(self) -> History:
+        """The history the steps go to."""
+        return self.record.history
+
+    def interrupt(self) -> None:
+        """A first Ctrl-C: :meth:`advance` stops once the step in flight is dispatched."""
+        self.interrupted = True
+
+    def start(self) -> None:
+        """Checks that the state is not halted, then starts the run: the history's
+        device ids, the callbacks' ``on_fit_start``, the peer heartbeats."""
+        runtime = self.runtime
+        if bool(runtime.read_first(self.state.halted)):  # (the step number is known)
+            raise ValueError(
+                "the state is halted by an earlier failure; resume from error.state (or "
+                "step.clear_halt(state)) once the cause is fixed"
+            )
+        origin = runtime.origin  # the devices it was built with, before some left
+        self.record.start(
+            [d.id for d in runtime.devices], None if origin is None else [d.id for d in origin]
+        )
+        runtime.heartbeats.clear()
+        self.actions.on_fit_start(self.step, self.history)
+        self.record.since = time.perf_counter()  # the first step's rate includes compiling
+        self.peers.start(runtime.devices)
+
+    def train(self) -> None:
+        """Advances on each batch of the data, in order, up to ``num_steps``: handed over
+        by the feeder (pulled here in turn, or by the prefetch thread ahead), the wait
+        for each timed (``History.data_wait``)."""
+        batches = itertools.islice(self.source, self.limit)
+        for batch, placed, wait in self.actions.feeder.feed(batches, lambda: self.interrupted):
+            self.advance(batch, placed, wait)
+
+    def advance(self, batch: Any, placed: Placed | None = None, wait: float = 0.0) -> None:
+        """Dispatches ``batch``, then settles the step before it (finished by now: the
+        host never waits on the step it just dispatched). With the step watchdog the
+        step has finished when its dispatch returns: it is settled at once. Under
+        ``recover`` a failure that is recovered queues its batches again: they are
+        dispatched here, before this call returns. ``placed``: the batch already on
+        the devices (prefetched); ``wait``: seconds the loop waited for it.
+
+        Raises:
+          ValueError, TypeError: ``batch`` was rejected before it ran (after any failure
+            of the step before it); ``error.state`` holds the state before it.
+          TrainingWorkerError: a step failed, hung, or lost a peer.
+        """
+        # queued first: a batch an action refuses (Recover(example_id=...) names no
+        # leaf of it) is handed back on the error with the others (err.batches)
+        self.waited += wait
+        item = Item(batch, self.pulled, placed=placed)
+        self.flight.queue.append(item)
+        self.pulled += 1
+        for pulled in self.actions.pulled:
+            pulled(batch)
+        self._run_queue()
+
+    def _run_queue(self) -> None:
+        queue = self.flight.queue
+        while queue:
+            item = queue.popleft()
+            try:
+                self._advance(item)
+            except Recovered:
+                continue
+
+    def _advance(self, item: Item) -> None:
+        """:meth:`advance` for one queued batch."""
+        actions, flight = self.actions, self.flight
+        flight.in_hand = item  # a take that raises leaves it untouched: handed back
+        if self.carry is not None:
+            taken = self._take(self.carry, item)
+            if taken is None:  # fewer rows than devices at hand: all carried on
+                flight.in_hand = None
+                return
+            queue, pulled = self.flight.queue, self.pulled
+            item = placed_in_data(taken, self.carry, queue, pulled, self.source.hold)
+            flight.in_hand = item
+        presplit = self.presplit and item.first is None  # carried rows come joined
+        check = False
+        for before in actions.before:  # a checkpoint step: check replicas
+            check = before(self.state, item) or check
+        try:
+            self.state, out = actions.runner.run(self.state, item, self.number, check, presplit)
+            self.last = out
+        except (ValueError, TypeError) as err:
+            self._refused(err, item)
+            raise
+        except TrainingWorkerError as err:  # a hung step
+            flight.in_hand = None
+            raise self._hung(err, [item]) from None
+        flight.in_hand = None
+        number = self.number
+        self.number = number + 1
+        if item.placed is not None:  # what stays behind holds no device copy of a batch
+            item = item._replace(placed=None)
+        wait, self.waited = self.waited, 0.0
+        rows = self.runtime.rows_per_device
+        new = Pending(out, item.batch, number, rows, item, wait)
+        for dispatched in actions.dispatched:
+            dispatched(new)
+        previous = flight.dispatched(new)
+        if previous is not None:
+            self.settle(previous, item)
+        if actions.runner.settles_at_once:  # the watchdog: the step has finished
+            flight.pending = None
+            self.settle(new)
+        if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
+            raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
+
+    def _take(self, carry: Carry | Resplit, item: Item) -> Item | None:
+        """``carry.take(item)``; on several processes its rows travel through the
+        devices (a collective, :mod:`jaxstep._src.loop._resplit`), watched as a step is."""
+        try:
+            return carry.take(item)
+        except (ValueError, TypeError) as err:  # a batch refused: as at its dispatch
+            self._refused(err, item)
+            raise
+        except Exception as err:
+            self._lost(err, self.number, [self.flight.pending, item])
+
+    def _refused(self, err: ValueError | TypeError, item: Item) -> None:
+        """``item`` was refused before it ran (``err``): a failure of the step before it
+        comes first, and the error holds the state before it (``err.state``)."""
+        pending, self.flight.pending = self.flight.pending, None
+        if pending is not None:
+            self.settle(pending, item)
+        err.state = self.state  # type: ignore[union-attr]
+
+    def _ready(self, array: Any) -> None:
+        """Waits for ``array``, of the step about to run (:meth:`Peers.ready`)."""
+        self.peers.ready(array, self.number, self.runtime.devices)
+
+    def settle(self, pending: Pending, after: Item | None = None) -> None:
+        """Reads ``pending``'s health table and appends it to the history; the actions
+        see it. ``after``: the batch pulled after it, which its failure must hand back
+        untrained. Under ``recover`` a failure may be recovered instead (:class:`Recovered`
+        is raised once the loop is reset).
+
+        Raises:
+          TrainingWorkerError: the step failed (``error.state``: the last good state,
+            from :attr:`state`), or a peer process was lost while waiting for it.
+        """
+        runtime = self.runtime
+        try:  # never blocks where a lost peer would leave this process stuck
+            self.peers.ready(pending.out.health, pending.number, runtime.devices)
+            raw = runtime.raw_table(pending.out)
+        except Exception as err:
+            self._lost(err, pending.number, [pending, after])
+        self.record.settled(pending, raw)
+        self.flight.reading = pending  # recorded; until its settling completes
+        actions = self.actions
+        table = None
+        if actions.tables:  # an action or a callback takes the decoded table
+            table = HealthTable.from_array(raw)
+            for read in actions.read:
+                read(table)
+            for step_end in actions.on_step_end:
+                step_end(table)
+            for settled in actions.settled:
+                made = settled(pending, table)
+                if made is not None:  # a replica the step repaired itself
+                    self._recovered(made)
+        if raw.item(0, _FAILED) and raw.item(0, _HALTED):
+            self._failed(pending, after, table or HealthTable.from_array(raw))
+        self.flight.confirmed(pending)
+
+    def _failed(self, pending: Pending, after: Item | None, table: HealthTable) -> NoReturn:
+        """``pending`` failed: recovered (:class:`Recovered`) or raised."""
+        error = failure_error(self.runtime, table, pending.rows, self.state, self.history)
+        assert error.state is not None
+        self.state = error.state  # the halted state was donated to it
+        try:
+            outcome = self.actions.failed(pending, error)
+        except TrainingWorkerError as hang:  # a replay of the failure hung, or a peer left
+            hang = hang.with_note(f"while diagnosing: {str(error).splitlines()[0]}")
+            raise self._hung(hang, [pending, after]) from None
+        if isinstance(outcome, Resume):
+            self._resume(pending, outcome)
+        # Nothing pulled is lost: the failing batch and those after it, untrained.
+        raise self._report(outcome, [pending, after])
+
+    def _resume(self, pending: Pending, resume: Resume) -> NoReturn:
+        """Goes on from a recovery of ``pending``'s failure: ``resume.items`` first, then
+        the batches in flight after ``pending``, then the rows carried; a device left:
+        the step, every action and the carry go on the new runtime. Records the
+        recovery and raises :class:`Recovered`."""
+        if resume.runtime is not None:  # a device left the run
+            before, self.runtime = self.runtime.devices, resume.runtime
+            adopt(self.step, resume.runtime)  # step.devices as documented
+            self.carry = after_leaving(
+                self.carry,
+                before,
+                resume.runtime,
+                start=self.source.start,
+                presplit=self.presplit,
+                ready=self._ready,
+            )
+        carried = [] if self.carry is None else self.carry.release()
+        self.flight.restart(resume.items, pending.number, carried)
+        self.state = resume.state
+        self.number = int(np.asarray(self.runtime.read_first(resume.state.step)))
+        self.record.now_on([d.id for d in self.runtime.devices])
+        self.actions.resumed(resume, self.number)
+        self._recovered(resume.record)
+        raise Recovered
+
+    def _recovered(self, record: Recovery) -> None:
+        """A recovery made: recorded (and logged), then heard by the actions (the
+        callbacks' ``on_recovery``)."""
+        self.record.recovery(record, shown=self.actions.shows_recoveries)
+        self.actions.on_recovery(record)
+
+    def drain(self) -> None:
+        """Settles the step still in flight, if any (after the last batch), and, when
+        that recovers a failure, trains the batches it queued again."""
+        flight = self.flight
+        while True:
+            pending, flight.pending = flight.pending, None
+            if pending is None:
+                return
+            try:
+                self.settle(pending)
+            except Recovered:
+                self._run_queue()
+
+    def finish(self) -> TrainState:
+        """After the last step settled: lists the rows still carried, lets the actions
+        finish (the final state saved with checkpoints on, the recoveries made), waits
+        for the writes, calls the callbacks' ``on_fit_end`` and returns the final
+        state."""
+        cut_short = self.limit is not None and self.pulled >= self.limit
+        first = end_position(self.carry, cut_short, self.pulled)
+        if self.carry is not None:
+            self.record.left_over(self.carry.finish())
+        self.actions.finish(self.state, first)
+        self.actions.close()
+        self.actions.on_fit_end(self.history)
+        return self.state

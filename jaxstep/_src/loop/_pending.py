@@ -1,0 +1,84 @@
+"""What fit's loop moves between its steps: a batch on its way (:class:`Item`), a
+dispatched step not read yet (:class:`Pending`), and the signal of a recovery."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxstep._src.checkpoint import Cursor
+from jaxstep._src.core import StepOutput
+
+
+class Item(NamedTuple):
+    """A batch on its way to a step: pulled from the source, or queued again by a
+    recovery (:mod:`jaxstep._src.loop._recover`)."""
+
+    batch: Any
+    seq: int  # batches pulled by this fit before it (its data position, less the start)
+    drop: bool = False  # run with the failing chunks left out of the mean (a data recovery)
+    # rows carried (loop._carry): the seq of the batch its first row came from, and the
+    # rows of that batch trained before it (the data position of a checkpoint before it)
+    first: int | None = None
+    offset: int = 0
+    # rows carried: where each stretch of its rows is in the data, ``(seq, start, stop)``
+    # in order (None: the whole batch ``seq``, as pulled)
+    spans: tuple[tuple[int, int, int], ...] | None = None
+    # several processes, rows re-split (loop._resplit): every process's rows of the
+    # step, of which ``batch`` holds this process's devices' chunks (None: not re-split)
+    shared: Shared | None = None
+    # fit(prefetch=...): the batch already on the devices (None: the step places it)
+    placed: Placed | None = None
+    # rows carried: where the rows not trained by the state it is dispatched on are in
+    # the data (that state's checkpoint position; None: from this batch's first row)
+    at: Cursor | None = None
+
+
+class Shared(NamedTuple):
+    """A step's rows on several processes once they were re-split over the devices
+    (:mod:`jaxstep._src.loop._resplit`): all of them, every process's (host arrays, in the
+    order ``Item.spans`` gives), and which process passed each (its index)."""
+
+    rows: Any
+    owner: np.ndarray
+
+    def own(self) -> Any:
+        """The rows this process passed: what it hands back untrained."""
+        mine = np.flatnonzero(self.owner == jax.process_index())
+        return jax.tree.map(lambda x: x[mine], self.rows)
+
+
+class Placed(NamedTuple):
+    """A batch placed on the step's devices ahead of its step (``fit(prefetch=...)``):
+    the step takes it as placed while its placement is still the step's (``key is
+    step's runtime``: a device leaving makes a new one)."""
+
+    key: object
+    batch: Any
+
+
+class Pending(NamedTuple):
+    """A dispatched step whose health table has not been read yet."""
+
+    out: StepOutput
+    batch: Any
+    number: int  # the step it runs (as counted from the state fit started with)
+    rows: int  # rows per device of its batch, as this process passed it
+    item: Item | None = None  # how it came (None: dispatched outside the queue)
+    wait: float = 0.0  # seconds the loop waited for its batch from the data
+
+
+class Recovered(Exception):
+    """Raised by the loop once it has applied a recovery's ``Resume`` (a new state, the
+    batches to train queued again): it goes on with the next queued batch."""
+
+
+def rows_as_given(batch: Any, presplit: bool) -> int | None:
+    """The rows of a batch as the data gives it (None: not an array batch)."""
+    shape: tuple[int, ...] = tuple(getattr((jax.tree.leaves(batch) or [None])[0], "shape", ()))
+    if len(shape) < 1 + presplit:
+        return None
+    return shape[0] * shape[1] if presplit else shape[0]

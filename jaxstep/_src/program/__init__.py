@@ -1,0 +1,64 @@
+"""The traced per-device program: each device's own part (loss, gradients, checks)
+before the one all-reduce, the verdict every device agrees on, and the guarded update.
+Pure functions of the frozen :class:`Options` the step was built with (checked there,
+once); nothing here touches the host."""
+
+from jaxstep._src.program._body import body as body
+from jaxstep._src.program._body import map_body as map_body
+from jaxstep._src.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
+from jaxstep._src.program._cross_checks import LossSpike as LossSpike
+from jaxstep._src.program._cross_checks import all_agree as all_agree
+from jaxstep._src.program._cross_checks import fingerprint as fingerprint
+from jaxstep._src.program._device import example_failed as example_failed
+from jaxstep._src.program._device import grad_leaves_finite as grad_leaves_finite
+from jaxstep._src.program._drop import drop_memory as drop_memory
+from jaxstep._src.program._faults import Fault as Fault
+from jaxstep._src.program._faults import Injector as Injector
+from jaxstep._src.program._faults import float_leaves as float_leaves
+from jaxstep._src.program._grid import Grid as Grid
+from jaxstep._src.program._options import AXIS as AXIS
+from jaxstep._src.program._options import Options as Options
+from jaxstep._src.program._padding import Kept as Kept
+from jaxstep._src.program._padding import Pads as Pads
+from jaxstep._src.program._padding import cut as cut
+from jaxstep._src.program._padding import pad_to as pad_to
+from jaxstep._src.program._scaling import DynamicLossScale as DynamicLossScale
+from jaxstep._src.program._sharded import shard_mask as shard_mask
+from jaxstep._src.program._sharded import sharded_step as sharded_step
+from jaxstep._src.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD_MIN_SIZE
+from jaxstep._src.program._shards import Plan as Plan
+from jaxstep._src.program._shards import ShardRule as ShardRule
+from jaxstep._src.program._shards import nbytes_per_device as nbytes_per_device
+from jaxstep._src.program._shards import shard_axis as shard_axis
+from jaxstep._src.program._shards import shard_spec as shard_spec
+
+__all__ = [
+    "AXIS",
+    "DEFAULT_DIVERGENCE_EVERY",
+    "DEFAULT_SHARD_MIN_SIZE",
+    "DynamicLossScale",
+    "Fault",
+    "Grid",
+    "Injector",
+    "Kept",
+    "LossSpike",
+    "Options",
+    "Pads",
+    "Plan",
+    "ShardRule",
+    "all_agree",
+    "body",
+    "cut",
+    "drop_memory",
+    "example_failed",
+    "fingerprint",
+    "float_leaves",
+    "grad_leaves_finite",
+    "map_body",
+    "nbytes_per_device",
+    "pad_to",
+    "shard_axis",
+    "shard_mask",
+    "shard_spec",
+    "sharded_step",
+]

@@ -1,0 +1,240 @@
+"""The one place a step's options are spelled: :class:`Options`, built and checked once
+by :func:`jaxstep.make_train_step`, read by every layer below it (the traced program,
+the host driver, its inputs)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import optax
+
+from jaxstep._src.core import BACKEND_NAMES
+from jaxstep._src.core import POLICIES
+from jaxstep._src.core import SHARD_STATES
+from jaxstep._src.core import BackendName
+from jaxstep._src.core import Policy
+from jaxstep._src.core import ShardState
+from jaxstep._src.core import processes
+from jaxstep._src.core import validate
+from jaxstep._src.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
+from jaxstep._src.program._cross_checks import LossSpike
+from jaxstep._src.program._faults import Fault
+from jaxstep._src.program._faults import Injector
+from jaxstep._src.program._padding import Kept
+from jaxstep._src.program._scaling import DynamicLossScale
+from jaxstep._src.program._shards import DEFAULT_SHARD_MIN_SIZE
+from jaxstep._src.program._shards import ShardRule
+
+AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Everything a step is built with (the keywords of :func:`jaxstep.make_train_step`,
+    documented there), checked once in ``__post_init__``; ``TrainStep.options``.
+
+    It lives in the program layer, next to the traced code that reads most of it, and
+    is also what that code is a function of (the traced per-device program takes it
+    whole: there is no second, partial copy of the options): here the classes it
+    checks against (:class:`LossSpike`, :class:`DynamicLossScale`, :class:`Fault`) are
+    importable without reaching up a layer, and the host driver above reads it as is.
+    Besides the options it holds what follows from them alone: ``injector`` (the
+    faults resolved against the devices) and ``device_ids``.
+
+    Raises:
+      ValueError, TypeError: an option is invalid; the message names it and the fix.
+    """
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    backend: BackendName = "shard_map"
+    #: the step's devices, in order (a tuple; ``make_train_step`` resolves None)
+    devices: Sequence[jax.Device] = dataclasses.field(default_factory=jax.devices)
+    has_aux: bool = False
+    on_failure: Policy = "raise"
+    max_consecutive_skips: int | None = 10
+    max_dropped: int | None = None
+    max_consecutive_drops: int | None = 3
+    divergence_every: int | None = DEFAULT_DIVERGENCE_EVERY
+    loss_spike: LossSpike | None = None
+    verify_update: bool = False
+    faults: Sequence[Fault] = ()
+    donate: bool = True
+    axis_name: str = AXIS
+    microbatches: int = 1
+    loss_scale: DynamicLossScale | None = None
+    shard_state: ShardState | None = None
+    shard_min_size: int = DEFAULT_SHARD_MIN_SIZE
+    replicas: int = 1
+    shard_rule: ShardRule | None = None
+    #: after ``TrainStep.exclude_devices`` under ``shard_state`` with one group: the
+    #: layout kept from before (each leaf's axis; a leaf it no longer divides held
+    #: padded), which replaces the rule; None otherwise (internal: not a keyword)
+    kept: Kept | None = None
+    #: the faults resolved against the devices (what the traced program injects)
+    injector: Injector = dataclasses.field(init=False, repr=False, compare=False)
+    #: ``jax.Device.id`` of each device, in order
+    device_ids: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check(self)
+        devices = tuple(validate.devices(self.devices))
+        if self.backend == "pmap" and processes.spans_processes(devices):
+            raise ValueError(
+                "backend='pmap' with devices of several processes is not supported: use "
+                "backend='shard_map' (the default; the same checks, state replicated), or "
+                "pass devices=jax.local_devices() for one process's devices"
+            )
+        set_ = object.__setattr__  # frozen: normalized once, here
+        set_(self, "devices", devices)
+        set_(self, "faults", tuple(self.faults))
+        set_(self, "injector", Injector(self.faults, devices))
+        set_(self, "device_ids", tuple(d.id for d in devices))
+        if self.n % self.replicas:
+            raise ValueError(
+                f"replicas={self.replicas} does not divide the {self.n} devices: the step's "
+                f"devices form replicas groups of equal size; pass a divisor of {self.n} "
+                f"(e.g. {_divisors(self.n)}) or other devices"
+            )
+        if self.max_dropped is not None and not 0 <= self.max_dropped < self.n:
+            raise ValueError(
+                f"max_dropped must be None or 0 <= max_dropped < {self.n} (the device "
+                f"count: a step needs one healthy device), got {self.max_dropped!r}"
+            )
+
+    @property
+    def n(self) -> int:
+        """The number of devices."""
+        return len(self.device_ids)
+
+    def summary(self) -> str:
+        """The loss's name and the options that differ from the defaults, for a step's
+        ``repr``."""
+        ids = list(self.device_ids)
+        shown = ids if len(ids) <= 8 else [*ids[:4], "...", *ids[-2:]]
+        parts = [
+            f"backend={self.backend!r}",
+            f"devices={len(ids)} {shown} ({self.devices[0].platform})",
+            f"on_failure={self.on_failure!r}",
+            f"axis_name={self.axis_name!r}",
+            f"divergence_every={self.divergence_every}",
+        ]
+        optional = {
+            "microbatches": self.microbatches if self.microbatches != 1 else None,
+            "loss_spike": self.loss_spike,
+            "loss_scale": self.loss_scale,
+            "verify_update": self.verify_update or None,
+            "shard_state": self.shard_state,
+            "replicas": self.replicas if self.replicas != 1 else None,
+            "shard_rule": getattr(self.shard_rule, "__name__", "rule") if self.shard_rule else None,
+            "faults": len(self.faults) or None,
+            "max_consecutive_skips": (
+                self.max_consecutive_skips if self.on_failure == "skip" else None
+            ),
+        }
+        parts += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
+        name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+        return f"{name}, {', '.join(parts)}"
+
+    @property
+    def group_size(self) -> int:
+        """The devices a sharded leaf is split over: ``n / replicas``."""
+        return self.n // self.replicas
+
+    @property
+    def dropped_limit(self) -> int:
+        """``on_failure="drop"``: the most devices one step may leave out (default:
+        fewer than half)."""
+        return (self.n - 1) // 2 if self.max_dropped is None else self.max_dropped
+
+
+def _check(options: Options) -> None:
+    """The checks of every option but the devices, in the order make_train_step made
+    them (the first invalid option is the one named)."""
+    o = options
+    if not callable(o.loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(o.loss_fn).__name__}")
+    if not (hasattr(o.optimizer, "init") and hasattr(o.optimizer, "update")):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation, got "
+            f"{type(o.optimizer).__name__}; e.g. optax.adam(1e-3)"
+        )
+    if o.backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {o.backend!r}; expected 'shard_map' or 'pmap'")
+    if o.on_failure not in POLICIES:
+        raise ValueError(
+            f"unknown on_failure policy {o.on_failure!r}; expected 'raise', 'skip' or 'drop'"
+        )
+    if not (isinstance(o.axis_name, str) and o.axis_name):
+        raise TypeError(f"axis_name must be a non-empty str, got {o.axis_name!r}")
+    validate.positive_or_none("max_consecutive_skips", o.max_consecutive_skips)
+    validate.positive_or_none("max_consecutive_drops", o.max_consecutive_drops)
+    if o.max_dropped is not None and (
+        isinstance(o.max_dropped, bool) or not isinstance(o.max_dropped, int)
+    ):
+        raise TypeError(f"max_dropped must be an int or None, got {o.max_dropped!r}")
+    validate.positive_or_none("microbatches", o.microbatches)
+    if o.loss_scale is not None and not isinstance(o.loss_scale, DynamicLossScale):
+        raise TypeError(
+            f"loss_scale must be a jaxstep.DynamicLossScale or None, got {o.loss_scale!r}"
+        )
+    validate.positive_or_none("divergence_every", o.divergence_every)
+    _check_sharding(o)
+    if o.loss_spike is not None and not isinstance(o.loss_spike, LossSpike):
+        raise TypeError(f"loss_spike must be a jaxstep.LossSpike or None, got {o.loss_spike!r}")
+    for f in o.faults:
+        if not isinstance(f, Fault):
+            raise TypeError(f"faults must hold jaxstep.testing.Fault objects, got {f!r}")
+        if f.kind == "param" and not o.verify_update:
+            raise ValueError(
+                f"{f!r} corrupts the checked new parameters, which only verify_update=True "
+                "checks: build the step with verify_update=True"
+            )
+
+
+def _check_sharding(o: Options) -> None:
+    """``shard_state`` and ``shard_min_size``."""
+    if o.shard_state is not None and o.shard_state not in SHARD_STATES:
+        raise ValueError(
+            f"unknown shard_state {o.shard_state!r}; expected None (every device holds the "
+            "whole state), 'optimizer' (ZeRO-1: the optimizer state sharded) or 'params' "
+            "(FSDP: parameters and optimizer state sharded)"
+        )
+    if o.shard_state is not None and o.backend != "shard_map":
+        raise ValueError(
+            f"shard_state={o.shard_state!r} needs backend='shard_map': a pmap step holds "
+            "every state leaf whole on each device and cannot shard one; build the step "
+            "with backend='shard_map' (the default), or with shard_state=None"
+        )
+    size = o.shard_min_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise TypeError(
+            f"shard_min_size must be an int >= 0 (elements: smaller leaves stay "
+            f"replicated), got {size!r}"
+        )
+    k = o.replicas
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise TypeError(f"replicas must be an int >= 1 (groups of devices), got {k!r}")
+    if k > 1 and o.shard_state is None:
+        raise ValueError(
+            f"replicas={k} needs shard_state: replicas groups hold a sharded state, whole "
+            "in each group (HSDP); pass shard_state='params' or 'optimizer', or replicas=1 "
+            "(without shard_state every device holds the whole state already)"
+        )
+    if o.shard_rule is not None and not callable(o.shard_rule):
+        raise TypeError(
+            f"shard_rule must be a function (path, shape) -> axis | None, got {o.shard_rule!r}"
+        )
+    if o.shard_rule is not None and o.shard_state is None:
+        raise ValueError(
+            "shard_rule needs shard_state: the rule says where the sharded state's leaves "
+            "are split; pass shard_state='params' or 'optimizer'"
+        )
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

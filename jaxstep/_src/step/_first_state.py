@@ -1,0 +1,88 @@
+"""A step's first state (``TrainStep.init``): its parameters checked, copied (the step
+donates its state: the caller's arrays must survive it) and laid out, the optimizer
+state made for them, and every field the step's options ask for."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstep._src.core import Params
+from jaxstep._src.core import PyTree
+from jaxstep._src.core import TrainState
+from jaxstep._src.core import validate
+from jaxstep._src.core.names import keystrs
+from jaxstep._src.program import Options
+from jaxstep._src.program import drop_memory
+from jaxstep._src.step._backends import Backend
+
+
+def shards_nothing(options: Options, backend: Backend, state: TrainState) -> str | None:
+    """What to tell a user whose ``shard_state`` rule shards no leaf of ``state`` (every
+    leaf under ``shard_min_size``, or with no axis that divides by the devices): the
+    state stays whole on every device and the step runs the replicated program. None:
+    the rule shards a leaf (or the step has no ``shard_state``)."""
+    plan = backend.plan(state)
+    if plan is None or plan.sharded:
+        return None
+    names = keystrs(state.params, "params") + keystrs(state.opt_state, "opt_state")
+    leaves = jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)
+    size, name = max((math.prod(np.shape(x)), n) for n, x in zip(names, leaves, strict=True))
+    return (
+        f"shard_state={options.shard_state!r} shards no leaf of this state: each is under "
+        f"shard_min_size={options.shard_min_size} elements or has no axis that divides by "
+        f"the {options.n} devices (the largest, {name}, has {size} elements). The state "
+        "stays whole on every device and the step runs the replicated program. To shard "
+        f"the larger leaves, lower shard_min_size (e.g. make_train_step(..., "
+        f"shard_min_size={min(size, options.shard_min_size) // 2})); or leave shard_state out"
+    )
+
+
+def first_state(
+    options: Options, backend: Backend, params: Params, model_state: PyTree, rng: jax.Array | None
+) -> TrainState:
+    """The first state of a step built with ``options`` (not placed yet, but for a
+    sharded layout's parameters and optimizer state, made shard by shard on the
+    devices: never whole on one).
+
+    Raises:
+      TypeError, ValueError: as ``TrainStep.init``.
+    """
+    validate.params(params)
+    validate.trainable(params)
+    validate.not_variables(params)
+    if rng is not None:
+        validate.key(rng)
+    if model_state is not None:
+        validate.model_state_leaves(model_state, options.has_aux)
+        model_state = jax.tree.map(lambda x: jnp.array(x, copy=True), model_state)
+    if options.shard_state is None:
+        params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+        opt_state = options.optimizer.init(params)
+    else:  # placed shard by shard (copies too), never whole on one device
+        params, opt_state = backend.init_sharded(options.optimizer, params)
+    n = options.n
+    drops = options.on_failure == "drop"
+    monitor: dict[str, Any] = {}
+    if options.loss_spike:
+        monitor["spike"] = options.loss_spike.init(n)
+    if drops:
+        monitor |= drop_memory(n)
+    # Distinct arrays for every leaf: a donated buffer may appear only once.
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        rng=None if rng is None else jnp.array(rng, copy=True),
+        halted=jnp.zeros((), bool),
+        consecutive_skips=jnp.zeros((), jnp.int32),
+        total_skips=jnp.zeros((), jnp.int32),
+        monitor=monitor,
+        model_state=model_state,
+        loss_scale=None if options.loss_scale is None else options.loss_scale.init(),
+        total_drops=jnp.zeros((), jnp.int32) if drops else None,
+    )
