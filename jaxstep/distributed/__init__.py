@@ -34,12 +34,12 @@ from jaxstep._src.distributed import lost_error as lost_error
 from jaxstep._src.distributed import lost_processes as lost_processes
 from jaxstep._src.distributed import monitor as monitor
 from jaxstep._src.distributed import record as record
-from jaxstep._src.distributed import reports as reports
 from jaxstep._src.distributed import root_cause as root_cause
 from jaxstep._src.distributed import share_heartbeats as share_heartbeats
 from jaxstep._src.distributed import wait_ready as wait_ready
 from jaxstep._src.distributed import watch as watch
 from jaxstep._src.distributed import write_error_report as write_error_report
+from jaxstep.distributed import reports as reports
 
 __all__ = [
     "DEFAULT_LOST_TIMEOUT",
