@@ -5,8 +5,8 @@ import socket
 import time
 from pathlib import Path
 
-from jaxstep.distributed import _ports
-from jaxstep.distributed import launch
+from jaxstep._src.distributed import _ports
+from jaxstep._src.distributed import launch
 
 
 class _Draws:
