@@ -18,7 +18,7 @@ import jax
 import optax
 
 import jaxstep
-from jaxstep.distributed import launch
+from jaxstep._src.distributed import launch
 from jaxstep.testing import Fault
 from tests.models import bucketed_batches
 from tests.models import init_params
@@ -61,19 +61,42 @@ def test_the_resharding_warning_names_the_bytes_in_a_unit_that_shows_them():
     assert told.filename == __file__
 
 
-def test_a_log_line_keeps_its_format_after_another_library_configures_logging(capfd):
-    log = logging.getLogger("jaxstep")
-    log.warning("jaxstep says one thing")
-    root = logging.getLogger()
-    saved = list(root.handlers)
-    logging.basicConfig()  # what a library (orbax, through absl) may do
-    try:
-        log.warning("jaxstep says another")
-    finally:
-        root.handlers[:] = saved
-    err = capfd.readouterr().err.splitlines()
-    assert "jaxstep says one thing" in err and "jaxstep says another" in err, err
-    assert not any(line.startswith("WARNING:jaxstep") for line in err), err
+LOGGING_CHILD = r"""
+import logging, sys
+import jaxstep
+log = logging.getLogger("jaxstep")
+assert not log.handlers and log.propagate, (log.handlers, log.propagate)
+log.warning("jaxstep says one thing")  # no set-up: logging's last resort, the bare message
+logging.basicConfig(format="app| %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+log.warning("jaxstep says another")  # the application's set-up decides
+log.info("jaxstep says a detail")  # below the level the application chose: not shown
+"""
+
+
+def test_jaxstep_leaves_its_log_lines_to_the_applications_set_up():
+    """A library adds no handler and keeps propagation (the logging HOWTO): the
+    application's format and level apply to jaxstep's lines; with no set-up at all a
+    warning still reaches stderr (a notebook shows it)."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOGGING_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    err = done.stderr.splitlines()
+    assert "jaxstep says one thing" in err, err
+    assert "app| jaxstep WARNING jaxstep says another" in err, err
+    assert not any("a detail" in line for line in err), err
+
+
+def test_caplog_sees_jaxsteps_lines(caplog):
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("jaxstep").warning("jaxstep says it to the application")
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [
+        ("jaxstep", "jaxstep says it to the application")
+    ]
 
 
 def test_the_launcher_drops_gloo_connection_lines_and_relays_the_rest():

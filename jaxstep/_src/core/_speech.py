@@ -1,12 +1,14 @@
 """How jaxstep speaks outside its errors: its log lines (:data:`log`, the ``"jaxstep"``
-logger, with a handler of its own) and its warnings (:func:`warn`, pointed at the
-user's line).
+logger) and its warnings (:func:`warn`, pointed at the user's line).
 
-The log lines go to stderr as the message alone, whatever else configured Python's
-logging: before, they came through logging's last-resort handler as the bare message
-until some library (orbax's, through absl) configured the root logger, and from then
-on as ``WARNING:jaxstep:...``. To send them through your own logging set-up instead:
-``logging.getLogger("jaxstep").propagate = True`` and remove its handler."""
+jaxstep leaves logging to the application, as the standard library's logging HOWTO asks
+of a library: it adds no handler and never turns propagation off, so the lines go
+wherever the application's set-up sends them (absl's, a notebook's, a cluster's
+collector), at the levels it chose. With no set-up at all, warnings and errors still
+reach stderr, as the bare message, through logging's last-resort handler: a notebook
+shows them without a line of configuration. To see jaxstep's INFO lines (a resume, a
+recovery a progress bar already shows): ``logging.getLogger("jaxstep").setLevel(logging.INFO)``
+and a handler of your own (``logging.basicConfig(level=logging.INFO)``)."""
 
 from __future__ import annotations
 
@@ -15,14 +17,8 @@ import os
 import sys
 import warnings
 
-#: jaxstep's logger: warnings and above to stderr, as the message alone
+#: jaxstep's logger; its records propagate to the application's handlers
 log = logging.getLogger("jaxstep")
-if not any(getattr(h, "jaxstep", False) for h in log.handlers):
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(message)s"))
-    _handler.jaxstep = True  # type: ignore[attr-defined]  # (a re-import adds no second)
-    log.addHandler(_handler)
-    log.propagate = False
 
 #: the folder of the jaxstep package (three up from jaxstep/_src/core/): frames there
 #: are jaxstep's own
