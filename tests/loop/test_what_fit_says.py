@@ -110,6 +110,47 @@ def test_the_launcher_drops_gloo_connection_lines_and_relays_the_rest():
     assert out.getvalue() == "[p1] step 3 loss 0.5\n"
 
 
+GLOO = "[Gloo] Rank {} is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+
+
+def test_the_launcher_drops_gloo_lines_torn_by_two_threads_and_keeps_every_user_line():
+    """Two of gloo's threads writing at once tear its line: pieces of two on one line, a
+    tail on the next, down to a bare number. None of it reaches the user; each user
+    line does, a number or words of gloo's vocabulary included."""
+    lines = [
+        "[Gloo] Rank 0 is connected to [Gloo] Rank 1 is connected to 7 peer ranks. "
+        "Expected number of connected peer ranks is : 7 peer ranks. Expected number of "
+        "connected peer ranks is : ",
+        "7",
+        GLOO.format(2) + GLOO.format(3),
+        "step 3 loss 0.5",
+        "7",
+        "[Gloo] Rank 4 is connected to 7 peer ranks. Expected number of connected peer",
+        " ranks is : 7",
+        "Rank 3 is connected",
+        "epoch 1 " + GLOO.format(5),
+        GLOO.format(6),
+    ]
+    stream = io.BytesIO("".join(line + "\n" for line in lines).encode())
+    out = io.StringIO()
+    launch._forward(0, stream, out, threading.Lock())
+    assert out.getvalue().splitlines() == [
+        "[p0] step 3 loss 0.5",
+        "[p0] 7",
+        "[p0] Rank 3 is connected",
+        "[p0] epoch 1",
+    ]
+    shown = io.StringIO()  # asked for: every line as written
+    launch._forward(
+        0,
+        io.BytesIO("".join(line + "\n" for line in lines).encode()),
+        shown,
+        threading.Lock(),
+        show_gloo=True,
+    )
+    assert shown.getvalue().splitlines() == [f"[p0] {line}" for line in lines]
+
+
 CHILD = r"""
 import itertools, sys, time
 import jaxstep

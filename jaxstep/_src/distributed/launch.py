@@ -91,15 +91,73 @@ def child_env(
 #: gloo's line for each group of CPU collectives it connects (one per group and process:
 #: 15 to 23 for a 2 x 4 run), which says nothing a user acts on: not relayed
 GLOO_CONNECTED = re.compile(
-    r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
-    r"connected peer ranks is : \d+$"
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
+    r"connected peer ranks is : \d+"
+)
+#: the words of that line: gloo's threads write it in pieces, and two threads writing
+#: at once tear it (pieces of two lines on one, a line's tail on the next)
+_GLOO_WORDS = frozenset(
+    {
+        "[Gloo]",
+        "Rank",
+        "is",
+        "connected",
+        "to",
+        "peer",
+        "ranks",
+        "ranks.",
+        "Expected",
+        "number",
+        "of",
+        ":",
+    }
 )
 
 
-def _forward(index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock) -> None:
+class GlooFilter:
+    """Which of a process's output lines the launcher relays: every line but gloo's
+    connection lines, whole or torn. A line is gloo's when, once its whole gloo lines
+    are cut out, what is left is only gloo's words and numbers, and it holds a piece no
+    user line has (``[Gloo]``, ``peer ranks``) or it follows a line that gloo left
+    unfinished (a torn line's tail, down to a bare number).
+
+    >>> f = GlooFilter()
+    >>> f.keep("[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of "
+    ...        "connected peer ranks is : 7")
+    >>> f.keep("[Gloo] Rank 1 is connected to [Gloo] Rank 2 is connected to 7 peer ranks.")
+    >>> f.keep("7 peer ranks. Expected number of connected peer ranks is : 7")
+    >>> f.keep("step 3 loss 0.5")
+    'step 3 loss 0.5'
+    """
+
+    def __init__(self) -> None:
+        #: gloo left its last line unfinished: the next line may carry its tail
+        self.torn = False
+
+    def keep(self, line: str) -> str | None:
+        """``line`` as it should be relayed, or None for a line of gloo's alone."""
+        rest = GLOO_CONNECTED.sub(" ", line)
+        words = rest.split()
+        gloo_only = all(w in _GLOO_WORDS or w.rstrip(".").isdigit() for w in words)
+        piece = "[Gloo]" in rest or "peer ranks" in rest
+        if words and gloo_only and (piece or self.torn):
+            # unfinished unless it ends as gloo's line does: "... is : N"
+            self.torn = not (len(words) > 1 and words[-2] == ":" and words[-1].isdigit())
+            return None
+        self.torn = False
+        if not words and rest != line:  # whole gloo lines, nothing else
+            return None
+        return line if rest == line else " ".join(rest.split())
+
+
+def _forward(
+    index: int, stream: IO[bytes], out: IO[str], lock: threading.Lock, show_gloo: bool = False
+) -> None:
+    gloo = GlooFilter()
     for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", "replace").rstrip("\n")
-        if GLOO_CONNECTED.match(line):
+        text = raw.decode("utf-8", "replace").rstrip("\n")
+        line = text if show_gloo else gloo.keep(text)
+        if line is None:
             continue
         with lock:
             out.write(f"[p{index}] {line}\n")
@@ -116,6 +174,7 @@ class _Job(NamedTuple):
     grace: float
     out: IO[str]
     lock: threading.Lock
+    show_gloo: bool
 
 
 def launch(
@@ -128,6 +187,7 @@ def launch(
     timeout: float | None = None,
     out: IO[str] | None = None,
     restarts: int = 0,
+    show_gloo: bool = False,
 ) -> int:
     """Runs ``command`` as processes 0..num_processes-1 of one local job.
 
@@ -148,6 +208,9 @@ def launch(
         after a hang or a lost peer) or was killed by a signal (a crash). Any other
         exit code (1: a bug, an unrecovered ``TrainingWorkerError``) is final. Each
         process reads its attempt in ``$JAXSTEP_RESTART`` (0 first).
+      show_gloo: relay gloo's connection lines too (one per group of collectives and
+        process, torn when two of its threads write at once); by default none reaches
+        ``out`` (:class:`GlooFilter`).
 
     Returns:
       0 if every process of the last attempt exited with 0, else the exit code of the
@@ -167,7 +230,9 @@ def launch(
     if error_dir is not None:
         os.makedirs(error_dir, exist_ok=True)
     lock = threading.Lock()
-    job = _Job(tuple(command), num_processes, devices_per_process, error_dir, grace, out, lock)
+    job = _Job(
+        tuple(command), num_processes, devices_per_process, error_dir, grace, out, lock, show_gloo
+    )
     deadline = None if timeout is None else time.monotonic() + timeout
     for attempt in range(restarts + 1):
         first = _attempt(job, attempt, deadline)
@@ -206,7 +271,9 @@ def _attempt(job: _Job, attempt: int, deadline: float | None) -> tuple[int, int]
         )
         procs.append(proc)
         assert proc.stdout is not None
-        t = threading.Thread(target=_forward, args=(i, proc.stdout, out, lock), daemon=True)
+        t = threading.Thread(
+            target=_forward, args=(i, proc.stdout, out, lock, job.show_gloo), daemon=True
+        )
         t.start()
         threads.append(t)
 
@@ -331,6 +398,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(fit(recover=...) after a hang or a lost peer) or is killed by a signal; any other "
         "failure is final (default 0)",
     )
+    parser.add_argument(
+        "--show-gloo",
+        action="store_true",
+        help="relay gloo's connection lines too (left out by default)",
+    )
     parser.add_argument("-m", dest="module", help="run a module (python -m MODULE) instead")
     parser.add_argument("script", nargs="?", help="the training script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
@@ -352,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grace=ns.grace,
         timeout=ns.timeout,
         restarts=ns.restarts,
+        show_gloo=ns.show_gloo,
     )
 
 
