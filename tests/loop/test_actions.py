@@ -12,7 +12,6 @@ from jaxstep._src.checkpoint import begin_fit
 from jaxstep._src.loop import FitOptions
 from jaxstep._src.loop import Loop
 from jaxstep._src.loop._actions import Direct
-from jaxstep._src.loop._callbacks import Callbacks
 from jaxstep._src.loop._checkpoints import Checkpoints
 from jaxstep._src.loop._diagnose import Replay
 from jaxstep._src.loop._prefetch import InTurn
@@ -116,7 +115,8 @@ def test_the_actions_a_run_asks_for_come_in_their_documented_order(tmp_path):
     loop = _loop(step, options)
     try:
         kinds = [type(part) for part in loop.actions.parts]
-        assert kinds == [Prefetch, Checkpoints, StepWatchdog, Callbacks, Recoverer, Replay]
+        # the user's callbacks are listeners in the same list, in the order given
+        assert kinds == [Prefetch, Checkpoints, StepWatchdog, jaxstep.Progress, Recoverer, Replay]
         assert loop.actions.runner.settles_at_once is True  # the watchdog runs the dispatch
     finally:
         loop.actions.close()
