@@ -11,6 +11,7 @@ from jaxstep._src.loop import Loop
 from jaxstep._src.loop._action import Runner
 from jaxstep._src.loop._actions import Actions
 from jaxstep._src.loop._callbacks import listener
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._prefetch import InTurn
 from jaxstep._src.step import runtime_of
 from tests.models import init_params
@@ -20,7 +21,7 @@ from tests.models import rows_of
 
 
 def _loop(step, batches, **kw):
-    state, _, checkpoints = begin_fit(
+    state, _, saver = begin_fit(
         runtime_of(step),
         step.init(init_params()),
         batches,
@@ -29,7 +30,7 @@ def _loop(step, batches, **kw):
         keep=3,
         resume=False,
     )
-    loop = Loop(step, state, checkpoints, **kw)
+    loop = Loop(step, state, FitCheckpoints(saver), **kw)
     loop.start()
     return loop
 

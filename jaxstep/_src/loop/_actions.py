@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxstep._src.checkpoint import Cursor
-from jaxstep._src.checkpoint import FitCheckpoints
 from jaxstep._src.core import StepOutput
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
@@ -26,7 +25,7 @@ from jaxstep._src.loop._action import Runner
 from jaxstep._src.loop._callbacks import Callback
 from jaxstep._src.loop._callbacks import listener
 from jaxstep._src.loop._callbacks import overrides
-from jaxstep._src.loop._checkpoints import Checkpoints
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._diagnose import Replay
 from jaxstep._src.loop._history import History
 from jaxstep._src.loop._options import FitOptions
@@ -104,7 +103,7 @@ def actions(
         replay = Replay(runtime, options.diagnose, options.presplit, options.step_timeout)
     found = (
         feeder,
-        None if checkpoints.store is None else Checkpoints(checkpoints),
+        None if checkpoints.store is None else checkpoints,
         runner,
         *callbacks,
         recoverer,

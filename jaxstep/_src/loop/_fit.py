@@ -13,6 +13,7 @@ from jaxstep._src.checkpoint import CheckpointOptions
 from jaxstep._src.checkpoint import begin_fit
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import warn
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._driver import Loop
 from jaxstep._src.loop._history import History
 from jaxstep._src.loop._options import FitOptions
@@ -103,10 +104,10 @@ def fit(
         prefetch=prefetch,
     )
     check_inputs(state, batches)
-    state, _, checkpoints = begin_fit(
+    state, _, saver = begin_fit(
         runtime_of(step), state, batches, options.checkpoints, lookahead=options.prefetch
     )
-    loop = Loop(step, state, checkpoints, options)
+    loop = Loop(step, state, FitCheckpoints(saver), options)
     try:
         loop.start()
         with deferred_interrupts(loop.interrupt):
