@@ -22,11 +22,12 @@ HOOKS = ("on_fit_start", "on_step_end", "on_recovery", "on_failure", "on_fit_end
 class Callback:
     """What :func:`jaxstep.fit` tells its callbacks, as methods that do nothing:
     subclass it and override the hooks you need (``fit(..., callbacks=[...])``). Fit
-    calls a hook only on the callbacks that override it, in the order given, and after
-    its own parts (the checkpoints, the recovery) where the order matters: a step's
-    checkpoint copy is handed to the writer before ``on_step_end`` hears of the step,
-    the emergency save is done before ``on_failure``, and the final checkpoint is
-    written before ``on_fit_end`` (docs/fit.md). :class:`Progress`,
+    calls a hook only on the callbacks that override it, in the order given; where the
+    order beside fit's own parts matters, they come first: a step's checkpoint copy is
+    handed to the writer before ``on_step_end`` hears of the step, a recovery's record
+    is in ``history.recoveries`` before ``on_recovery``, the emergency save is done
+    before ``on_failure``, and the final checkpoint is written before ``on_fit_end``
+    (docs/fit.md). :class:`Progress`,
     :class:`JsonlWriter`, :class:`TensorBoardWriter` and :class:`CluWriter` are
     Callbacks; an object with some of these methods that does not subclass it works
     too.

@@ -65,9 +65,10 @@ def fit(
         reached ends the call).
       history: a :class:`History` the steps are appended to (None: a new one, not
         returned).
-      callbacks: objects with any of the hooks ``on_fit_start(step, history)``,
-        ``on_step_end(table)``, ``on_recovery(record)``, ``on_failure(error)``,
-        ``on_fit_end(history)`` (one object needs no list).
+      callbacks: :class:`Callback` objects, called in the order given (or any object
+        with some of the hooks ``on_fit_start(step, history)``, ``on_step_end(table)``,
+        ``on_recovery(record)``, ``on_failure(error)``, ``on_fit_end(history)``; one
+        object needs no list).
       diagnose: replay a failure to tell data from device from a one-off: True every
         failure, None (default) a failure every device had alike, False none.
       step_timeout: seconds a step may take before the devices that did not finish
