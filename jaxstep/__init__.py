@@ -36,6 +36,7 @@ from jaxstep._src.core import StepOutput
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import WeightedLoss
+from jaxstep._src.loop import Callback
 from jaxstep._src.loop import Diagnosis
 from jaxstep._src.loop import History
 from jaxstep._src.loop import Recover
@@ -62,6 +63,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Callback",
     "CluWriter",
     "Diagnosis",
     "DynamicLossScale",

@@ -50,9 +50,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxstep  # noqa: E402
-from jaxstep._src.checkpoint import FitCheckpoints  # noqa: E402
 from jaxstep._src.checkpoint._layout import local_copy  # noqa: E402
 from jaxstep._src.checkpoint._store import Store  # noqa: E402
+from jaxstep._src.loop._checkpoints import FitCheckpoints  # noqa: E402
 from jaxstep._src.step import runtime_of  # noqa: E402
 
 SIZES = (784, 512, 512, 10)
@@ -114,19 +114,19 @@ def main() -> None:
     def timed(fn: Any) -> Any:
         def wrapper(self: Any, *a: Any) -> Any:
             t0 = time.perf_counter()
-            before = len(self._futures)
+            before = len(self.saver._futures)
             try:
                 return fn(self, *a)
             finally:
                 hooks["s"] += time.perf_counter() - t0
-                hooks["saves"] += len(self._futures) > before
+                hooks["saves"] += len(self.saver._futures) > before
 
         return wrapper
 
     for name in states:  # warm-up: compile both programs, first write
         block(name)
     FitCheckpoints.before = timed(FitCheckpoints.before)
-    FitCheckpoints.settled = timed(FitCheckpoints.settled)
+    FitCheckpoints.read = timed(FitCheckpoints.read)
     times: dict[str, list[float]] = {name: [] for name in states}
     for _ in range(args.rounds):
         for name in states:

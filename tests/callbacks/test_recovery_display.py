@@ -64,16 +64,19 @@ def _fit(*callbacks) -> jaxstep.History:
     """What fit does with callbacks, in its order: each recovery goes into the history,
     then to ``on_recovery``, before the step it recovered is recorded."""
     history = jaxstep.History(device_ids=IDS)
-    hooks = jaxstep._src.loop.Callbacks(callbacks)
-    hooks.on_fit_start(None, history)
+    for callback in callbacks:  # each a jaxstep.Callback: every hook can be called
+        callback.on_fit_start(None, history)
     for t in range(STEPS):
         if t in RECOVERIES:
             history.recoveries.append(RECOVERIES[t])
-            hooks.on_recovery(RECOVERIES[t])
+            for callback in callbacks:
+                callback.on_recovery(RECOVERIES[t])
         table = _table(t)
         history.append(table, {"accuracy": 0.5}, examples_per_sec=100.0)
-        hooks.on_step_end(table)
-    hooks.on_fit_end(history)
+        for callback in callbacks:
+            callback.on_step_end(table)
+    for callback in callbacks:
+        callback.on_fit_end(history)
     return history
 
 

@@ -12,8 +12,7 @@ from jaxstep._src.checkpoint import begin_fit
 from jaxstep._src.loop import FitOptions
 from jaxstep._src.loop import Loop
 from jaxstep._src.loop._actions import Direct
-from jaxstep._src.loop._callbacks import Callbacks
-from jaxstep._src.loop._checkpoints import Checkpoints
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._diagnose import Replay
 from jaxstep._src.loop._prefetch import InTurn
 from jaxstep._src.loop._prefetch import Prefetch
@@ -27,10 +26,10 @@ from tests.models import make_batches
 
 
 def _loop(step, options):
-    state, _, checkpoints = begin_fit(
+    state, _, saver = begin_fit(
         runtime_of(step), step.init(init_params()), make_batches(1), options.checkpoints
     )
-    return Loop(step, state, checkpoints, options)
+    return Loop(step, state, FitCheckpoints(saver), options)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +115,9 @@ def test_the_actions_a_run_asks_for_come_in_their_documented_order(tmp_path):
     loop = _loop(step, options)
     try:
         kinds = [type(part) for part in loop.actions.parts]
-        assert kinds == [Prefetch, Checkpoints, StepWatchdog, Callbacks, Recoverer, Replay]
+        # the user's callbacks are listeners in the same list, in the order given
+        progress = jaxstep.Progress
+        assert kinds == [Prefetch, FitCheckpoints, StepWatchdog, progress, Recoverer, Replay]
         assert loop.actions.runner.settles_at_once is True  # the watchdog runs the dispatch
     finally:
         loop.actions.close()

@@ -1,5 +1,5 @@
 """fit's driver step by step: each named step of jaxstep._src.loop.Loop alone, and the
-callback fan-out."""
+fan-out of each hook to the listeners that have it (the callbacks among them)."""
 
 import numpy as np
 import optax
@@ -7,8 +7,12 @@ import pytest
 
 import jaxstep
 from jaxstep._src.checkpoint import begin_fit
-from jaxstep._src.loop import Callbacks
 from jaxstep._src.loop import Loop
+from jaxstep._src.loop._action import Runner
+from jaxstep._src.loop._actions import Actions
+from jaxstep._src.loop._callbacks import listener
+from jaxstep._src.loop._checkpoints import FitCheckpoints
+from jaxstep._src.loop._prefetch import InTurn
 from jaxstep._src.step import runtime_of
 from tests.models import init_params
 from tests.models import loss_fn
@@ -17,7 +21,7 @@ from tests.models import rows_of
 
 
 def _loop(step, batches, **kw):
-    state, _, checkpoints = begin_fit(
+    state, _, saver = begin_fit(
         runtime_of(step),
         step.init(init_params()),
         batches,
@@ -26,7 +30,7 @@ def _loop(step, batches, **kw):
         keep=3,
         resume=False,
     )
-    loop = Loop(step, state, checkpoints, **kw)
+    loop = Loop(step, state, FitCheckpoints(saver), **kw)
     loop.start()
     return loop
 
@@ -170,9 +174,14 @@ def test_callbacks_call_only_the_hooks_each_callback_has_in_order():
         def on_fit_end(self, history):
             calls.append((self.name, "end", history))
 
-    hooks = Callbacks([Every("a"), object(), EndOnly(), Every("b")])
+    def fan_out(callbacks):  # as fit binds them: each callback a listener, adapted once
+        parts = [listener(callback) for callback in callbacks]
+        return Actions(parts, Runner(), InTurn(), shows_recoveries=False)
+
+    hooks = fan_out([Every("a"), object(), EndOnly(), Every("b")])
     hooks.on_fit_start("S", "H")
-    hooks.on_step_end("T")
+    for step_end in hooks.on_step_end:
+        step_end("T")
     hooks.on_failure("E")
     hooks.on_fit_end("H")
     assert calls == [
@@ -186,6 +195,7 @@ def test_callbacks_call_only_the_hooks_each_callback_has_in_order():
         ("end-only", "end", "H"),
         ("b", "end", "H"),
     ]
-    empty = Callbacks([object()])
-    for hook in (empty.on_step_end, empty.on_failure, empty.on_fit_end):
+    empty = fan_out([object()])
+    assert empty.on_step_end == ()  # no callback has the hook: nothing to call
+    for hook in (empty.on_failure, empty.on_fit_end):
         hook(None)  # no callback has the hook: nothing to call, no error

@@ -24,6 +24,7 @@ from jaxstep._src.callbacks._step_records import step_scalars
 from jaxstep._src.callbacks._step_records import table_record
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import TrainingWorkerError
+from jaxstep._src.loop import Callback
 from jaxstep._src.loop import Entry
 from jaxstep._src.loop import History
 from jaxstep._src.loop import Recovery
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from jaxstep._src.step import TrainStep
 
 
-class _Writer:
+class _Writer(Callback):
     """What the writers share: the run's :class:`History`, handed over by ``fit``, and
     writing on one process only (every process of a multi-host run holds the same
     table, so one copy is the whole record)."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import TrainingWorkerError
+from jaxstep._src.loop import Callback
 from jaxstep._src.loop import History
 from jaxstep._src.loop import Recovery
 
@@ -42,7 +43,7 @@ def _can_draw(file: IO[str]) -> bool:
     return True
 
 
-class Progress:
+class Progress(Callback):
     """Shows a run's progress; add it with ``fit(..., callbacks=[jaxstep.Progress(n)])``.
 
     Under ``fit(..., recover=...)`` each recovery is printed as it is taken

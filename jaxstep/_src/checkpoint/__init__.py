@@ -10,7 +10,7 @@ from jaxstep._src.checkpoint._quarantine import append_quarantine as append_quar
 from jaxstep._src.checkpoint._quarantine import read_quarantine as read_quarantine
 from jaxstep._src.checkpoint._resume import begin_fit as begin_fit
 from jaxstep._src.checkpoint._save import save as save
-from jaxstep._src.checkpoint._saver import FitCheckpoints as FitCheckpoints
+from jaxstep._src.checkpoint._saver import Saver as Saver
 from jaxstep._src.checkpoint._store import Store as Store
 from jaxstep._src.checkpoint._store import restore as restore
 from jaxstep._src.checkpoint._store import restore_on as restore_on
@@ -19,7 +19,7 @@ __all__ = [
     "CheckpointOptions",
     "Cursor",
     "Emergency",
-    "FitCheckpoints",
+    "Saver",
     "Store",
     "append_quarantine",
     "begin_fit",

@@ -18,7 +18,7 @@ from jaxstep._src.checkpoint._options import CheckpointOptions
 from jaxstep._src.checkpoint._position import Position
 from jaxstep._src.checkpoint._position import Source
 from jaxstep._src.checkpoint._position import is_callable_source
-from jaxstep._src.checkpoint._saver import FitCheckpoints
+from jaxstep._src.checkpoint._saver import Saver
 from jaxstep._src.checkpoint._store import Loaded
 from jaxstep._src.checkpoint._store import Store
 from jaxstep._src.checkpoint._store import as_path
@@ -38,7 +38,7 @@ def begin_fit(
     *,
     lookahead: int = 0,
     **keywords: Any,
-) -> tuple[TrainState, Source, FitCheckpoints]:
+) -> tuple[TrainState, Source, Saver]:
     """One fit call's checkpointing begins: restores the latest verified checkpoint
     when ``options.resume``, and opens
     ``batches`` at the data position (``keywords``: the options, when ``options`` is
@@ -46,7 +46,7 @@ def begin_fit(
     of the one it trains (its prefetch).
 
     Returns:
-      (the state to train from, the batches to pull, the run).
+      (the state to train from, the batches to pull, the run's :class:`Saver`).
     """
     if options is None:
         options = CheckpointOptions(**keywords)
@@ -90,7 +90,7 @@ def begin_fit(
                 "resume=True would pick them. Use a new checkpoint_dir, delete them, or "
                 "pass resume=True to go on from the latest"
             )
-    return state, source, FitCheckpoints(step, store, every, source, first)
+    return state, source, Saver(step, store, every, source, first)
 
 
 def latest(

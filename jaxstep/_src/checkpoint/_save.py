@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from jaxstep._src.checkpoint._position import Source
-from jaxstep._src.checkpoint._saver import FitCheckpoints
+from jaxstep._src.checkpoint._saver import Saver
 from jaxstep._src.checkpoint._store import Store
 from jaxstep._src.core import TrainState
 from jaxstep._src.step import TrainStep
@@ -60,7 +60,7 @@ def save(
     runtime.check_state(state)
     number = int(np.asarray(runtime.read_first(state.step)))
     store = Store(checkpoint_dir, keep=keep, create=True)
-    saver = FitCheckpoints(runtime, store, None, Source([], 0), number)
+    saver = Saver(runtime, store, None, Source([], 0), number)
     try:
         return saver.save_now(state, None, "when jaxstep.save saved it")
     finally:

@@ -1,13 +1,13 @@
-"""What :func:`jaxstep.fit` does so that a failure loses nothing: a copy of the state at
-each checkpoint step, written from a worker thread once that step's replica check has
-passed (so every checkpoint is verified); on a failure, an emergency save of the last
-good state, the failing batch and the error report; on an early stop, the state.
+"""How a run's checkpoints are written so that a failure loses nothing: a copy of the
+state taken at a step (:meth:`Saver.take`), written from a worker thread once that
+step's replica check has passed (:meth:`Saver.settled`: every checkpoint is verified);
+a state written at once (:meth:`Saver.save_now`: fit's final state, an early stop's,
+:func:`jaxstep.save`); a failure's emergency save of the last good state, the failing
+batch and the error report (:meth:`Saver.emergency`).
 
-In fit's order: :func:`jaxstep._src.checkpoint._resume.begin_fit` (resume, open the data), then
-:meth:`~FitCheckpoints.before` (each dispatch), :meth:`~FitCheckpoints.settled` (each
-health table read), then :meth:`~FitCheckpoints.finished` (the last state) or
-:meth:`~FitCheckpoints.failed` or :meth:`~FitCheckpoints.stopped`, and
-:meth:`~FitCheckpoints.close` (the loop's checkpoint action calls them).
+When fit writes one, and from which data position, is fit's own: its checkpoint
+listener (:class:`jaxstep._src.loop._checkpoints.FitCheckpoints`) calls these.
+:func:`jaxstep._src.checkpoint._resume.begin_fit` builds the saver of a fit call.
 """
 
 from __future__ import annotations
@@ -70,10 +70,13 @@ class _Snapshot:
         return cls(number, copy, position, tuple(step.devices), layout, pads)
 
 
-class FitCheckpoints:
-    """One fit call's checkpointing, on the step's runtime (:meth:`resumed_on`: a new
-    one once a recovery left a device out). Built by
-    :func:`jaxstep._src.checkpoint._resume.begin_fit`."""
+class Saver:
+    """Writes one run's checkpoints into ``store`` (None: no checkpoint directory,
+    nothing written), on the step's runtime (:meth:`resumed_on`: a new one once a
+    recovery left a device out). The run it writes for: a checkpoint every ``every``
+    steps (None: at the end only; no writer thread) from step ``first``, the data
+    read from ``source``. Built by :func:`jaxstep._src.checkpoint._resume.begin_fit`
+    (and by :func:`jaxstep.save`)."""
 
     def __init__(
         self, step: Runtime, store: Store | None, every: int | None, source: Source, first: int
@@ -84,7 +87,7 @@ class FitCheckpoints:
         self.source = source
         if step.origin is not None:  # the step lost devices in an earlier call
             source.carrying = True
-        self.number = first  # the step number of the next state dispatched
+        self.first = first  # the step number of the first state the run dispatches
         # Several processes: each publishes its data position for every checkpoint;
         # one (the writer) writes (see jaxstep.coordination).
         self.processes = coordination.processes(step.devices)
@@ -106,26 +109,22 @@ class FitCheckpoints:
             # exactly at the first batch it did not train.
             source.watch(lambda count: True)
 
-    def before(self, state: TrainState, at: Cursor | None = None) -> bool:
-        """Called with each state just before it is dispatched (and donated). Returns
-        whether this step must run the replica check: at a checkpoint step, on every
-        process alike (the same program everywhere), so the checkpoint is verified.
-        ``at``: where the batch about to run starts in the data (default: the batch
-        pulled last), the data position a checkpoint of ``state`` resumes from."""
-        number = self.number
-        self.number += 1
-        check = self.every is not None and self.store is not None and number % self.every == 0
-        if self._pool is None or not check or number in self._done:
-            return check
-        # The position before the batch of this step (by default the one pulled last).
-        position = self.source.position(Cursor(self.source.count - 1) if at is None else at)
-        if self._positions is not None:  # published before the step runs: the writer
-            # reads it once the step's collective finished, so it is there by then
+    def holds(self, number: int) -> bool:
+        """Whether step ``number`` is written already (this run, or an earlier one)."""
+        return number in self._done
+
+    def take(self, number: int, state: TrainState, position: Position) -> None:
+        """A copy of ``state``, the state of checkpoint step ``number`` just before it
+        is dispatched (and donated), which resumes from ``position``: dispatched now,
+        written once its step's table shows the replicas agree (:meth:`settled`). On
+        several processes every process publishes its position first (the writer reads
+        it once the step's collective finished, so it is there by then); one that
+        neither writes nor holds shards of its own takes no copy."""
+        if self._positions is not None:
             self._positions.publish(number, position.to_json())
             if not self.writer and not blocks.spread(state):  # (or write its shards)
-                return True
+                return
         self._snap = _Snapshot.of(self.step, number, state, position)
-        return True
 
     @property
     def waiting(self) -> bool:
@@ -206,9 +205,8 @@ class FitCheckpoints:
             self.source.carrying = True
 
     def rewind(self, number: int) -> None:
-        """The next state :meth:`before` sees is step ``number`` (a recovery went back
-        or retries a step); a snapshot waiting for a step that did not count is let go."""
-        self.number = number
+        """The run goes on from step ``number`` (a recovery went back or retries a
+        step): a copy waiting for a step that did not count is let go."""
         if self._snap is not None and self._snap.number >= number:
             self._snap = None
 
@@ -232,18 +230,12 @@ class FitCheckpoints:
         """Waits for the queued writes."""
         concurrent.futures.wait(self._futures, timeout=timeout)
 
-    def failed(
-        self, error: TrainingWorkerError, first: Cursor | None = None
-    ) -> TrainingWorkerError:
-        """The error (``error.batches``: the failing batch first) with the emergency
-        save, and the latest verified checkpoint named. ``first``: where the first of
-        ``error.batches`` is in the data (default: they are the last ones pulled).
-        Closes the run."""
-        if self.store is None:
-            return error
+    def emergency(self, error: TrainingWorkerError, first: Cursor) -> TrainingWorkerError:
+        """The error (``error.batches``: the failing batch first, which begins at
+        ``first`` in the data) with the emergency save, and the latest verified
+        checkpoint named (queued writes waited for first). Closes the saver."""
+        assert self.store is not None
         self.drain(_DRAIN_TIMEOUT)
-        if first is None:
-            first = Cursor(self.source.count - len(error.batches))
         try:
             return self._save_and_name(error, first)
         finally:
@@ -274,34 +266,6 @@ class FitCheckpoints:
                 else f"no verified checkpoint in {str(where)!r} yet",
             )
         return error.replace(checkpoint=path)
-
-    def stopped(self, state: TrainState, untrained: int, first: Cursor | None = None) -> str | None:
-        """``fit`` stops early (Ctrl-C, an exception): saves ``state`` as the checkpoint
-        of its step, verified when its replicas agree, with the data position before the
-        ``untrained`` batches pulled last (or at ``first``), so ``resume=True`` goes on
-        from it. Returns where, or None (no checkpoint directory; several processes,
-        whose positions would need every peer, and which do not stop together: their
-        latest periodic checkpoint stands)."""
-        if self.store is None:
-            return None
-        if len(self.processes) > 1:
-            log.warning("fit stopped early: with several processes no state is saved")
-            return None
-        at = Cursor(self.source.count - untrained) if first is None else first
-        return self.save_now(state, self.source.position(at), "when fit stopped early")
-
-    def finished(self, state: TrainState, first: Cursor | None = None) -> str | None:
-        """The data ended (or ``num_steps``): ``state`` saved as the checkpoint of its
-        step, verified when every device holds the same copy, with the data position
-        ``first`` (the first row carried and not trained, when the call's count of
-        batches cut it short) or after the last batch pulled (every batch pulled was
-        trained), so a restarted job's ``resume=True`` trains nothing twice and misses
-        nothing. Every process calls it (they end together). Returns where, or None (no
-        checkpoint directory)."""
-        if self.store is None:
-            return None
-        position = self.source.position(Cursor(self.source.count) if first is None else first)
-        return self.save_now(state, position, "at the end of fit")
 
     def save_now(self, state: TrainState, position: Position | None, when: str) -> str:
         """``state`` written as the checkpoint of its step, on this thread (after the

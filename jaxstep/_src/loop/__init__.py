@@ -1,10 +1,10 @@
 """The training loop: :func:`fit` (dispatch step t, settle step t-1), a short driver
 over :class:`Loop`'s named steps and its actions (checkpoints, the step watchdog that
 names a hung device, recovery, the carry, the callbacks, the replay diagnosis); the
-:class:`History` it keeps, the :class:`Callbacks` fan-out, and the replay diagnosis of
-a failed step."""
+:class:`History` it keeps, :class:`Callback` (the one protocol its listeners follow),
+and the replay diagnosis of a failed step."""
 
-from jaxstep._src.loop._callbacks import Callbacks as Callbacks
+from jaxstep._src.loop._callbacks import Callback as Callback
 from jaxstep._src.loop._diagnose import Diagnosis as Diagnosis
 from jaxstep._src.loop._diagnose import diagnose as diagnose
 from jaxstep._src.loop._driver import Loop as Loop
@@ -19,7 +19,7 @@ from jaxstep._src.loop._pending import Pending as Pending
 from jaxstep._src.loop._records import Recovery as Recovery
 
 __all__ = [
-    "Callbacks",
+    "Callback",
     "Diagnosis",
     "Entry",
     "FitOptions",

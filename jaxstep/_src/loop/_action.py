@@ -1,9 +1,11 @@
 """The typed face of the loop's actions (CLU's ``PeriodicAction``, one base class): the
 parts of one fit call that are there only when asked for (checkpoints, the watchdog,
-recovery, the callbacks, the replay diagnosis, the prefetch). Each overrides the hooks
-it needs; every hook here is a no-op. An action is called with the step's values and
-returns what the loop should do or record: it never writes the loop's fields nor the
-:class:`~jaxstep.History` (the loop alone does), and never calls another action.
+recovery, the replay diagnosis, the prefetch). An :class:`Action` is a
+:class:`~jaxstep.Callback` with the loop's own hooks beside the five users have: the
+callbacks a user passes are listeners in the same ordered list. Each overrides the
+hooks it needs; every hook here is a no-op. An action is called with the step's values
+and returns what the loop should do or record: it never writes the loop's fields nor
+the :class:`~jaxstep.History` (the loop alone does), and never calls another action.
 
 Two roles are chosen explicitly, one part each (:func:`jaxstep._src.loop._actions.actions`):
 the :class:`Runner` dispatches a step (the step watchdog, else the direct call) and the
@@ -23,50 +25,57 @@ from jaxstep._src.core import HealthTable
 from jaxstep._src.core import StepOutput
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
-from jaxstep._src.loop._history import History
+from jaxstep._src.loop._callbacks import Callback
 from jaxstep._src.loop._outcome import Resume
 from jaxstep._src.loop._pending import Item
 from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._pending import Placed
 from jaxstep._src.loop._records import Recovery
 from jaxstep._src.loop._stopping import LateBatch
-from jaxstep._src.step import TrainStep
 
 
-class Action:
-    """A part of one fit call. The hooks, in the order of a run (the loop calls a hook
-    only on the actions that override it, found once when fit starts):
+class Action(Callback):
+    """A part of one fit call: a :class:`~jaxstep.Callback` (the five hooks users have,
+    marked *) with the loop's own hooks. The hooks, in the order of a run (the loop
+    calls a hook only on the listeners that override it, found once when fit starts):
 
     ======================  =======================================  ==================
     hook                    when                                     returns (who uses)
     ======================  =======================================  ==================
-    ``on_fit_start``        once, before the first batch             -
+    ``on_fit_start`` *      once, before the first batch             -
     ``pulled``              a batch was pulled from the data         -
     ``before``              before a dispatch (the state about to    check replicas at
                             be donated)                              this step? (loop)
     ``dispatched``          after a dispatch                         -
     ``read``                a step's table was read (also when fit   -
                             stops early: then nothing else hears)
-    ``on_step_end``         the history has the step                 -
+    ``on_step_end`` *       the history has the step                 -
     ``settled``             the step settled                         a record (loop)
     ``failed``              a step failed                            the error amended,
                                                                      or a ``Resume``
                                                                      (loop)
     ``resumed``             the loop went on from a ``Resume``       -
-    ``on_recovery``         the history has a recovery's record      -
+    ``on_recovery`` *       the history has a recovery's record      -
     ``report``              a failure leaves fit                     the error (loop)
-    ``on_failure``          then                                     -
+    ``on_failure`` *        then                                     -
     ``hung``                it was a hang or a lost peer             -
     ``stopped``             another exception leaves fit             where the state
                                                                      was saved (loop)
     ``finish``              the data ended, every step settled       -
     ``close``               every way out of fit                     -
-    ``on_fit_end``          then                                     -
+    ``on_fit_end`` *        then                                     -
     ======================  =======================================  ==================
-    """
 
-    def on_fit_start(self, step: TrainStep, history: History) -> None:
-        """Once, before the first batch (the callbacks hear of the run)."""
+    The order between listeners, where it matters (the list:
+    :func:`jaxstep._src.loop._actions.actions`): a hook runs on the listeners in their
+    order in the list (the feeder, the checkpoints, the runner, the user's callbacks in
+    the order given, the recovery, the replay), and one hook after the other as the
+    table says. So the checkpoints take a step's copy (``before``) and hand it to the
+    writer (``read``) before any callback's ``on_step_end``; the callbacks hear
+    ``on_recovery`` before the recovery counts the record against its budget; the
+    emergency save (``report``) is done before ``on_failure``, and the final state is
+    saved and the writes waited for (``finish``, ``close``) before ``on_fit_end``.
+    """
 
     def pulled(self, batch: Any) -> None:
         """A batch was pulled from the data, before the step takes it."""
@@ -83,9 +92,6 @@ class Action:
         """A step's table was read. Also when fit stops early, where nothing else hears
         of that step."""
 
-    def on_step_end(self, table: HealthTable) -> None:
-        """The history has the step."""
-
     def settled(self, pending: Pending, table: HealthTable) -> Recovery | None:
         """The step settled; a :class:`~jaxstep.Recovery` the step made itself (a replica
         repaired inside it) for the loop to record, or None."""
@@ -101,16 +107,10 @@ class Action:
         """The loop went on from ``resume`` at step ``number`` (``resume.runtime``: the
         step's runtime from now on, when a device left)."""
 
-    def on_recovery(self, record: Recovery) -> None:
-        """The history has a recovery's record."""
-
     def report(self, error: TrainingWorkerError, first: Cursor | None) -> TrainingWorkerError:
         """A failure leaves fit (``error.batches`` set; ``first``: where the first of them
         is in the data): the error amended (the loop passes it on, then raises it)."""
         return error
-
-    def on_failure(self, error: TrainingWorkerError) -> None:
-        """The failure leaving fit, as reported."""
 
     def hung(self, error: TrainingWorkerError) -> None:
         """The failure leaving fit was a hang or a lost peer."""
@@ -127,9 +127,6 @@ class Action:
 
     def close(self) -> None:
         """On every way out of fit (threads joined, writes waited for)."""
-
-    def on_fit_end(self, history: History) -> None:
-        """After :meth:`finish`: the run ended normally."""
 
 
 class Runner(Action):

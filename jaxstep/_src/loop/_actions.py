@@ -1,7 +1,9 @@
-"""The actions of one fit call (:func:`actions`), and their hooks bound once
-(:class:`Actions`): the loop calls a hook on the actions that override it, in the order
-of :func:`actions`, and never on one that keeps :class:`~jaxstep._src.loop._action.Action`'s
-no-op. What each hook is for: :class:`~jaxstep._src.loop._action.Action`.
+"""The listeners of one fit call, the loop's actions and the user's callbacks in one
+ordered list (:func:`actions`), and their hooks bound once (:class:`Actions`): the loop
+calls a hook on the listeners that override it, in the order of :func:`actions`, and
+never on one that keeps the no-op of :class:`~jaxstep._src.loop._action.Action` (or of
+:class:`~jaxstep.Callback`). What each hook is for, and the order where it matters:
+:class:`~jaxstep._src.loop._action.Action`.
 
 A new action is a module with its class (an :class:`~jaxstep._src.loop._action.Action` that
 overrides the hooks it needs) and one line in :func:`actions`: docs/internals.md says
@@ -14,15 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxstep._src.checkpoint import Cursor
-from jaxstep._src.checkpoint import FitCheckpoints
 from jaxstep._src.core import StepOutput
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
 from jaxstep._src.loop._action import Action
 from jaxstep._src.loop._action import Feeder
 from jaxstep._src.loop._action import Runner
-from jaxstep._src.loop._callbacks import Callbacks
-from jaxstep._src.loop._checkpoints import Checkpoints
+from jaxstep._src.loop._callbacks import Callback
+from jaxstep._src.loop._callbacks import listener
+from jaxstep._src.loop._callbacks import overrides
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._diagnose import Replay
 from jaxstep._src.loop._history import History
 from jaxstep._src.loop._options import FitOptions
@@ -68,13 +71,16 @@ def actions(
     checkpoints: FitCheckpoints,
     carried: bool,
 ) -> Actions:
-    """The actions of one fit call, in the order their hooks run: the feeder stops
+    """The listeners of one fit call, in the order their hooks run: the feeder stops
     placing when a step fails (before a recovery takes a device out), the checkpoints
-    see the state before the step and its table first, the callbacks hear of a step
-    before a recovery acts on it, and a recovery acts on a failure before its replay is
-    asked for. ``carried``: the fit call starts with rows carried (the step places its
-    batches itself)."""
-    callbacks = Callbacks(options.callbacks)
+    see the state before the step and its table first, the user's callbacks (in the
+    order given; a plain object adapted here, once) hear of a step before a recovery
+    acts on it, and a recovery acts on a failure before its replay is asked for.
+    ``carried``: the fit call starts with rows carried (the step places its batches
+    itself)."""
+    callbacks = [listener(callback) for callback in options.callbacks]
+    # a callback shows each recovery: the loop then logs them at INFO, not WARNING
+    shown = any(overrides(c, "on_recovery", Callback.on_recovery) for c in callbacks)
     runner: Runner = Direct(runtime)
     if options.step_timeout is not None:
         runner = StepWatchdog(runtime, options.step_timeout)
@@ -90,29 +96,30 @@ def actions(
             checkpoints=checkpoints,
             presplit=options.presplit,
             step_timeout=options.step_timeout,
-            shown=callbacks.show_recoveries,
+            shown=shown,
         )
     replay = None
     if options.diagnose is not False:
         replay = Replay(runtime, options.diagnose, options.presplit, options.step_timeout)
     found = (
         feeder,
-        None if checkpoints.store is None else Checkpoints(checkpoints),
+        None if checkpoints.store is None else checkpoints,
         runner,
-        callbacks if callbacks.hooked else None,
+        *callbacks,
         recoverer,
         replay,
     )
-    parts: list[Action] = [part for part in found if part is not None]
-    return Actions(parts, runner, feeder, shows_recoveries=callbacks.show_recoveries)
+    parts: list[Callback] = [part for part in found if part is not None]
+    return Actions(parts, runner, feeder, shows_recoveries=shown)
 
 
 Hooks = tuple[Callable[..., Any], ...]
 
 
 class Actions:
-    """The hooks of ``parts``, bound once, in order: for each hook the bound methods of
-    the parts that override it (no call at all for a hook no part overrides). The hooks
+    """The hooks of ``parts`` (the listeners: actions and callbacks), bound once, in
+    order: for each hook the bound methods of the parts that override it (no call at
+    all for a hook no part overrides; a plain callback comes adapted). The hooks
     of every step (``pulled``, ``before``, ``dispatched``, ``read``, ``on_step_end``,
     ``settled``) are tuples the loop runs itself; the others are methods here.
     ``runner`` and ``feeder``: the explicit dispatch and data (each also one of
@@ -120,7 +127,7 @@ class Actions:
     recovery (the loop then logs them at INFO, not WARNING)."""
 
     def __init__(
-        self, parts: list[Action], runner: Runner, feeder: Feeder, *, shows_recoveries: bool
+        self, parts: list[Callback], runner: Runner, feeder: Feeder, *, shows_recoveries: bool
     ):
         self.parts = parts
         self.runner = runner
@@ -129,7 +136,7 @@ class Actions:
 
         def bind(hook: str) -> Hooks:
             default = getattr(Action, hook)
-            return tuple(getattr(p, hook) for p in parts if getattr(type(p), hook) is not default)
+            return tuple(getattr(p, hook) for p in parts if overrides(p, hook, default))
 
         self._on_fit_start = bind("on_fit_start")
         self.pulled = bind("pulled")

@@ -1,20 +1,16 @@
-"""The hooks :func:`jaxstep.fit` calls on a callback, and one object that fans each
-call out to every callback that has the hook (CLU's ``MultiWriter``), resolved once per
-fit call: the loop's callbacks action.
+"""What one fit call says as it runs, and who hears it: :class:`Callback`, the one
+protocol every listener of :func:`jaxstep.fit` follows (the loop's own actions extend
+it, the shipped callbacks subclass it), and :func:`listener`, a plain object with some
+of the hooks taken as one, looked up once when fit starts.
 
-A callback is any object with some of the hooks (docs/fit.md):
-``on_fit_start(step, history)``, ``on_step_end(table)``, ``on_recovery(record)``,
-``on_failure(error)`` and ``on_fit_end(history)``."""
+A listener hears a hook only when it overrides it: the loop binds, once per fit call,
+the hooks each listener's class defines anew (:class:`jaxstep._src.loop._actions.Actions`);
+a hook no listener has costs nothing per step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from collections.abc import Iterable
-from typing import Any
-
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import TrainingWorkerError
-from jaxstep._src.loop._action import Action
 from jaxstep._src.loop._history import History
 from jaxstep._src.loop._records import Recovery
 from jaxstep._src.step import TrainStep
@@ -23,62 +19,107 @@ from jaxstep._src.step import TrainStep
 HOOKS = ("on_fit_start", "on_step_end", "on_recovery", "on_failure", "on_fit_end")
 
 
-class Callbacks(Action):
-    """Every callback's hooks as one callback, the loop's callbacks action: each
-    ``on_...`` call goes to the callbacks that define it, in the order given. Which
-    callback has which hook is looked up once, here, not at each step.
+class Callback:
+    """What :func:`jaxstep.fit` tells its callbacks, as methods that do nothing:
+    subclass it and override the hooks you need (``fit(..., callbacks=[...])``). Fit
+    calls a hook only on the callbacks that override it, in the order given; where the
+    order beside fit's own parts matters, they come first: a step's checkpoint copy is
+    handed to the writer before ``on_step_end`` hears of the step, a recovery's record
+    is in ``history.recoveries`` before ``on_recovery``, the emergency save is done
+    before ``on_failure``, and the final checkpoint is written before ``on_fit_end``
+    (docs/fit.md). :class:`Progress`,
+    :class:`JsonlWriter`, :class:`TensorBoardWriter` and :class:`CluWriter` are
+    Callbacks; an object with some of these methods that does not subclass it works
+    too.
+
+    Example:
+      >>> import jaxstep
+      >>> class Losses(jaxstep.Callback):
+      ...     def __init__(self):
+      ...         self.losses = []
+      ...     def on_step_end(self, table):
+      ...         self.losses.append(round(float(table.loss.mean()), 3))
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> losses = Losses()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), callbacks=[losses])
+      >>> len(losses.losses)
+      3
+    """
+
+    def on_fit_start(self, step: TrainStep, history: History) -> None:
+        """Called once, before the first batch.
+
+        Args:
+          step: the step ``fit`` runs.
+          history: the :class:`jaxstep.History` ``fit`` fills (empty of this call's
+            steps yet).
+        """
+
+    def on_step_end(self, table: HealthTable) -> None:
+        """Called after each step's table is read, once ``history`` has the step (and
+        a checkpoint copy of it, if any, went to the writer).
+
+        Args:
+          table: the step's :class:`jaxstep.HealthTable`, one row a device.
+        """
+
+    def on_recovery(self, record: Recovery) -> None:
+        """Called after ``fit(..., recover=...)`` acted on a failure, once
+        ``history.recoveries`` has the record.
+
+        Args:
+          record: the :class:`jaxstep.Recovery` taken.
+        """
+
+    def on_failure(self, error: TrainingWorkerError) -> None:
+        """Called when a :class:`jaxstep.TrainingWorkerError` is about to leave ``fit``
+        (the emergency save done: ``error.checkpoint``).
+
+        Args:
+          error: the error ``fit`` raises next.
+        """
+
+    def on_fit_end(self, history: History) -> None:
+        """Called after the last step when nothing failed (the final checkpoint
+        written, with checkpoints on).
+
+        Args:
+          history: the :class:`jaxstep.History` of the run.
+        """
+
+
+class _Plain(Callback):
+    """A plain object with some of the hooks, not a :class:`Callback`, as a listener:
+    the hooks it has, looked up once here and held on this adapter itself, so the loop
+    binds those and no other."""
+
+    def __init__(self, callback: object):
+        self.callback = callback
+        for hook in HOOKS:
+            if hasattr(callback, hook):
+                setattr(self, hook, getattr(callback, hook))
+
+
+def listener(callback: object) -> Callback:
+    """``callback`` as a listener: itself when it is a :class:`Callback`, else adapted
+    (users' callbacks that predate the class keep working).
 
     >>> class Count:
     ...     steps = 0
     ...     def on_step_end(self, table):
     ...         self.steps += 1
     >>> count = Count()
-    >>> hooks = Callbacks([count, object()])
-    >>> hooks.on_step_end(None); hooks.on_fit_end(None)  # object() has neither hook
-    >>> count.steps
-    1
+    >>> adapted = listener(count)
+    >>> adapted.on_step_end(None); adapted.on_fit_end(None)  # Count has no on_fit_end
+    >>> count.steps, listener(adapted) is adapted
+    (1, True)
     """
-
-    def __init__(self, callbacks: Iterable[object] = ()):
-        callbacks = list(callbacks)
-        self._start = _bound(callbacks, "on_fit_start")
-        self._step_end = _bound(callbacks, "on_step_end")
-        self._recovery = _bound(callbacks, "on_recovery")
-        self._failure = _bound(callbacks, "on_failure")
-        self._end = _bound(callbacks, "on_fit_end")
-        #: whether any callback has a hook (without one, fit leaves this action out)
-        self.hooked = any(hasattr(cb, h) for cb in callbacks for h in HOOKS)
-
-    def on_fit_start(self, step: TrainStep, history: History) -> None:
-        for hook in self._start:
-            hook(step, history)
-
-    def on_step_end(self, table: HealthTable) -> None:
-        """After ``history`` has the step (the hot path: a loop over the bound hooks)."""
-        for hook in self._step_end:
-            hook(table)
-
-    @property
-    def show_recoveries(self) -> bool:
-        """Whether a callback shows recoveries (has ``on_recovery``): fit then logs
-        them at INFO level rather than WARNING, to say each once."""
-        return bool(self._recovery)
-
-    def on_recovery(self, record: Recovery) -> None:
-        """After ``fit(..., recover=...)`` acted on a failure (``history.recoveries``
-        has the record already)."""
-        for hook in self._recovery:
-            hook(record)
-
-    def on_failure(self, error: TrainingWorkerError) -> None:
-        for hook in self._failure:
-            hook(error)
-
-    def on_fit_end(self, history: History) -> None:
-        """After the last step, when nothing failed."""
-        for hook in self._end:
-            hook(history)
+    return callback if isinstance(callback, Callback) else _Plain(callback)
 
 
-def _bound(callbacks: list[object], name: str) -> list[Callable[..., Any]]:
-    return [getattr(cb, name) for cb in callbacks if hasattr(cb, name)]
+def overrides(part: Callback, hook: str, default: object) -> bool:
+    """Whether ``part`` has a ``hook`` of its own, not ``default`` (the base's no-op):
+    its class defines it anew, or it holds it itself (an adapted plain object)."""
+    return (
+        hook in getattr(part, "__dict__", ()) or getattr(type(part), hook, default) is not default
+    )

@@ -16,7 +16,6 @@ from typing import NoReturn
 
 import numpy as np
 
-from jaxstep._src.checkpoint import FitCheckpoints
 from jaxstep._src.core import COL
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import StepOutput
@@ -24,6 +23,7 @@ from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
 from jaxstep._src.loop._actions import actions
 from jaxstep._src.loop._carry import Carry
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._exits import Exits
 from jaxstep._src.loop._failure import failure_error
 from jaxstep._src.loop._flight import InFlight

@@ -13,6 +13,7 @@ from jaxstep._src.checkpoint import CheckpointOptions
 from jaxstep._src.checkpoint import begin_fit
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import warn
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._driver import Loop
 from jaxstep._src.loop._history import History
 from jaxstep._src.loop._options import FitOptions
@@ -64,9 +65,10 @@ def fit(
         reached ends the call).
       history: a :class:`History` the steps are appended to (None: a new one, not
         returned).
-      callbacks: objects with any of the hooks ``on_fit_start(step, history)``,
-        ``on_step_end(table)``, ``on_recovery(record)``, ``on_failure(error)``,
-        ``on_fit_end(history)`` (one object needs no list).
+      callbacks: :class:`Callback` objects, called in the order given (or any object
+        with some of the hooks ``on_fit_start(step, history)``, ``on_step_end(table)``,
+        ``on_recovery(record)``, ``on_failure(error)``, ``on_fit_end(history)``; one
+        object needs no list).
       diagnose: replay a failure to tell data from device from a one-off: True every
         failure, None (default) a failure every device had alike, False none.
       step_timeout: seconds a step may take before the devices that did not finish
@@ -103,10 +105,10 @@ def fit(
         prefetch=prefetch,
     )
     check_inputs(state, batches)
-    state, _, checkpoints = begin_fit(
+    state, _, saver = begin_fit(
         runtime_of(step), state, batches, options.checkpoints, lookahead=options.prefetch
     )
-    loop = Loop(step, state, checkpoints, options)
+    loop = Loop(step, state, FitCheckpoints(saver), options)
     try:
         loop.start()
         with deferred_interrupts(loop.interrupt):

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from jaxstep._src.checkpoint import Cursor
-from jaxstep._src.checkpoint import FitCheckpoints
 from jaxstep._src.checkpoint import append_quarantine
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import Status
@@ -42,6 +41,7 @@ from jaxstep._src.core import log
 from jaxstep._src.core import processes
 from jaxstep._src.core import under_restarting_launcher
 from jaxstep._src.loop._action import Action
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._diagnose import Diagnosis
 from jaxstep._src.loop._diagnose import diagnose_on
 from jaxstep._src.loop._failure import majority_position

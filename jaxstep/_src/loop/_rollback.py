@@ -5,12 +5,12 @@ batch and the ``k - 1`` before it skipped) and a diverged replica."""
 
 from __future__ import annotations
 
-from jaxstep._src.checkpoint import FitCheckpoints
 from jaxstep._src.checkpoint import restore_on
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
 from jaxstep._src.loop._carry import merge_spans
+from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._outcome import Resume
 from jaxstep._src.loop._outcome import ids_of
 from jaxstep._src.loop._outcome import item_of
