@@ -91,6 +91,29 @@ def test_a_restarted_job_with_until_step_stops_at_the_runs_total(tmp_path, backe
     assert int(step.host_state(done).step) == 8
 
 
+def test_an_until_step_the_state_is_past_is_told_at_the_users_line(tmp_path):
+    step = _step("shard_map")
+    command = {"checkpoint_dir": tmp_path, "checkpoint_every": 5}
+    ten = jaxstep.fit(step, step.init(init_params()), callable_source(20), num_steps=10, **command)
+    said = "fit(until_step=8) starts at step 10, {}, already past the step it should end at: "
+    said += (
+        "nothing is trained and the state is returned as given. until_step is the step a "
+        "run ends at (counted from 0), not a number of steps: to train 8 more steps pass "
+        "num_steps=8; to go on past step 10, an until_step above it"
+    )
+    for keywords, where in [
+        ({}, "the state's step"),
+        ({"resume": True, **command}, "the step of the checkpoint resume=True restored"),
+    ]:
+        start = ten if not keywords else step.init(init_params())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            same = jaxstep.fit(step, start, callable_source(20), until_step=8, **keywords)
+        assert [str(w.message) for w in caught] == [said.format(where)]
+        assert caught[0].filename == __file__  # the user's line
+        assert int(step.host_state(same).step) == 10
+
+
 @pytest.mark.parametrize("value", [-1, "8"])
 def test_until_step_must_be_a_step(value):
     step = _step("shard_map")
