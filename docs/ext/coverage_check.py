@@ -9,7 +9,12 @@ build fails listing those missing. The public names are each public module's
 its public members: methods, properties, dataclass and NamedTuple fields, enum
 members. Each public function, method and class must describe every argument it takes
 (Google style: Args, or Attributes for a class's fields) and, when it returns
-something, what (Returns, or Yields). An entry whose name has a private part
+something, what (Returns, or Yields). A public value of a builtin type (an ``int``,
+a ``str``) is described by the ``#:`` comment above the assignment that defines it
+(:func:`own_words` hands it to autodoc, which reads such comments only in the module
+an entry names: a face, where the value is only imported); one that has none would
+show Python's docstring of ``int`` or ``str`` as its own, in its entry and in its
+summary, and fails the build. An entry whose name has a private part
 (``jaxstep._src.step._build.x``) fails the build too: the reference never sends a user to an
 internal module.
 
@@ -22,12 +27,16 @@ import dataclasses
 import enum
 import importlib
 import inspect
+import sys
 from collections.abc import Iterable
 from collections.abc import Iterator
 from typing import Any
 
+from sphinx.errors import PycodeError
 from sphinx.errors import SphinxError
+from sphinx.pycode import ModuleAnalyzer
 from sphinx.util import logging
+from sphinx.util.docstrings import prepare_docstring
 
 PACKAGE = "jaxstep"
 #: the modules whose ``__all__`` is public, each with a page in docs/api/
@@ -149,6 +158,72 @@ def unsaid(obj: Any) -> list[str]:
     return out
 
 
+def borrowed_docstring(obj: Any) -> str | None:
+    """The builtin type whose docstring ``obj`` would show as its own (``"int"`` for
+    ``75``: autodoc reads a value's ``__doc__``, its type's), or None: a module, class
+    or function has a docstring of its own, and a jaxstep type's is jaxstep's words."""
+    if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj):
+        return None
+    kind = type(obj)
+    doc = getattr(obj, "__doc__", None)
+    if kind.__module__ != "builtins" or not doc or doc != kind.__doc__:
+        return None
+    return kind.__name__
+
+
+def defining_comment(name: str, obj: Any) -> list[str]:
+    """The ``#:`` comment above the assignment that defines the value ``obj`` bound
+    to ``name`` in a jaxstep module (empty: none says what it is). The faces only
+    import it, so the comment is where it is assigned."""
+    short = name.rsplit(".", 1)[-1]
+    for modname in sorted(sys.modules):
+        if modname != PACKAGE and not modname.startswith(PACKAGE + "."):
+            continue
+        if vars(sys.modules[modname]).get(short, None) is not obj:
+            continue
+        try:
+            analyzer = ModuleAnalyzer.for_module(modname)
+            analyzer.analyze()
+        except PycodeError:
+            continue
+        comment = analyzer.attr_docs.get(("", short))
+        if comment:
+            return list(comment)
+    return []
+
+
+def borrowed(required: dict[str, Any]) -> dict[str, str]:
+    """The public module-level values (names of a public module's ``__all__``) whose
+    entry would show a builtin's docstring, each with that builtin's name: no ``#:``
+    comment where they are defined says what they are. (A class's fields are its
+    docstring's Attributes, whatever their values' types.)"""
+    out = {}
+    for name, obj in required.items():
+        parent = name.rsplit(".", 1)[0]
+        if parent == name or not inspect.ismodule(required.get(parent)):
+            continue
+        builtin = borrowed_docstring(obj)
+        if builtin is not None and not defining_comment(name, obj):
+            out[name] = builtin
+    return out
+
+
+def own_words(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
+    """autodoc-process-docstring: a public value's docstring is the ``#:`` comment
+    where it is defined, not its builtin type's (which autodoc reads when the entry
+    names a face that only imports the value); in its entry and in autosummary's
+    summary alike."""
+    builtin = borrowed_docstring(obj)
+    if what != "data" or builtin is None:
+        return
+    theirs = prepare_docstring(type(obj).__doc__)
+    if [line for line in lines if line] != [line for line in theirs if line]:
+        return  # autodoc found words of the value's own
+    comment = defining_comment(name, obj)
+    if comment:
+        lines[:] = comment
+
+
 def private_entries(documented: Iterable[str]) -> list[str]:
     """Entries that name a private module or member (``jaxstep._src.loop._fit.fit``);
     dunders (``TrainStep.__call__``) are public."""
@@ -171,11 +246,19 @@ def problems(required: dict[str, Any], documented: set[str], excused: dict[str, 
     lost = sorted(set(required) - documented - set(excused))
     gaps = {n: unsaid(obj) for n, obj in required.items()}
     vague = sorted(n for n, gap in gaps.items() if gap and n not in excused)
+    lent = borrowed(required)
     stale = sorted(set(excused) - set(required))
-    done = sorted(n for n in set(excused) & set(required) if n in documented and not gaps[n])
+    done = sorted(
+        n for n in set(excused) & set(required) if n in documented and not gaps[n] and n not in lent
+    )
     return (
         [f"{n} is public and has no entry in the API reference (docs/api/)" for n in lost]
         + [f"{n}'s docstring does not say {', '.join(gaps[n])}" for n in vague]
+        + [
+            f"{n}'s entry shows Python's docstring of {lent[n]}: describe it in a #: comment "
+            "above the assignment that defines it"
+            for n in sorted(set(lent) - set(excused))
+        ]
         + [
             f"{n} has an entry but names a private module or member"
             for n in private_entries(documented)
@@ -215,6 +298,7 @@ def setup(app: Any) -> dict[str, Any]:
     app.add_config_value("coverage_ignore", {}, "env")
     # At the end of every build, incremental ones too (where Sphinx checks no
     # consistency when no page changed, though __all__ may have).
+    app.connect("autodoc-process-docstring", own_words)
     app.connect("build-finished", _check)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
 

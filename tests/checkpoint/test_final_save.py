@@ -11,6 +11,7 @@ import pytest
 
 import jaxstep
 from jaxstep._src.checkpoint import Store
+from jaxstep.testing import corrupt_replica
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.sources import callable_source
@@ -91,6 +92,29 @@ def test_a_restarted_job_with_until_step_stops_at_the_runs_total(tmp_path, backe
     assert int(step.host_state(done).step) == 8
 
 
+def test_an_until_step_the_state_is_past_is_told_at_the_users_line(tmp_path):
+    step = _step("shard_map")
+    command = {"checkpoint_dir": tmp_path, "checkpoint_every": 5}
+    ten = jaxstep.fit(step, step.init(init_params()), callable_source(20), num_steps=10, **command)
+    said = "fit(until_step=8) starts at step 10, {}, already past the step it should end at: "
+    said += (
+        "nothing is trained and the state is returned as given. until_step is the step a "
+        "run ends at (counted from 0), not a number of steps: to train 8 more steps pass "
+        "num_steps=8; to go on past step 10, an until_step above it"
+    )
+    for keywords, where in [
+        ({}, "the state's step"),
+        ({"resume": True, **command}, "the step of the checkpoint resume=True restored"),
+    ]:
+        start = ten if not keywords else step.init(init_params())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            same = jaxstep.fit(step, start, callable_source(20), until_step=8, **keywords)
+        assert [str(w.message) for w in caught] == [said.format(where)]
+        assert caught[0].filename == __file__  # the user's line
+        assert int(step.host_state(same).step) == 10
+
+
 @pytest.mark.parametrize("value", [-1, "8"])
 def test_until_step_must_be_a_step(value):
     step = _step("shard_map")
@@ -116,6 +140,39 @@ def test_save_writes_what_restore_and_resume_read_back(tmp_path, layout):
     )
     straight = jaxstep.fit(step, step.init(init_params()), callable_source(5))
     _equal(step, resumed, straight)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_save_of_a_state_whose_copies_differ_names_the_devices_and_the_way_out(tmp_path, replicas):
+    kw = {} if replicas == 1 else {"shard_state": "params", "shard_min_size": 0}
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), replicas=replicas, **kw)
+    state = jaxstep.fit(step, step.init(init_params()), callable_source(3))
+    bad = corrupt_replica(step, state, jax.devices()[5].id, "['dense1']['kernel']")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        where = jaxstep.save(step, bad, tmp_path)
+    if replicas == 1:
+        what = "device 5 holds a copy that a majority of the devices does not"
+        fix = (
+            "To write one they resume from, save a state whose copies agree, e.g. "
+            "jaxstep.replica_state(step, state, 0) (device 0's copy, the majority's)"
+        )
+    else:  # devices 1 and 5 hold the two copies of a block: no majority
+        what = "devices 1 and 5 hold copies that differ, and no majority tells which is right"
+        fix = "Go on from the latest verified checkpoint (jaxstep.restore(step, checkpoint_dir))"
+    assert [str(w.message) for w in caught] == [
+        f"jaxstep.save: the copies of the state differ: {what} (first in "
+        f"params['dense1']['kernel']). The checkpoint of step 3 is written to {where} but "
+        "marked not verified: jaxstep.restore and fit(..., resume=True) pass over it "
+        f"(restore(..., at=3) reads it, with a warning). {fix}"
+    ]
+    assert caught[0].filename == __file__  # the user's line
+    assert not _meta(tmp_path, 3)["verified"]
+    if replicas == 1:  # the way out it names writes a verified checkpoint, silently
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jaxstep.save(step, jaxstep.replica_state(step, bad, 0), tmp_path / "again")
+        assert _meta(tmp_path / "again", 3)["verified"]
 
 
 def test_a_position_saved_while_rows_were_carried_resumes_carrying_them():

@@ -258,3 +258,82 @@ def test_a_hang_exits_75_and_the_restarted_job_resumes_from_the_last_verified_ch
         json.loads(line[len(prefix) :]) for line in out.splitlines() if line.startswith(prefix)
     ]
     assert results == [{"attempt": 1, "steps": [2, 3, 4, 5, 6, 7], "final": 8}], out[-6000:]
+
+
+# Two processes x 4 devices, replicas=2: a group is a process's devices. On the first
+# attempt process 1's second device fails every step from step 3: excluding it would take
+# process 1's whole group, leaving that process no device.
+EMPTIED = """
+import os, sys
+import jax, optax
+import jaxstep
+from jaxstep import distributed
+from jaxstep._src.step import runtime_of
+from jaxstep.testing import Fault
+from tests import child
+from tests.models import init_params, loss_fn, make_batches
+
+
+def main(ckpt):
+    attempt = int(os.environ["JAXSTEP_RESTART"])
+    devices = jax.devices()
+    bad = child.target(devices).id
+    faults = [Fault("loss", bad, step=t, mode="device") for t in range(3, 8)]
+    if attempt > 0:  # the restarted job runs on devices that work
+        faults = []
+    step = jaxstep.make_train_step(
+        loss_fn, optax.adam(1e-2), faults=faults, shard_state="params", shard_min_size=0,
+        replicas=2,
+    )
+    history = jaxstep.History()
+    state = jaxstep.fit(
+        step, step.init(init_params()), child.local_batches(make_batches(8), devices),
+        history=history, recover=jaxstep.Recover(), checkpoint_dir=ckpt, checkpoint_every=2,
+        resume=True,
+    )
+    final = int(runtime_of(step).read_first(state.step))
+    child.result(attempt=attempt, steps=list(history.step), final=final, bad=bad)
+
+
+if __name__ == "__main__":
+    child.start(distributed.record(main))
+"""
+
+
+@pytest.mark.timeout(360)
+def test_an_exclusion_that_would_empty_a_process_exits_75_and_the_job_restarts(tmp_path):
+    script, ckpt = tmp_path / "train.py", tmp_path / "ckpt"
+    script.write_text(EMPTIED)
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "jaxstep.launch", "-n", "2", "--devices-per-process", "4"),
+            *("--restarts", "1", "--grace", "20", str(script), str(ckpt)),
+        ],
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CHILD_LOST_TIMEOUT": "6"},
+        capture_output=True,
+        text=True,
+        timeout=330,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    prefix = "] RESULT "
+    results = sorted(
+        (json.loads(line.split(prefix, 1)[1]) for line in out.splitlines() if prefix in line),
+        key=lambda r: r["process"],
+    )
+    bad = results[0]["bad"]
+    # Attempt 0: the exclusion is refused, the emergency save written, and every
+    # process exits for the restart (with code 1 the launcher would have stopped).
+    assert (
+        f"not recovered: excluding devices [{bad}] leaves process(es) [1] with no device "
+        "of this step" in out
+    )
+    assert out.count("exiting with code 75 (jaxstep.RESTART_EXIT_CODE)") == 2, out[-8000:]
+    named = f"the latest verified checkpoint is step 2 ({ckpt / '2'}): the restarted job resumes"
+    assert out.count(named) == 2, out[-8000:]
+    assert (ckpt / "emergency" / "step_3").is_dir()
+    assert "exited with code 75 (restart requested); restarting the job (1 of 1)" in out
+    # Attempt 1: both processes resume at step 2 and train the 8 batches to the end.
+    want = {"attempt": 1, "steps": [2, 3, 4, 5, 6, 7], "final": 8}
+    assert [{k: r[k] for k in want} for r in results] == [want, want], out[-8000:]

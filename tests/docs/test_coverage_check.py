@@ -1,9 +1,12 @@
 """The documentation's coverage check (docs/ext/coverage_check.py), without a build: what
-it requires, and that a missing entry, a vague docstring, an entry naming a private
-module and an excuse no longer needed each fail it."""
+it requires, and that a missing entry, a vague docstring, a value that would show a
+builtin's docstring, an entry naming a private module and an excuse no longer needed each
+fail it."""
 
 import importlib.util
+import inspect
 import pathlib
+import types
 
 import pytest
 
@@ -81,3 +84,37 @@ def test_a_docstring_must_say_each_argument_and_what_comes_back(check, monkeypat
     monkeypatch.setattr(check, "is_ours", lambda obj: True)
     assert check.unsaid(said) == []
     assert check.unsaid(unsaid) == ["argument 'strict'", "what it returns"]
+
+
+def test_a_value_that_would_show_a_builtins_docstring_fails_it(check):
+    # jaxstep.distributed's ENV_COORDINATOR once had no #: comment: its entry and its
+    # summary read "str(object='') -> str".
+    fake = types.ModuleType("jaxstep.fake")
+    required = {"jaxstep.fake": fake, "jaxstep.fake.ENV_X": "JAXSTEP_X", "jaxstep.fake.N": 75}
+    found = check.problems(required, set(required), {})
+    assert found == [
+        "jaxstep.fake.ENV_X's entry shows Python's docstring of str: describe it in a #: "
+        "comment above the assignment that defines it",
+        "jaxstep.fake.N's entry shows Python's docstring of int: describe it in a #: "
+        "comment above the assignment that defines it",
+    ]
+    # A class's fields are its docstring's Attributes, whatever their values' types.
+    assert check.borrowed({"jaxstep.Recover": object, "jaxstep.Recover.retries": 1}) == {}
+
+
+def test_every_public_value_is_described_where_it_is_defined(check):
+    assert check.borrowed(dict(check.public_objects())) == {}
+
+
+def test_autodoc_shows_the_defining_comment_not_the_builtins_docstring(check):
+    import jaxstep
+
+    lines = inspect.cleandoc(int.__doc__).splitlines()
+    check.own_words(None, "data", "jaxstep.RESTART_EXIT_CODE", 75, None, lines)
+    assert lines[0] == (
+        "The exit code (75, ``EX_TEMPFAIL`` in sysexits.h: a temporary failure, try again)"
+    )
+    assert lines == check.defining_comment("jaxstep.RESTART_EXIT_CODE", jaxstep.RESTART_EXIT_CODE)
+    words = ["The colour of a failure.", ""]  # a #: comment autodoc found stays
+    check.own_words(None, "data", "jaxstep.plot.FAILURE_COLOR", "#e41a1c", None, words)
+    assert words == ["The colour of a failure.", ""]

@@ -37,3 +37,31 @@ def test_a_rule_that_shards_nothing_says_so_once_and_runs_the_replicated_program
         strict=True,
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_hybrid_rule_that_shards_nothing_names_a_groups_devices_not_all_of_them():
+    told = {}
+    for replicas in (2, 8):
+        step = jaxstep.make_train_step(
+            loss_fn, optax.adam(1e-2), shard_state="params", replicas=replicas
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step.init(init_params())
+        told[replicas] = [str(w.message) for w in caught]
+    assert told[2] == [
+        "shard_state='params' shards no leaf of this state: each is under "
+        "shard_min_size=65536 elements or has no axis that divides by a group's 4 devices "
+        "(the largest, params['dense1']['kernel'], has 24 elements). The state stays whole "
+        "on every device and the step runs the replicated program. To shard the larger "
+        "leaves, lower shard_min_size (e.g. make_train_step(..., shard_min_size=12)); or "
+        "leave shard_state out"
+    ]
+    # A group of one device: every axis divides by 1, and no shard_min_size would help.
+    assert told[8] == [
+        "shard_state='params' with replicas=8 shards no leaf: each of the 8 groups is 1 "
+        "device, which holds the whole state (a group splits the state over its devices). "
+        "The state stays whole on every device and the step runs the replicated program. "
+        "To shard it, pass a replicas that leaves 2 or more devices in a group (e.g. "
+        "replicas=4: groups of 2), or leave shard_state and replicas out"
+    ]

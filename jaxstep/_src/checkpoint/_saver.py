@@ -267,18 +267,28 @@ class Saver:
             )
         return error.replace(checkpoint=path)
 
-    def save_now(self, state: TrainState, position: Position | None, when: str) -> str:
+    def save_now(
+        self,
+        state: TrainState,
+        position: Position | None,
+        when: str,
+        *,
+        verified: bool | None = None,
+    ) -> str:
         """``state`` written as the checkpoint of its step, on this thread (after the
         queued writes), unless that step is written already, with the data position
         ``position`` (None: none, :func:`jaxstep.save`); ``when``: in the words that
-        say how it was verified. Every process calls it alike. Returns where."""
+        say how it was verified; ``verified``: whether its replicas agree, when the
+        caller compared them (None: they are compared here). Every process calls it
+        alike. Returns where."""
         assert self.store is not None
         self.drain(_DRAIN_TIMEOUT)
         number = int(np.asarray(self.step.read_first(state.step)))
         where = str(self.store.directory / str(number))
         if number in self._done:  # this very state was written as a checkpoint
             return where
-        verified = self.step.replicas_agree(state)  # (every process calls it alike)
+        if verified is None:
+            verified = self.step.replicas_agree(state)  # (every process calls it alike)
         n = len(self.step.devices)
         verified_by = (
             f"the replicas of all {n} devices compared {when}"

@@ -7,8 +7,12 @@ launcher starts the job again and tells each process which attempt it is in
 
 import os
 
-#: EX_TEMPFAIL (sysexits.h): a temporary failure, try again. ``python -m jaxstep.launch
-#: --restarts N`` and ``scripts/tpu_vm/launch.sh --restarts N`` restart the job on it.
+#: The exit code (75, ``EX_TEMPFAIL`` in sysexits.h: a temporary failure, try again)
+#: of a process that cannot go on after a hang, a lost peer, or a bad device it cannot
+#: leave out (its process would keep none) under ``fit(recover=...)``, once its
+#: emergency save is written. ``python -m jaxstep.launch --restarts N`` and
+#: ``scripts/tpu_vm/launch.sh --restarts N`` start the job again on it, from the last
+#: verified checkpoint; outside such a launcher ``fit`` raises the error instead.
 RESTART_EXIT_CODE = 75
 
 #: The environment variable a launcher sets to the attempt: 0 first, 1 after a restart.

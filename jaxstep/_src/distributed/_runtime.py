@@ -38,14 +38,22 @@ from jaxstep._src.core.processes import process_pid as process_pid
 from jaxstep._src.core.processes import spans_processes as spans_processes
 from jaxstep._src.distributed._heartbeats import PeerHeartbeats
 
+#: ``"JAXSTEP_COORDINATOR"``: the coordinator's ``host:port``, set by
+#: ``python -m jaxstep.launch`` for each process it starts.
 ENV_COORDINATOR = "JAXSTEP_COORDINATOR"
+#: ``"JAXSTEP_NUM_PROCESSES"``: how many processes the launcher started.
 ENV_NUM_PROCESSES = "JAXSTEP_NUM_PROCESSES"
+#: ``"JAXSTEP_PROCESS_ID"``: this process's index, from the launcher.
 ENV_PROCESS_ID = "JAXSTEP_PROCESS_ID"
+#: ``"JAXSTEP_LOST_TIMEOUT"``: seconds before a silent peer is lost (default
+#: :data:`DEFAULT_LOST_TIMEOUT`).
 ENV_LOST_TIMEOUT = "JAXSTEP_LOST_TIMEOUT"
 
-#: Seconds without a heartbeat after which a process counts as lost. Below XLA's
-#: ~40 s abort of a CPU collective with a missing peer, and below the coordination
-#: service's own heartbeat timeout (100 s), which kills every process without a word.
+#: Seconds (10.0) without a heartbeat from a process before the others declare it
+#: lost, unless ``$JAXSTEP_LOST_TIMEOUT`` or ``initialize(lost_timeout=...)`` says
+#: otherwise. Below XLA's ~40 s abort of a CPU collective with a missing peer, and
+#: below the coordination service's own heartbeat timeout (100 s), which kills every
+#: process without a word.
 DEFAULT_LOST_TIMEOUT = 10.0
 
 

@@ -19,6 +19,7 @@ from jaxstep._src.loop._history import History
 from jaxstep._src.loop._options import FitOptions
 from jaxstep._src.loop._options import Recover
 from jaxstep._src.loop._options import check_inputs
+from jaxstep._src.loop._options import check_until_step
 from jaxstep._src.loop._stopping import deferred_interrupts
 from jaxstep._src.step import TrainStep
 from jaxstep._src.step import runtime_of
@@ -62,7 +63,8 @@ def fit(
       until_step: train until ``state.step`` reaches this step (a run's total, as
         MaxText's ``steps``): with ``resume=True`` a restarted job trains only what is
         left, never past it (None: no such limit; with ``num_steps`` too, the first
-        reached ends the call).
+        reached ends the call). One below the step the call starts at trains nothing,
+        with a warning.
       history: a :class:`History` the steps are appended to (None: a new one, not
         returned).
       callbacks: :class:`Callback` objects, called in the order given (or any object
@@ -108,6 +110,7 @@ def fit(
     state, _, saver = begin_fit(
         runtime_of(step), state, batches, options.checkpoints, lookahead=options.prefetch
     )
+    check_until_step(options, saver.first)
     loop = Loop(step, state, FitCheckpoints(saver), options)
     try:
         loop.start()

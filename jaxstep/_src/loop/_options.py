@@ -13,6 +13,7 @@ from typing import Any
 from jaxstep._src.checkpoint import CheckpointOptions
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import validate
+from jaxstep._src.core import warn
 from jaxstep._src.loop._callbacks import HOOKS
 from jaxstep._src.loop._history import History
 
@@ -143,6 +144,25 @@ def limit(options: FitOptions, first: int) -> int | None:
         left = max(options.until_step - first, 0)
         found = left if found is None else min(found, left)
     return found
+
+
+def check_until_step(options: FitOptions, first: int) -> None:
+    """Warns when ``until_step`` lies below ``first``, the step a fit call starts at
+    (the restored one, on resume): the call trains nothing, which an ``until_step``
+    read as a number of steps would not have meant. At ``until_step`` itself it says
+    nothing: a job restarted once it is done trains none, as docs/fit.md says."""
+    until = options.until_step
+    if until is None or until >= first:
+        return
+    resumed = options.checkpoints.resume
+    where = "the step of the checkpoint resume=True restored" if resumed else "the state's step"
+    warn(
+        f"fit(until_step={until}) starts at step {first}, {where}, already past the step "
+        "it should end at: nothing is trained and the state is returned as given. "
+        "until_step is the step a run ends at (counted from 0), not a number of steps: "
+        f"to train {until} more steps pass num_steps={until}; to go on past step {first}, "
+        "an until_step above it"
+    )
 
 
 def check_inputs(state: Any, batches: Any) -> None:

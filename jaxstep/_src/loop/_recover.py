@@ -10,7 +10,8 @@ and acted on, within a budget:
 - a loss spike -> back to the last verified checkpoint, the spike's batches skipped;
 - a diverged replica -> repaired from the majority, or rolled back;
 - a hang -> the emergency save, then the process exits for ``launch --restarts`` (under
-  a launcher that restarts it; elsewhere, a notebook say, the error is raised).
+  a launcher that restarts it; elsewhere, a notebook say, the error is raised); so does
+  a ``device`` verdict whose exclusion would leave a process none of its devices.
 
 Each action is a :class:`~jaxstep.Recovery` in ``History.recoveries``. The
 recovery is one of the loop's actions: it returns what the loop should do (a
@@ -105,6 +106,9 @@ class Recoverer(Action):
         self.retried: dict[int, int] = {}
         #: this fit call's records, as the loop recorded them (:meth:`on_recovery`)
         self.records: list[RecoveryRecord] = []
+        #: an exclusion would leave a process no device: the job restarts instead
+        #: (:meth:`on_failure`), from the checkpoint this note names
+        self.restart: str | None = None
 
     # -- the hooks, in the order of a run --------------------------------------------
 
@@ -185,6 +189,16 @@ class Recoverer(Action):
         ]
         lines += [f"  {record}" for record in self.records]
         return error.with_note("\n".join(lines))
+
+    def on_failure(self, error: TrainingWorkerError) -> None:
+        """The failure leaving fit, reported (its emergency save written). When it is a
+        device an exclusion could not leave out, since a process would keep none of its
+        devices (with ``replicas``, a host's group), the job can only go on restarted:
+        under a launcher that restarts it the process exits for it, as after a hang
+        (:func:`exit_for_restart`), and the restarted job resumes from the latest
+        verified checkpoint. Elsewhere the error is raised, its note saying so."""
+        if self.restart is not None and under_restarting_launcher():
+            exit_for_restart(error.with_note(self.restart) if self.restart else error)
 
     def hung(self, error: TrainingWorkerError) -> None:
         """A hang or a lost peer, reported: nothing of this process can go on, so under a
@@ -300,6 +314,8 @@ class Recoverer(Action):
         try:
             runtime, state = self.runtime.without(ids, state_of(error))
         except ValueError as err:  # a process would keep none of its devices
+            if many:  # every process took this verdict: they restart together
+                self.restart = self._restart_point()
             return error.with_note(f"not recovered: {err}")
         detail = f"training goes on on the other {len(runtime.devices)} device(s)"
         if many:  # a process's rows may go to another's devices
@@ -312,6 +328,20 @@ class Recoverer(Action):
             error.step, "device", "excluded", ids, batch=self.rows.batch(item), detail=detail
         )
         return Resume(state, [item], record, runtime)
+
+    def _restart_point(self) -> str:
+        """Where a restarted job resumes, in words ("": without a checkpoint directory
+        it starts over, as :func:`exit_for_restart` says). Every process asks alike."""
+        store = self.checkpoints.store
+        if store is None:
+            return ""
+        latest = self.checkpoints.latest_verified()
+        if latest is None:
+            return f"no verified checkpoint in {str(store.directory)!r} yet"
+        return (
+            f"the latest verified checkpoint is step {latest} "
+            f"({store.directory / str(latest)}): the restarted job resumes from it"
+        )
 
     def _diverged(
         self, pending: Pending, error: TrainingWorkerError

@@ -9,6 +9,7 @@ from jaxstep._src.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAU
 from jaxstep._src.program._cross_checks import LossSpike as LossSpike
 from jaxstep._src.program._cross_checks import all_agree as all_agree
 from jaxstep._src.program._cross_checks import fingerprint as fingerprint
+from jaxstep._src.program._cross_checks import minority as minority
 from jaxstep._src.program._device import example_failed as example_failed
 from jaxstep._src.program._device import grad_leaves_finite as grad_leaves_finite
 from jaxstep._src.program._drop import drop_memory as drop_memory
@@ -55,6 +56,7 @@ __all__ = [
     "float_leaves",
     "grad_leaves_finite",
     "map_body",
+    "minority",
     "nbytes_per_device",
     "pad_to",
     "shard_axis",

@@ -25,17 +25,30 @@ def shards_nothing(options: Options, backend: Backend, state: TrainState) -> str
     """What to tell a user whose ``shard_state`` rule shards no leaf of ``state`` (every
     leaf under ``shard_min_size``, or with no axis that divides by the devices): the
     state stays whole on every device and the step runs the replicated program. None:
-    the rule shards a leaf (or the step has no ``shard_state``)."""
+    the rule shards a leaf (or the step has no ``shard_state``). A leaf is split over
+    a group's devices (``n / replicas``), so that is the count it names."""
     plan = backend.plan(state)
     if plan is None or plan.sharded:
         return None
+    k, m, devices = options.replicas, options.group_size, options.n
+    if k > 1 and m == 1:  # replicas == n: a group of one device holds the whole state
+        fewer = max(d for d in range(1, k) if devices % d == 0)
+        return (
+            f"shard_state={options.shard_state!r} with replicas={k} shards no leaf: each "
+            f"of the {k} groups is 1 device, which holds the whole state (a group splits "
+            "the state over its devices). The state stays whole on every device and the "
+            "step runs the replicated program. To shard it, pass a replicas that leaves 2 "
+            f"or more devices in a group (e.g. replicas={fewer}: groups of {devices // fewer}), "
+            "or leave shard_state and replicas out"
+        )
+    over = f"the {devices} devices" if k == 1 else f"a group's {m} devices"
     names = keystrs(state.params, "params") + keystrs(state.opt_state, "opt_state")
     leaves = jax.tree.leaves(state.params) + jax.tree.leaves(state.opt_state)
     size, name = max((math.prod(np.shape(x)), n) for n, x in zip(names, leaves, strict=True))
     return (
         f"shard_state={options.shard_state!r} shards no leaf of this state: each is under "
         f"shard_min_size={options.shard_min_size} elements or has no axis that divides by "
-        f"the {options.n} devices (the largest, {name}, has {size} elements). The state "
+        f"{over} (the largest, {name}, has {size} elements). The state "
         "stays whole on every device and the step runs the replicated program. To shard "
         f"the larger leaves, lower shard_min_size (e.g. make_train_step(..., "
         f"shard_min_size={min(size, options.shard_min_size) // 2})); or leave shard_state out"

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxstep._src.core import Batch
@@ -33,6 +34,7 @@ from jaxstep._src.core import validate
 from jaxstep._src.core import warn
 from jaxstep._src.program import Options
 from jaxstep._src.program import all_agree
+from jaxstep._src.program import minority
 from jaxstep._src.step import _exclude as exclude
 from jaxstep._src.step import _replay as replays
 from jaxstep._src.step._backends import Backend
@@ -171,6 +173,15 @@ class Runtime:
         state and model state: the step's replica check, run alone."""
         gathered = self.programs.fingerprints(state)
         return all_agree(gathered, self.programs.twinned(state), self.options.replicas)
+
+    def differing(self, state: TrainState) -> dict[int, int]:
+        """The positions (in :attr:`devices`) of the devices whose copy of ``state``
+        is not a strict majority's (a shard among its twins alone: two twins that differ
+        are both named), each with the first leaf of (params, optimizer state, model
+        state) where it differs; empty when :meth:`replicas_agree`."""
+        gathered = jnp.asarray(self.programs.fingerprints(state))
+        bad, first = minority(gathered, self.programs.twinned(state), self.options.replicas)
+        return {int(i): int(first[i]) for i in np.flatnonzero(np.asarray(bad))}
 
     def step_number(self, state: TrainState) -> int:
         """``state.step`` (no device read for the state returned last)."""
