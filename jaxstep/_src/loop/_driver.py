@@ -2,20 +2,21 @@
 (dispatch a batch, then settle the step before it, already finished),
 :meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
 :meth:`Loop.abandon` (an exception leaves: the state and the untrained batches go on
-it; the ways out are :mod:`jaxstep._src.loop._exits`) and :meth:`Loop.finish`. What is
-there only when asked for (checkpoints, the watchdog, recovery, the callbacks, the replay, the
-prefetch) are the loop's actions (:mod:`jaxstep._src.loop._actions`), each with the hooks it
-needs; the loop alone writes the :class:`History` and holds the step the run trains on
-(a value it swaps with the state when a recovery left a device out, and hands to what
-uses it). Settling a step returns what the loop does next (:class:`Settled`); a
-recovery's decision is a value (:class:`Resume`); exceptions are only the ways out of
-fit."""
+it; the ways out are the loop's :class:`~jaxstep._src.loop._exits.Exits`) and
+:meth:`Loop.finish`. What is there only when asked for (checkpoints, the watchdog,
+recovery, the callbacks, the replay, the prefetch) are the loop's actions
+(:mod:`jaxstep._src.loop._actions`), each with the hooks it needs; the loop alone
+writes the :class:`History` and holds the step the run trains on (a value it swaps
+with the state when a recovery left a device out, and hands to what uses it).
+Settling a step returns what the loop does next (:class:`Settled`); a recovery's
+decision is a value (:class:`Resume`); exceptions are only the ways out of fit."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from typing import Any
+from typing import NoReturn
 
 from jaxstep._src.checkpoint import FitCheckpoints
 from jaxstep._src.core import COL
@@ -51,7 +52,7 @@ from jaxstep._src.step import runtime_of
 _FAILED, _HALTED = COL["failed"], COL["halted"]  # step-wide columns of the raw table
 
 
-class Loop(Exits):
+class Loop:
     """What one :func:`jaxstep.fit` call holds between its steps: the newest state, the
     step it trains on (:attr:`step`, swapped with the state), the batches in flight
     (:class:`~jaxstep._src.loop._flight.InFlight`), the rows carried once a device
@@ -99,6 +100,7 @@ class Loop(Exits):
         self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
         self.flight = InFlight()
         self.peers = Peers()  # how it waits on devices shared with other processes
+        self.exits = Exits(self.flight, self.actions, self.peers, self.record)
         self.last: StepOutput | None = None  # the newest dispatched step
         #: the batches this call may train (num_steps, until_step), None: all
         self.limit = limit(options, checkpoints.number)
@@ -221,6 +223,25 @@ class Loop(Exits):
                 return
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
+
+    # -- the ways out (the loop's Exits, handed what changes during the run) ----------
+
+    def abandon(self, err: BaseException) -> None:
+        """An exception (``err``) leaves fit: :meth:`Exits.abandon` (``err.state``,
+        ``err.batches``, the save; the actions closed)."""
+        self.exits.abandon(err, self.runtime, self.state, self.last, self.carry, self.pulled)
+
+    def _lost(self, err: Exception, number: int, untrained: list[Any]) -> NoReturn:
+        """:meth:`Exits.lost`: ``err`` raised while waiting for step ``number``."""
+        self.exits.lost(err, number, self.runtime, untrained, self.carry, self.pulled)
+
+    def _report(self, error: TrainingWorkerError, untrained: list[Any]) -> TrainingWorkerError:
+        """:meth:`Exits.report`: a failure leaves fit with ``untrained``."""
+        return self.exits.report(error, untrained, self.carry, self.pulled)
+
+    def _hung(self, error: TrainingWorkerError, untrained: list[Any]) -> TrainingWorkerError:
+        """:meth:`Exits.hung`: a hang or a lost peer leaves fit with ``untrained``."""
+        return self.exits.hung(error, untrained, self.carry, self.pulled)
 
     def _take(self, carry: Carry | Resplit, item: Item) -> Item | None:
         """``carry.take(item)``; on several processes its rows travel through the
