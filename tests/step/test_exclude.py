@@ -226,6 +226,7 @@ def test_without_devices_makes_a_new_step_and_leaves_the_old_one_valid(backend):
     moved, out = smaller(moved, _rows(batches[1], N - 1))
     assert smaller.table(out).status.tolist() == [0] * (N - 1)
     chex.assert_trees_all_equal(host_params(smaller, moved), host_params(reference, expected))
+    step.check_state(state)  # not donated, and still the old step's
     state, out = step(state, batches[1])  # the old step, on all N devices, from its state
     assert step.table(out).status.tolist() == [0] * N
     assert int(runtime_of(step).read_first(state.step)) == 2
