@@ -1,6 +1,9 @@
 """fit's driver step by step: each named step of jaxstep._src.loop.Loop alone, and the
 fan-out of each hook to the listeners that have it (the callbacks among them)."""
 
+import warnings
+
+import jax
 import numpy as np
 import optax
 import pytest
@@ -12,8 +15,10 @@ from jaxstep._src.loop._action import Runner
 from jaxstep._src.loop._actions import Actions
 from jaxstep._src.loop._callbacks import listener
 from jaxstep._src.loop._checkpoints import FitCheckpoints
+from jaxstep._src.loop._outcome import Settled
 from jaxstep._src.loop._prefetch import InTurn
 from jaxstep._src.step import runtime_of
+from jaxstep.testing import Fault
 from tests.models import init_params
 from tests.models import loss_fn
 from tests.models import make_batches
@@ -149,6 +154,35 @@ def test_with_the_step_watchdog_advance_settles_its_own_step(backend):
     loop.advance(batches[1])
     loop.drain()
     assert loop.history.step == [0, 1] and loop.number == 2
+
+
+def test_settling_returns_what_the_loop_does_next_and_an_exclusion_swaps_in_a_new_step(backend):
+    """A settled step says what comes next (no exception for control flow); a recovery
+    that leaves a device out hands the loop a new step, swapped in with the state: the
+    runtime the run started on is unchanged, and the step fit was given follows."""
+    fault = Fault("grad", jax.devices()[5].id, step=1, mode="device")
+    step = jaxstep.make_train_step(
+        loss_fn, optax.sgd(0.1), backend=backend, faults=[fault], divergence_every=None
+    )
+    before = runtime_of(step)
+    batches = make_batches(2)
+    loop = _loop(step, batches, recover=jaxstep.Recover())
+    loop.advance(batches[0])
+    pending, loop.flight.pending = loop.flight.pending, None
+    assert loop.settle(pending) is Settled.GO_ON and loop.number == 1
+    loop.advance(batches[1])
+    pending, loop.flight.pending = loop.flight.pending, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert loop.settle(pending) is Settled.RECOVERED
+    assert [item.seq for item in loop.flight.queue] == [1]  # queued again, on 7 devices
+    assert loop.step is not step and len(loop.step.devices) == 7 and loop.number == 1
+    assert len(before.devices) == 8  # the runtime the run started on is unchanged
+    assert runtime_of(step) is runtime_of(loop.step)  # step.devices shrinks, as documented
+    loop._run_queue()
+    loop.drain()
+    with pytest.warns(UserWarning, match="4 row"):  # 32 rows on 7 devices: 28 trained
+        assert _host_step(loop.step, loop.finish()) == 2
 
 
 def test_callbacks_call_only_the_hooks_each_callback_has_in_order():

@@ -209,3 +209,24 @@ def test_a_rerun_dropping_leaves_the_failing_chunk_out_of_the_mean(backend, poli
     state, out = step(state, batches[2])  # and the step goes on from it
     assert step.table(out).status.tolist() == [0] * N
     assert int(runtime_of(step).read_first(state.step)) == 3
+
+
+def test_without_devices_makes_a_new_step_and_leaves_the_old_one_valid(backend):
+    """``step.without_devices(ids, state)``: a new step on the devices left, the state on
+    them; the step it was called on still runs on its own devices from ``state``."""
+    step = _step(backend)
+    batches = make_batches(3)
+    state, _ = step(step.init(init_params()), batches[0])
+    before = _local(step, state)
+    smaller, moved = step.without_devices([GONE], state)
+    assert smaller is not step and smaller.devices == _without(jax.devices())
+    assert len(step.devices) == N and runtime_of(step) is not runtime_of(smaller)
+    reference = _step(backend, _without(jax.devices()))
+    expected, _ = reference(reference.place_state(before), _rows(batches[1], N - 1))
+    moved, out = smaller(moved, _rows(batches[1], N - 1))
+    assert smaller.table(out).status.tolist() == [0] * (N - 1)
+    chex.assert_trees_all_equal(host_params(smaller, moved), host_params(reference, expected))
+    step.check_state(state)  # not donated, and still the old step's
+    state, out = step(state, batches[1])  # the old step, on all N devices, from its state
+    assert step.table(out).status.tolist() == [0] * N
+    assert int(runtime_of(step).read_first(state.step)) == 2

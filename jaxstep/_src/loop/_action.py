@@ -32,6 +32,7 @@ from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._pending import Placed
 from jaxstep._src.loop._records import Recovery
 from jaxstep._src.loop._stopping import LateBatch
+from jaxstep._src.step import Runtime
 
 
 class Action(Callback):
@@ -104,8 +105,9 @@ class Action(Callback):
         return error
 
     def resumed(self, resume: Resume, number: int) -> None:
-        """The loop went on from ``resume`` at step ``number`` (``resume.runtime``: the
-        step's runtime from now on, when a device left)."""
+        """The loop went on from ``resume`` at step ``number`` (``resume.step``: the
+        step from now on, when a device left; the loop hands it on with the values it
+        passes, so no action holds it)."""
 
     def report(self, error: TrainingWorkerError, first: Cursor | None) -> TrainingWorkerError:
         """A failure leaves fit (``error.batches`` set; ``first``: where the first of them
@@ -137,10 +139,17 @@ class Runner(Action):
     settles_at_once = False
 
     def run(
-        self, state: TrainState, item: Item, number: int, check: bool, presplit: bool
+        self,
+        runtime: Runtime,
+        state: TrainState,
+        item: Item,
+        number: int,
+        check: bool,
+        presplit: bool,
     ) -> tuple[TrainState, StepOutput]:
-        """Dispatches step ``number`` on ``item`` (``check``: run the replica check;
-        ``presplit``: the batch comes pre-split)."""
+        """Dispatches step ``number`` on ``item`` on ``runtime``, the step's the loop
+        trains on now (``check``: run the replica check; ``presplit``: the batch comes
+        pre-split)."""
         raise NotImplementedError
 
 

@@ -45,24 +45,21 @@ class Direct(Runner):
     """The dispatch without the watchdog: the step, on the calling thread (its table is
     read a step later)."""
 
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
-
     def run(
-        self, state: TrainState, item: Item, number: int, check: bool, presplit: bool
+        self,
+        runtime: Runtime,
+        state: TrainState,
+        item: Item,
+        number: int,
+        check: bool,
+        presplit: bool,
     ) -> tuple[TrainState, StepOutput]:
-        runtime = self.runtime
         if item.drop:  # a data recovery: the failing chunks left out of the mean
             return runtime.rerun_dropping(state, item.batch, presplit=presplit)
         placed = item.placed  # prefetched: on the devices already, joined
         if placed is not None and placed.key is runtime:
             return runtime.dispatch(state, placed.batch, check_replicas=check)
         return runtime.dispatch(state, item.batch, check_replicas=check, presplit=presplit)
-
-    def resumed(self, resume: Resume, number: int) -> None:
-        """A recovery left a device out: the steps run on its runtime from now on."""
-        if resume.runtime is not None:
-            self.runtime = resume.runtime
 
 
 def actions(
@@ -81,9 +78,9 @@ def actions(
     callbacks = [listener(callback) for callback in options.callbacks]
     # a callback shows each recovery: the loop then logs them at INFO, not WARNING
     shown = any(overrides(c, "on_recovery", Callback.on_recovery) for c in callbacks)
-    runner: Runner = Direct(runtime)
+    runner: Runner = Direct()
     if options.step_timeout is not None:
-        runner = StepWatchdog(runtime, options.step_timeout)
+        runner = StepWatchdog(options.step_timeout)
     feeder: Feeder = InTurn()
     if options.prefetch:  # placing ahead: a step placing batches itself, rows not carried
         place = not carried and options.step_timeout is None
@@ -100,7 +97,7 @@ def actions(
         )
     replay = None
     if options.diagnose is not False:
-        replay = Replay(runtime, options.diagnose, options.presplit, options.step_timeout)
+        replay = Replay(options.diagnose, options.presplit, options.step_timeout)
     found = (
         feeder,
         None if checkpoints.store is None else checkpoints,

@@ -22,7 +22,7 @@ from jaxstep._src.core import Status
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import processes
 from jaxstep._src.loop._action import Action
-from jaxstep._src.loop._outcome import Resume
+from jaxstep._src.loop._outcome import step_of
 from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._watchdog import StepWatchdog
 from jaxstep._src.step import Runtime
@@ -156,13 +156,13 @@ def diagnose_on(
         failed = tuple(sorted(position[f.device_id] for f in error.failures if root in f.status))
 
     state = error.state
-    watchdog = None if step_timeout is None else StepWatchdog(runtime, step_timeout)
+    watchdog = None if step_timeout is None else StepWatchdog(step_timeout)
 
     def run(rotation: int) -> tuple[int, ...]:
         if watchdog is None:
             out = runtime.replay(state, batch, rotation=rotation)
         else:
-            out = watchdog.replay(state, batch, rotation, error.step)
+            out = watchdog.replay(runtime, state, batch, rotation, error.step)
         status = runtime.table(out).status
         hit = status != 0 if root is None else (status & int(root)) != 0
         return tuple(int(i) for i in np.flatnonzero(hit))
@@ -333,16 +333,14 @@ class Replay(Action):
     and the replay can (a failure the replay cannot help, a hang, a diverged replica or
     a state already bad, is left as it is). ``presplit``: the failing batch came
     pre-split (joined for the replay). The replays are watched as the steps are
-    (``step_timeout``)."""
+    (``step_timeout``), on the step the failing one ran on (``Pending.step``)."""
 
     def __init__(
         self,
-        runtime: Runtime,
         every: bool | None = True,
         presplit: bool = False,
         step_timeout: float | None = None,
     ):
-        self.runtime = runtime
         self.every = bool(every)
         self.presplit = presplit
         self.step_timeout = step_timeout
@@ -356,25 +354,21 @@ class Replay(Action):
         """
         if error.diagnosis is not None:
             return error
+        runtime = runtime_of(step_of(pending))
         batch = pending.batch
         if self.presplit and (pending.item is None or pending.item.first is None):
-            batch = self.runtime.join(batch)  # the replay takes the global batch
+            batch = runtime.join(batch)  # the replay takes the global batch
         if self.every:
-            found = diagnose_on(self.runtime, error, batch, step_timeout=self.step_timeout)
+            found = diagnose_on(runtime, error, batch, step_timeout=self.step_timeout)
             return error.with_diagnosis(found)
         if not (error.alike and error.state is not None and error.state_is_good):
             return error
         if error.status & (Status.DIVERGED | Status.HUNG):
             return error
         try:
-            found = diagnose_on(self.runtime, error, batch, step_timeout=self.step_timeout)
+            found = diagnose_on(runtime, error, batch, step_timeout=self.step_timeout)
         except TrainingWorkerError:
             raise  # the replay hung, or a peer process was lost: the loop reports it
         except Exception as why:  # never let the automatic replay hide the failure
             return error.with_note(f"the automatic replay of this failure failed: {why!r}")
         return error.with_diagnosis(found)
-
-    def resumed(self, resume: Resume, number: int) -> None:
-        """A recovery left a device out: replays run on its runtime from now on."""
-        if resume.runtime is not None:
-            self.runtime = resume.runtime

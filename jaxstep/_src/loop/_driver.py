@@ -2,10 +2,14 @@
 (dispatch a batch, then settle the step before it, already finished),
 :meth:`Loop.settle` (read a step's health table), :meth:`Loop.drain`,
 :meth:`Loop.abandon` (an exception leaves: the state and the untrained batches go on
-it; the ways out are :mod:`jaxstep._src.loop._exits`) and :meth:`Loop.finish`. What is
-there only when asked for (checkpoints, the watchdog, recovery, the callbacks, the replay, the
-prefetch) are the loop's actions (:mod:`jaxstep._src.loop._actions`), each with the hooks it
-needs; the loop alone writes the :class:`History` and swaps the step's runtime."""
+it; the ways out are the loop's :class:`~jaxstep._src.loop._exits.Exits`) and
+:meth:`Loop.finish`. What is there only when asked for (checkpoints, the watchdog,
+recovery, the callbacks, the replay, the prefetch) are the loop's actions
+(:mod:`jaxstep._src.loop._actions`), each with the hooks it needs; the loop alone
+writes the :class:`History` and holds the step the run trains on (a value it swaps
+with the state when a recovery left a device out, and hands to what uses it).
+Settling a step returns what the loop does next (:class:`Settled`); a recovery's
+decision is a value (:class:`Resume`); exceptions are only the ways out of fit."""
 
 from __future__ import annotations
 
@@ -13,8 +17,6 @@ import itertools
 import time
 from typing import Any
 from typing import NoReturn
-
-import numpy as np
 
 from jaxstep._src.core import COL
 from jaxstep._src.core import HealthTable
@@ -31,11 +33,11 @@ from jaxstep._src.loop._history import History
 from jaxstep._src.loop._options import FitOptions
 from jaxstep._src.loop._options import limit
 from jaxstep._src.loop._outcome import Resume
+from jaxstep._src.loop._outcome import Settled
 from jaxstep._src.loop._peers import Peers
 from jaxstep._src.loop._pending import Item
 from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._pending import Placed
-from jaxstep._src.loop._pending import Recovered
 from jaxstep._src.loop._position import end_position
 from jaxstep._src.loop._position import placed_in_data
 from jaxstep._src.loop._recorder import Recorder
@@ -50,16 +52,18 @@ from jaxstep._src.step import runtime_of
 _FAILED, _HALTED = COL["failed"], COL["halted"]  # step-wide columns of the raw table
 
 
-class Loop(Exits):
+class Loop:
     """What one :func:`jaxstep.fit` call holds between its steps: the newest state, the
-    step's runtime, the batches in flight (:class:`~jaxstep._src.loop._flight.InFlight`), the
-    rows carried once a device left, the history's recorder and the actions
-    (``options``: the fit call's, or ``keywords`` of :class:`FitOptions`).
+    step it trains on (:attr:`step`, swapped with the state), the batches in flight
+    (:class:`~jaxstep._src.loop._flight.InFlight`), the rows carried once a device
+    left, the history's recorder and the actions (``options``: the fit call's, or
+    ``keywords`` of :class:`FitOptions`).
 
     ``state`` is always the newest state dispatched (or the one fit started from):
     a batch that is rejected or an exception that leaves fit does not change it. Once
     a step failed it is the error's last good state, which took over the halted
-    state's buffers (:func:`~jaxstep._src.loop._failure.failure_error`).
+    state's buffers (:func:`~jaxstep._src.loop._failure.failure_error`). Its step
+    number, ``state.step``, is the one step counter (:attr:`number`).
     """
 
     def __init__(
@@ -72,6 +76,10 @@ class Loop(Exits):
     ):
         options = FitOptions(**keywords) if options is None else options
         history = History() if options.history is None else options.history
+        #: the step fit was given: moved onto the run's step when a device leaves
+        #: (``step.devices`` shrinks, as documented); the loop never reads it
+        self.given = step
+        #: the step the run trains on, and its runtime (set together: :meth:`_swap`)
         self.step = step
         self.runtime = runtime = runtime_of(step)
         self.state = state
@@ -92,13 +100,19 @@ class Loop(Exits):
         self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
         self.flight = InFlight()
         self.peers = Peers()  # how it waits on devices shared with other processes
+        self.exits = Exits(self.flight, self.actions, self.peers, self.record)
         self.last: StepOutput | None = None  # the newest dispatched step
-        self.number = checkpoints.number  # the number of the next step dispatched
         #: the batches this call may train (num_steps, until_step), None: all
         self.limit = limit(options, checkpoints.number)
         self.waited = 0.0  # seconds waited for data since the last dispatch
         self.interrupted = False  # a first Ctrl-C: stop after the step in flight
         self.pulled = 0  # batches pulled from the source (advance's calls)
+
+    @property
+    def number(self) -> int:
+        """The number of the next step dispatched: ``state.step`` (the runtime's count
+        of the state it returned last, kept equal to it: no device read in a run)."""
+        return self.runtime.step_number(self.state)
 
     @property
     def history(self) -> History:
@@ -160,12 +174,8 @@ class Loop(Exits):
 
     def _run_queue(self) -> None:
         queue = self.flight.queue
-        while queue:
-            item = queue.popleft()
-            try:
-                self._advance(item)
-            except Recovered:
-                continue
+        while queue:  # a recovery queues what it trains again at the front
+            self._advance(queue.popleft())
 
     def _advance(self, item: Item) -> None:
         """:meth:`advance` for one queued batch."""
@@ -173,7 +183,7 @@ class Loop(Exits):
         flight.in_hand = item  # a take that raises leaves it untouched: handed back
         if self.carry is not None:
             taken = self._take(self.carry, item)
-            if taken is None:  # fewer rows than devices at hand: all carried on
+            if taken is None:  # all carried on, or a recovery queued it again
                 flight.in_hand = None
                 return
             queue, pulled = self.flight.queue, self.pulled
@@ -183,62 +193,90 @@ class Loop(Exits):
         check = False
         for before in actions.before:  # a checkpoint step: check replicas
             check = before(self.state, item) or check
+        number = self.number
         try:
-            self.state, out = actions.runner.run(self.state, item, self.number, check, presplit)
+            self.state, out = actions.runner.run(
+                self.runtime, self.state, item, number, check, presplit
+            )
             self.last = out
         except (ValueError, TypeError) as err:
-            self._refused(err, item)
+            if self._refused(err, item) is Settled.RECOVERED:
+                return  # the step before it failed and was recovered: it is queued again
             raise
         except TrainingWorkerError as err:  # a hung step
             flight.in_hand = None
             raise self._hung(err, [item]) from None
         flight.in_hand = None
-        number = self.number
-        self.number = number + 1
         if item.placed is not None:  # what stays behind holds no device copy of a batch
             item = item._replace(placed=None)
         wait, self.waited = self.waited, 0.0
         rows = self.runtime.rows_per_device
-        new = Pending(out, item.batch, number, rows, item, wait)
+        new = Pending(out, item.batch, number, rows, item, wait, self.step)
         for dispatched in actions.dispatched:
             dispatched(new)
         previous = flight.dispatched(new)
-        if previous is not None:
-            self.settle(previous, item)
+        if previous is not None and self.settle(previous, item) is Settled.RECOVERED:
+            return
         if actions.runner.settles_at_once:  # the watchdog: the step has finished
             flight.pending = None
-            self.settle(new)
+            if self.settle(new) is Settled.RECOVERED:
+                return
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
 
+    # -- the ways out (the loop's Exits, handed what changes during the run) ----------
+
+    def abandon(self, err: BaseException) -> None:
+        """An exception (``err``) leaves fit: :meth:`Exits.abandon` (``err.state``,
+        ``err.batches``, the save; the actions closed)."""
+        self.exits.abandon(err, self.runtime, self.state, self.last, self.carry, self.pulled)
+
+    def _lost(self, err: Exception, number: int, untrained: list[Any]) -> NoReturn:
+        """:meth:`Exits.lost`: ``err`` raised while waiting for step ``number``."""
+        self.exits.lost(err, number, self.runtime, untrained, self.carry, self.pulled)
+
+    def _report(self, error: TrainingWorkerError, untrained: list[Any]) -> TrainingWorkerError:
+        """:meth:`Exits.report`: a failure leaves fit with ``untrained``."""
+        return self.exits.report(error, untrained, self.carry, self.pulled)
+
+    def _hung(self, error: TrainingWorkerError, untrained: list[Any]) -> TrainingWorkerError:
+        """:meth:`Exits.hung`: a hang or a lost peer leaves fit with ``untrained``."""
+        return self.exits.hung(error, untrained, self.carry, self.pulled)
+
     def _take(self, carry: Carry | Resplit, item: Item) -> Item | None:
         """``carry.take(item)``; on several processes its rows travel through the
-        devices (a collective, :mod:`jaxstep._src.loop._resplit`), watched as a step is."""
+        devices (a collective, :mod:`jaxstep._src.loop._resplit`), watched as a step is.
+        None: nothing to dispatch now (fewer rows than devices at hand, or the step
+        before it failed and a recovery queued it again)."""
         try:
             return carry.take(item)
         except (ValueError, TypeError) as err:  # a batch refused: as at its dispatch
-            self._refused(err, item)
+            if self._refused(err, item) is Settled.RECOVERED:
+                return None
             raise
         except Exception as err:
             self._lost(err, self.number, [self.flight.pending, item])
 
-    def _refused(self, err: ValueError | TypeError, item: Item) -> None:
+    def _refused(self, err: ValueError | TypeError, item: Item) -> Settled:
         """``item`` was refused before it ran (``err``): a failure of the step before it
-        comes first, and the error holds the state before it (``err.state``)."""
+        comes first (recovered: ``item`` is queued again and ``err`` dropped), and the
+        error holds the state before it (``err.state``)."""
         pending, self.flight.pending = self.flight.pending, None
-        if pending is not None:
-            self.settle(pending, item)
+        if pending is not None and self.settle(pending, item) is Settled.RECOVERED:
+            return Settled.RECOVERED
         err.state = self.state  # type: ignore[union-attr]
+        return Settled.GO_ON
 
     def _ready(self, array: Any) -> None:
         """Waits for ``array``, of the step about to run (:meth:`Peers.ready`)."""
         self.peers.ready(array, self.number, self.runtime.devices)
 
-    def settle(self, pending: Pending, after: Item | None = None) -> None:
+    def settle(self, pending: Pending, after: Item | None = None) -> Settled:
         """Reads ``pending``'s health table and appends it to the history; the actions
         see it. ``after``: the batch pulled after it, which its failure must hand back
-        untrained. Under ``recover`` a failure may be recovered instead (:class:`Recovered`
-        is raised once the loop is reset).
+        untrained. Under ``recover`` a failure may be recovered instead: then the loop
+        is reset and :attr:`Settled.RECOVERED` returned (the caller goes on with the
+        queue).
 
         Raises:
           TrainingWorkerError: the step failed (``error.state``: the last good state,
@@ -265,11 +303,13 @@ class Loop(Exits):
                 if made is not None:  # a replica the step repaired itself
                     self._recovered(made)
         if raw.item(0, _FAILED) and raw.item(0, _HALTED):
-            self._failed(pending, after, table or HealthTable.from_array(raw))
+            return self._failed(pending, after, table or HealthTable.from_array(raw))
         self.flight.confirmed(pending)
+        return Settled.GO_ON
 
-    def _failed(self, pending: Pending, after: Item | None, table: HealthTable) -> NoReturn:
-        """``pending`` failed: recovered (:class:`Recovered`) or raised."""
+    def _failed(self, pending: Pending, after: Item | None, table: HealthTable) -> Settled:
+        """``pending`` failed: recovered (the loop reset to go on with the recovery's
+        ``Resume``) or raised (fit stops)."""
         error = failure_error(self.runtime, table, pending.rows, self.state, self.history)
         assert error.state is not None
         self.state = error.state  # the halted state was donated to it
@@ -280,33 +320,40 @@ class Loop(Exits):
             raise self._hung(hang, [pending, after]) from None
         if isinstance(outcome, Resume):
             self._resume(pending, outcome)
+            return Settled.RECOVERED
         # Nothing pulled is lost: the failing batch and those after it, untrained.
         raise self._report(outcome, [pending, after])
 
-    def _resume(self, pending: Pending, resume: Resume) -> NoReturn:
+    def _resume(self, pending: Pending, resume: Resume) -> None:
         """Goes on from a recovery of ``pending``'s failure: ``resume.items`` first, then
-        the batches in flight after ``pending``, then the rows carried; a device left:
-        the step, every action and the carry go on the new runtime. Records the
-        recovery and raises :class:`Recovered`."""
-        if resume.runtime is not None:  # a device left the run
-            before, self.runtime = self.runtime.devices, resume.runtime
-            adopt(self.step, resume.runtime)  # step.devices as documented
-            self.carry = after_leaving(
-                self.carry,
-                before,
-                resume.runtime,
-                start=self.source.start,
-                presplit=self.presplit,
-                ready=self._ready,
-            )
+        the batches in flight after ``pending``, then the rows carried, from
+        ``resume.state``; a device left: on ``resume.step`` (:meth:`_swap`). Records the
+        recovery."""
+        if resume.step is not None:  # a device left the run
+            self._swap(resume.step)
         carried = [] if self.carry is None else self.carry.release()
         self.flight.restart(resume.items, pending.number, carried)
         self.state = resume.state
-        self.number = int(np.asarray(self.runtime.read_first(resume.state.step)))
         self.record.now_on([d.id for d in self.runtime.devices])
         self.actions.resumed(resume, self.number)
         self._recovered(resume.record)
-        raise Recovered
+
+    def _swap(self, step: TrainStep) -> None:
+        """The run trains on ``step`` from now on (a step on fewer devices): the loop
+        holds it, hands it to each action with the values it passes (the runner's
+        ``run``, a failed step's :class:`Pending`), and carries the rows that no longer
+        divide; the step fit was given is moved onto it (:func:`adopt`)."""
+        before = self.runtime.devices
+        self.step, self.runtime = step, runtime_of(step)
+        adopt(self.given, step)  # step.devices as documented
+        self.carry = after_leaving(
+            self.carry,
+            before,
+            self.runtime,
+            start=self.source.start,
+            presplit=self.presplit,
+            ready=self._ready,
+        )
 
     def _recovered(self, record: Recovery) -> None:
         """A recovery made: recorded (and logged), then heard by the actions (the
@@ -322,9 +369,7 @@ class Loop(Exits):
             pending, flight.pending = flight.pending, None
             if pending is None:
                 return
-            try:
-                self.settle(pending)
-            except Recovered:
+            if self.settle(pending) is Settled.RECOVERED:
                 self._run_queue()
 
     def finish(self) -> TrainState:

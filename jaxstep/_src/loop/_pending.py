@@ -1,5 +1,5 @@
-"""What fit's loop moves between its steps: a batch on its way (:class:`Item`), a
-dispatched step not read yet (:class:`Pending`), and the signal of a recovery."""
+"""What fit's loop moves between its steps: a batch on its way (:class:`Item`) and a
+dispatched step not read yet (:class:`Pending`, with the step it ran on)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxstep._src.checkpoint import Cursor
 from jaxstep._src.core import StepOutput
+from jaxstep._src.step import TrainStep
 
 
 class Item(NamedTuple):
@@ -54,7 +55,7 @@ class Shared(NamedTuple):
 class Placed(NamedTuple):
     """A batch placed on the step's devices ahead of its step (``fit(prefetch=...)``):
     the step takes it as placed while its placement is still the step's (``key is
-    step's runtime``: a device leaving makes a new one)."""
+    step's runtime``: a device leaving makes a new step)."""
 
     key: object
     batch: Any
@@ -69,11 +70,8 @@ class Pending(NamedTuple):
     rows: int  # rows per device of its batch, as this process passed it
     item: Item | None = None  # how it came (None: dispatched outside the queue)
     wait: float = 0.0  # seconds the loop waited for its batch from the data
-
-
-class Recovered(Exception):
-    """Raised by the loop once it has applied a recovery's ``Resume`` (a new state, the
-    batches to train queued again): it goes on with the next queued batch."""
+    #: the step it ran on (a recovery of its failure acts on that step's devices)
+    step: TrainStep | None = None
 
 
 def rows_as_given(batch: Any, presplit: bool) -> int | None:

@@ -8,10 +8,11 @@ loop numbers them as it takes them, so the data position a checkpoint saves is t
 batch to *train*, not the next to pull); when fit stops, the thread is stopped first and
 every batch it pulled and the loop did not take goes on ``err.batches`` after the
 others, as the data gave it; an exception of the data source reaches the loop in its
-place, after every batch pulled before it. A batch placed for a runtime the step no
-longer runs on (a device left), or while rows are carried, is placed again by the step
-from the batch as given. ``prefetch=0``: no thread (:class:`InTurn`: a source that must
-be pulled on the calling thread).
+place, after every batch pulled before it. The thread places for the step fit starts
+on, and only for it: once a device left, rows are carried and the step places them
+(nothing is placed ahead any more), and a batch placed for the step before is placed
+again by the step from the batch as given. ``prefetch=0``: no thread (:class:`InTurn`:
+a source that must be pulled on the calling thread).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class Prefetch(Feeder):
     """The loop's prefetch feeder: a thread pulls and places the batches ahead.
 
     Args:
-      runtime: the step's runtime the batches are placed for (a new one arrives with a
-        recovery that left a device out: :meth:`resumed`).
+      runtime: the runtime of the step fit starts on, the one the batches are placed
+        for (until a device leaves: then nothing is placed ahead, :meth:`resumed`).
       depth: batches pulled ahead of the one the loop takes (``fit(prefetch=...)``; the
         data source keeps their positions).
       presplit: batches come ``(n_devices, per_device, ...)``: joined before placing.
@@ -170,7 +171,7 @@ class Prefetch(Feeder):
             seq += 1
 
     def _place(self, batch: Any) -> Placed | None:
-        runtime = self.runtime  # read once: a recovery may hand over a new one
+        runtime = self.runtime
         try:
             placed = runtime.place_ahead(batch, self.presplit)
         except Exception:  # the step, given the batch itself, says what is wrong
@@ -186,10 +187,10 @@ class Prefetch(Feeder):
         return error
 
     def resumed(self, resume: Resume, number: int) -> None:
-        """The loop went on from a recovery: placing again, unless a device left
-        (rows are carried from now on: the step places them)."""
-        if resume.runtime is not None:
-            self.runtime = resume.runtime
+        """The loop went on from a recovery: placing again, unless a device left (rows
+        are carried from now on: the step places them, so the thread never needs the
+        new step)."""
+        if resume.step is not None:
             self.place = False
         self.placing = self.place
 

@@ -15,8 +15,9 @@ and acted on, within a budget:
 
 Each action is a :class:`~jaxstep.Recovery` in ``History.recoveries``. The
 recovery is one of the loop's actions: it returns what the loop should do (a
-:class:`~jaxstep._src.loop._outcome.Resume`, with the step's new runtime when a device left)
-and what it should record, and never touches the loop, the history or another action.
+:class:`~jaxstep._src.loop._outcome.Resume`, with a new step when a device left) and what
+it should record, and never touches the loop, the history or another action. It holds
+no step: it acts on the step the failing one ran on (``Pending.step``).
 
 With several processes every process takes the same action at the same step: the
 failure and the replays are read from global health tables, the offending examples are
@@ -52,6 +53,7 @@ from jaxstep._src.loop._outcome import Resume
 from jaxstep._src.loop._outcome import ids_of
 from jaxstep._src.loop._outcome import item_of
 from jaxstep._src.loop._outcome import state_of
+from jaxstep._src.loop._outcome import step_of
 from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._records import Recovery as RecoveryRecord
 from jaxstep._src.loop._restart import exit_for_restart
@@ -61,6 +63,7 @@ from jaxstep._src.loop._rollback import Rollback
 from jaxstep._src.loop._rows import Rows
 from jaxstep._src.loop._rows import in_words
 from jaxstep._src.step import Runtime
+from jaxstep._src.step import runtime_of
 
 
 class Recoverer(Action):
@@ -75,8 +78,8 @@ class Recoverer(Action):
 
     Args:
       options: ``fit(recover=...)``.
-      runtime: the step's runtime (a new one arrives with a ``Resume`` that left a
-        device out: :meth:`resumed`).
+      runtime: the runtime of the step fit starts on (the devices its batches are laid
+        out for).
       checkpoints: the fit call's checkpoints (a rollback restores from them).
       presplit: batches come pre-split.
       step_timeout: the replays are watched as the steps are.
@@ -94,14 +97,13 @@ class Recoverer(Action):
         shown: bool = False,
     ):
         self.options = options
-        self.runtime = runtime
         self.checkpoints = checkpoints
         self.presplit = presplit
         self.step_timeout = step_timeout
         self.shown = shown
         self.rows = Rows(runtime, checkpoints.source.start, presplit, options.example_id)
         self.fit_start = checkpoints.number  # state.step as this fit call starts
-        self.rollback = Rollback(runtime, checkpoints, self.rows, options.rollback_batches)
+        self.rollback = Rollback(checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
         self.retried: dict[int, int] = {}
         #: this fit call's records, as the loop recorded them (:meth:`on_recovery`)
@@ -126,7 +128,8 @@ class Recoverer(Action):
         self.rollback.settled(table)
         if not table.repaired.any():
             return None
-        ids = tuple(self.runtime.devices[i].id for i in np.flatnonzero(table.repaired))
+        devices = step_of(pending).devices
+        ids = tuple(devices[i].id for i in np.flatnonzero(table.repaired))
         return RecoveryRecord(
             table.step,
             "diverged",
@@ -163,11 +166,7 @@ class Recoverer(Action):
 
     def resumed(self, resume: Resume, number: int) -> None:
         """The loop went on from step ``number``: the steps kept from it on will run
-        again (kept anew); a device left: the runtime from now on."""
-        if resume.runtime is not None:
-            self.runtime = resume.runtime
-            self.rows.runtime = resume.runtime
-            self.rollback.runtime = resume.runtime
+        again (kept anew)."""
         self.rollback.resumed(number)
 
     def on_recovery(self, record: RecoveryRecord) -> None:
@@ -219,10 +218,11 @@ class Recoverer(Action):
     # -- the verdicts --------------------------------------------------------------
 
     def _verdict(self, pending: Pending, error: TrainingWorkerError) -> Diagnosis:
+        runtime = runtime_of(step_of(pending))
         batch = pending.batch
         if self.presplit and item_of(pending).first is None:
-            batch = self.runtime.join(batch)  # the replay takes the global batch
-        return diagnose_on(self.runtime, error, batch, step_timeout=self.step_timeout)
+            batch = runtime.join(batch)  # the replay takes the global batch
+        return diagnose_on(runtime, error, batch, step_timeout=self.step_timeout)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         item = item_of(pending)
@@ -255,11 +255,12 @@ class Recoverer(Action):
             )
         devices = found.devices or ids_of(error)
         sources = self.rows.sources(item, found.examples)
-        ids = self.rows.ids(item, found.examples)  # Recover(example_id=...)
+        step = step_of(pending)
+        ids = self.rows.ids(item, found.examples, step.devices)  # Recover(example_id=...)
         # Every device failed: a collective in the model (cross-device BatchNorm)
         # carried the bad rows into every chunk, so the rerun leaving the failing
         # chunks out of the mean is skipped whole (state.step counts it): say so.
-        spread = len(ids_of(error)) >= len(self.runtime.devices)
+        spread = len(ids_of(error)) >= len(step.devices)
         skipped: tuple[int, ...] = ()
         if spread:
             skipped, lost = in_words(self.rows.spans(item))
@@ -307,17 +308,17 @@ class Recoverer(Action):
             return error.with_note("not recovered: Recover(exclude_devices=False)")
         # the devices the replay blamed: not those a collective in the model infected
         ids = found.devices or ids_of(error)
-        before = self.runtime.devices
-        if len(ids) >= len(before):
+        step = step_of(pending)
+        if len(ids) >= len(step.devices):
             return error.with_note("not recovered: every device failed")
-        many = processes.spans_processes(before)
-        try:
-            runtime, state = self.runtime.without(ids, state_of(error))
+        many = processes.spans_processes(step.devices)
+        try:  # a new step: the one the failing step ran on stays as it is
+            smaller, state = step.without_devices(ids, state_of(error))
         except ValueError as err:  # a process would keep none of its devices
             if many:  # every process took this verdict: they restart together
                 self.restart = self._restart_point()
             return error.with_note(f"not recovered: {err}")
-        detail = f"training goes on on the other {len(runtime.devices)} device(s)"
+        detail = f"training goes on on the other {len(smaller.devices)} device(s)"
         if many:  # a process's rows may go to another's devices
             detail += (
                 "; each batch's rows, every process's, are re-split over them (the rows "
@@ -327,7 +328,7 @@ class Recoverer(Action):
         record = RecoveryRecord(
             error.step, "device", "excluded", ids, batch=self.rows.batch(item), detail=detail
         )
-        return Resume(state, [item], record, runtime)
+        return Resume(state, [item], record, smaller)
 
     def _restart_point(self) -> str:
         """Where a restarted job resumes, in words ("": without a checkpoint directory
@@ -349,7 +350,8 @@ class Recoverer(Action):
         back = self._fresh(self.rollback.diverged(pending, error))
         if isinstance(back, Resume):
             return back
-        if not error.state_is_good or majority_position(self.runtime, error.failures) is None:
+        runtime = runtime_of(step_of(pending))
+        if not error.state_is_good or majority_position(runtime, error.failures) is None:
             return back
         record = RecoveryRecord(
             error.step,

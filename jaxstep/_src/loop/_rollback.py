@@ -14,27 +14,26 @@ from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._outcome import Resume
 from jaxstep._src.loop._outcome import ids_of
 from jaxstep._src.loop._outcome import item_of
+from jaxstep._src.loop._outcome import step_of
 from jaxstep._src.loop._pending import Item
 from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._records import Recovery
 from jaxstep._src.loop._rows import Rows
 from jaxstep._src.loop._rows import in_words
-from jaxstep._src.step import Runtime
+from jaxstep._src.step import runtime_of
 
 
 class Rollback:
     """The steps since the last verified checkpoint, for one fit call's recoveries.
 
     Args:
-      runtime: the step's runtime (restored onto).
       checkpoints: the fit call's checkpoints.
       rows: where the rows of a step are in the data (the batches skipped).
       k: ``Recover.rollback_batches`` (None: a loss spike is not rolled back; a
         diverged replica rolls back only to steps kept for a spike).
     """
 
-    def __init__(self, runtime: Runtime, checkpoints: FitCheckpoints, rows: Rows, k: int | None):
-        self.runtime = runtime
+    def __init__(self, checkpoints: FitCheckpoints, rows: Rows, k: int | None):
         self.checkpoints = checkpoints
         self.rows = rows
         self.k = k
@@ -98,7 +97,7 @@ class Rollback:
             batch=self.rows.batch(item_of(pending)),
             detail=detail,
         )
-        return Resume(self._restore(c), again, record)
+        return Resume(self._restore(pending, c), again, record)
 
     def diverged(
         self, pending: Pending, error: TrainingWorkerError
@@ -118,7 +117,7 @@ class Rollback:
             detail=f"restored the checkpoint of step {c}; {len(since)} batch(es) since it "
             "trained again",
         )
-        return Resume(self._restore(c), [item for _, item in since], record)
+        return Resume(self._restore(pending, c), [item for _, item in since], record)
 
     def _since(
         self, pending: Pending, error: TrainingWorkerError
@@ -138,8 +137,8 @@ class Rollback:
             )
         return c, since
 
-    def _restore(self, number: int) -> TrainState:
-        """The checkpoint of step ``number``, placed for the step."""
+    def _restore(self, pending: Pending, number: int) -> TrainState:
+        """The checkpoint of step ``number``, placed for the step ``pending`` ran on."""
         store = self.checkpoints.store
         assert store is not None
-        return restore_on(self.runtime, store.directory, at=number)
+        return restore_on(runtime_of(step_of(pending)), store.directory, at=number)

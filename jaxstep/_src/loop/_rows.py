@@ -22,7 +22,9 @@ class Rows:
     """The data positions of the items of one fit call.
 
     Args:
-      runtime: the step's runtime (its devices: this process's share of a batch's rows).
+      runtime: the runtime of the step fit starts on: the devices the batches are laid
+        out for (those it was built with, before any left), this process's share of a
+        batch's rows.
       start: the data's count of the first batch the fit call pulled.
       presplit: batches come ``(n_devices, per_device, ...)``.
       example_id: the batch leaf holding each example's id (``Recover(example_id=...)``),
@@ -30,7 +32,8 @@ class Rows:
     """
 
     def __init__(self, runtime: Runtime, start: int, presplit: bool, example_id: str | None = None):
-        self.runtime = runtime
+        #: the devices the batches are laid out for (the same once some left)
+        self.laid = runtime.origin or runtime.devices
         self.start = start
         self.presplit = presplit
         self.example_id = example_id
@@ -46,7 +49,7 @@ class Rows:
             id_leaf(batch, self.example_id, self.presplit)
         rows = rows_as_given(batch, self.presplit)  # this process's rows: its devices' chunks
         if rows is not None:  # (of the devices the batches are laid out for)
-            laid = self.runtime.origin or self.runtime.devices
+            laid = self.laid
             mine = len(processes.local_positions(laid))
             self.batch_rows = rows * len(laid) // max(mine, 1)
 
@@ -92,15 +95,17 @@ class Rows:
                 at -= hi - lo
         return found
 
-    def ids(self, item: Item, examples: Sequence[int]) -> tuple[int, ...]:
+    def ids(
+        self, item: Item, examples: Sequence[int], devices: Sequence[jax.Device]
+    ) -> tuple[int, ...]:
         """The ``example_id`` leaf's values of ``examples`` (indices into ``item``'s
-        global batch), in their order; ``()`` without ``example_id``. With several
-        processes each reads those of the rows it holds and they are shared, so every
-        process returns them all."""
+        global batch, run on ``devices``), in their order; ``()`` without
+        ``example_id``. With several processes each reads those of the rows it holds and
+        they are shared, so every process returns them all."""
         if self.example_id is None or not examples:
             return ()
         ids = id_leaf(item.batch, self.example_id, self.presplit and item.first is None)
-        local = processes.local_positions(self.runtime.devices)
+        local = processes.local_positions(devices)
         size = len(ids) // max(len(local), 1)  # this process passes its devices' chunks
         at = {p: j for j, p in enumerate(local)}
         mine = {}
@@ -109,7 +114,7 @@ class Rows:
             if position in at:
                 mine[str(int(e))] = int(ids[at[position] * size + row])
         found: dict[str, int] = {}
-        for seen in processes.share("quarantine/ids", mine, self.runtime.devices).values():
+        for seen in processes.share("quarantine/ids", mine, devices).values():
             found.update(seen)
         return tuple(found[str(int(e))] for e in examples)
 

@@ -21,7 +21,6 @@ from jaxstep._src.core import TrainState
 from jaxstep._src.core import failed_alike
 from jaxstep._src.core import processes
 from jaxstep._src.loop._action import Runner
-from jaxstep._src.loop._outcome import Resume
 from jaxstep._src.loop._pending import Item
 from jaxstep._src.step import Runtime
 
@@ -34,23 +33,28 @@ class StepWatchdog(Runner):
     thread and waits for it with a deadline, so a hung device is named instead of
     hanging the host (CPU runs steps with host callbacks synchronously, so the wait must
     not be on the dispatching thread). A step has finished when :meth:`run` returns: the
-    loop settles it at once (:attr:`settles_at_once`)."""
+    loop settles it at once (:attr:`settles_at_once`). It holds no step: each call is
+    handed the runtime it runs on."""
 
     settles_at_once = True
 
-    def __init__(self, runtime: Runtime, timeout: float):
-        self.runtime = runtime
+    def __init__(self, timeout: float):
         self.timeout = timeout
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxstep-step")
 
     def run(
-        self, state: TrainState, item: Item, expected: int, check_replicas: bool, presplit: bool
+        self,
+        runtime: Runtime,
+        state: TrainState,
+        item: Item,
+        expected: int,
+        check_replicas: bool,
+        presplit: bool,
     ) -> tuple[TrainState, StepOutput]:
-        """Runs step ``expected`` (``state``'s) on ``item``'s batch and returns what the
-        step returns, or raises the ``HUNG`` error naming the devices that did not finish
-        their local part in time. ``item.drop``: a quarantine's rerun
-        (``Runtime.rerun_dropping``), watched the same way."""
-        runtime = self.runtime
+        """Runs step ``expected`` (``state``'s) on ``item``'s batch on ``runtime`` and
+        returns what the step returns, or raises the ``HUNG`` error naming the devices
+        that did not finish their local part in time. ``item.drop``: a quarantine's
+        rerun (``Runtime.rerun_dropping``), watched the same way."""
         batch = runtime.join(item.batch) if presplit else item.batch
         call: Callable[..., tuple[TrainState, StepOutput]]
         if item.drop:
@@ -67,36 +71,35 @@ class StepWatchdog(Runner):
         for replicas in (False, check_replicas or runtime.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
             compile_ahead(state, batch, heartbeat=True, replicas=replicas)
-        return self._watch(functools.partial(call, state, batch), expected)
+        return self._watch(runtime, functools.partial(call, state, batch), expected)
 
-    def replay(self, state: TrainState, batch: Any, rotation: int, expected: int) -> StepOutput:
-        """:meth:`Runtime.replay` of step ``expected`` (from ``state``, not donated) with
-        the chunks rotated by ``rotation``, watched as a step is: its heartbeat variant
-        (compiled ahead), and past the deadline the ``HUNG`` error naming the devices that
-        did not finish their part of the replay (the diagnosis of ``fit(diagnose=True)``
-        and of ``recover``)."""
-        runtime = self.runtime
+    def replay(
+        self, runtime: Runtime, state: TrainState, batch: Any, rotation: int, expected: int
+    ) -> StepOutput:
+        """:meth:`Runtime.replay` on ``runtime`` of step ``expected`` (from ``state``, not
+        donated) with the chunks rotated by ``rotation``, watched as a step is: its
+        heartbeat variant (compiled ahead), and past the deadline the ``HUNG`` error
+        naming the devices that did not finish their part of the replay (the diagnosis
+        of ``fit(diagnose=True)`` and of ``recover``)."""
         for replicas in (False, runtime.options.divergence_every is not None):
             runtime.compile(state, batch, heartbeat=True, replicas=replicas, replay=True)
         call = functools.partial(runtime.replay, state, batch, rotation=rotation, heartbeat=True)
-        return self._watch(call, expected, during=f"the replay that diagnoses step {expected}")
-
-    def resumed(self, resume: Resume, number: int) -> None:
-        """A recovery left a device out: the steps run on its runtime from now on."""
-        if resume.runtime is not None:
-            self.runtime = resume.runtime
+        during = f"the replay that diagnoses step {expected}"
+        return self._watch(runtime, call, expected, during)
 
     def close(self) -> None:
         """Lets the dispatch thread go (it is idle: each run waited for its step)."""
         self.pool.shutdown(wait=False)
 
-    def _watch(self, call: Callable[[], Ran], expected: int, during: str | None = None) -> Ran:
-        """``call()`` on the dispatch thread, waited for until the deadline: what it
-        returns (a step's ``(state, out)``, a replay's ``out``) once its health table is
-        ready, or the ``HUNG`` error (or a lost peer's)."""
+    def _watch(
+        self, runtime: Runtime, call: Callable[[], Ran], expected: int, during: str | None = None
+    ) -> Ran:
+        """``call()`` (a call of ``runtime``) on the dispatch thread, waited for until the
+        deadline: what it returns (a step's ``(state, out)``, a replay's ``out``) once its
+        health table is ready, or the ``HUNG`` error (or a lost peer's)."""
         # Only this run's beats count: a step run again (a retry, a rerun, a rollback,
         # a replay) has the step number its earlier run beat with.
-        self.runtime.heartbeats.clear()
+        runtime.heartbeats.clear()
         future = self.pool.submit(call)
         deadline = time.monotonic() + self.timeout
         pause = 1e-4
@@ -104,10 +107,10 @@ class StepWatchdog(Runner):
             lost = distributed.lost_processes()
             if lost:  # a peer process died or froze: no need to wait for the deadline
                 self.pool.shutdown(wait=False)
-                raise distributed.lost_error(lost, expected, self.runtime.devices)
+                raise distributed.lost_error(lost, expected, runtime.devices)
             if time.monotonic() > deadline:
                 self.pool.shutdown(wait=False)
-                raise hung(self.runtime, expected, self.timeout, during)
+                raise hung(runtime, expected, self.timeout, during)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         return future.result()

@@ -1,9 +1,13 @@
 """The public face of a checked step: :class:`TrainStep`, over the
-:class:`~jaxstep._src.step._runtime.Runtime` that does the work on its current devices.
+:class:`~jaxstep._src.step._runtime.Runtime` that does the work on its devices.
 
-jaxstep's own layers reach a step's runtime through :func:`runtime_of` and hand it a
-new one through :func:`adopt` (``fit`` after a recovery left a device out); nothing
-else touches a step's insides."""
+A step is a value: leaving devices out makes a new step
+(:meth:`TrainStep.without_devices`) and leaves the old one valid on its own devices.
+Only :meth:`TrainStep.exclude_devices`, kept for its callers, moves a step object onto
+the new one (:func:`adopt`), and ``fit`` does the same to the step it was given once a
+recovery left a device out (``step.devices`` shrinks, as documented). jaxstep's own
+layers reach a step's runtime through :func:`runtime_of`; nothing else touches a step's
+insides."""
 
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ class TrainStep:
     Calling it (``state, out = step(state, batch)``) validates the batch (once per
     shape), places it, and dispatches one compiled call without waiting for the
     devices. Its face: :meth:`init`, calling it, :meth:`table`, :meth:`failures`,
-    :meth:`clear_halt`, :meth:`exclude_devices`; :meth:`check_state`,
+    :meth:`clear_halt`, :meth:`without_devices` (a new step on fewer devices; the
+    in-place :meth:`exclude_devices`); :meth:`check_state`,
     :meth:`host_state`, :meth:`place_state` (moving a state between steps);
     :meth:`compile` / :meth:`lower` (ahead of time, memory analysis); and what it was
     built with: :attr:`options`, :attr:`devices`, :attr:`names`.
@@ -50,6 +55,13 @@ class TrainStep:
 
     def __init__(self, options: Options):
         self._runtime = Runtime(options)
+
+    @classmethod
+    def _on(cls, runtime: Runtime) -> TrainStep:
+        """The step over ``runtime`` (one that :meth:`Runtime.without` built)."""
+        step = cls.__new__(cls)
+        step._runtime = runtime
+        return step
 
     @property
     def options(self) -> Options:
@@ -176,26 +188,53 @@ class TrainStep:
         """
         return self._runtime.clear_halt(state)
 
-    def exclude_devices(self, device_ids: Sequence[int], state: TrainState) -> TrainState:
-        """Goes on without the devices ``device_ids`` (``jax.Device.id`` s): this step
-        runs from now on the others, in the same order, and the state returned is
-        ``state`` on them, ready for every method of the step.
+    def without_devices(
+        self, device_ids: Sequence[int], state: TrainState
+    ) -> tuple[TrainStep, TrainState]:
+        """A new step on this step's devices but ``device_ids`` (``jax.Device.id`` s),
+        in the same order, and ``state`` on them, ready for every method of the new
+        step. This step is unchanged: it still runs on its own devices, and ``state``
+        (not donated) is still its state.
 
         The state is rebuilt from the copy of the first remaining device this process
         holds (one read of it; the devices that go are never read), ``halted`` cleared,
         and the per-device columns of its monitor (the loss-spike window, the drop
-        policy's counts) kept for the remaining devices. Each batch from now on splits
-        over ``len(step.devices)`` devices: its leading axis must divide by the new
-        count. Injected faults keep their devices (a fault on a device that goes never
-        fires; a transient that fired does not fire again); an explicit
+        policy's counts) kept for the remaining devices. Each batch of the new step
+        splits over ``len(new.devices)`` devices: its leading axis must divide by the
+        new count. Injected faults keep their devices (a fault on a device that goes
+        never fires; a transient that fired does not fire again); an explicit
         ``max_dropped`` is lowered to the new count minus one where it must be. The
-        compiled programs are compiled again on first use. With several processes,
-        every process calls it with the same ids. Under ``shard_state`` the state stays
+        new step's programs are compiled on first use. With several processes, every
+        process calls it with the same ids. Under ``shard_state`` the state stays
         sharded: each leaf keeps its axis over the devices left, and a leaf whose axis
         no longer divides is padded with zeros to the next multiple (a warning names
         those leaves and the bytes per device); the padding reaches no loss, optimizer
         moment, checkpoint or ``host_state``. With ``replicas`` > 1 the device's whole
         group leaves instead.
+
+        Args:
+          device_ids: the ids of the devices to leave out, from ``step.devices``.
+          state: a good state of this step (not donated).
+
+        Returns:
+          ``(new_step, new_state)``: the step on the remaining devices and the state
+          on them.
+
+        Raises:
+          ValueError: an id is not one of the step's devices, or no device would
+            remain, or (several processes) a process would keep none of its devices.
+          TypeError: ``device_ids`` is not a sequence of ints.
+        """
+        runtime, placed = self._runtime.without(device_ids, state)
+        return TrainStep._on(runtime), placed
+
+    def exclude_devices(self, device_ids: Sequence[int], state: TrainState) -> TrainState:
+        """Goes on without the devices ``device_ids`` (``jax.Device.id`` s), in place:
+        this step object runs from now on the others, in the same order, and the state
+        returned is ``state`` on them. It is :meth:`without_devices` with this object
+        moved onto the new step (everything said there holds); prefer
+        ``step, state = step.without_devices(ids, state)``, which leaves this step
+        valid on its own devices.
 
         Args:
           device_ids: the ids of the devices to leave out, from ``step.devices``.
@@ -210,7 +249,8 @@ class TrainStep:
             the step is unchanged.
           TypeError: ``device_ids`` is not a sequence of ints.
         """
-        self._runtime, placed = self._runtime.without(device_ids, state)
+        smaller, placed = self.without_devices(device_ids, state)
+        adopt(self, smaller)
         return placed
 
     def check_state(self, state: TrainState) -> None:
@@ -308,12 +348,13 @@ class TrainStep:
 
 
 def runtime_of(step: TrainStep) -> Runtime:
-    """The runtime ``step`` runs on now (jaxstep's layers: fit, diagnose, restore, the
+    """The runtime ``step`` runs on (jaxstep's layers: fit, diagnose, restore, the
     testing kit)."""
     return step._runtime
 
 
-def adopt(step: TrainStep, runtime: Runtime) -> None:
-    """``step`` runs on ``runtime`` from now on: a runtime on fewer devices that a
-    recovery inside ``fit`` built (``Runtime.without``), as ``exclude_devices`` would."""
-    step._runtime = runtime
+def adopt(step: TrainStep, other: TrainStep) -> None:
+    """The step object ``step`` runs as ``other`` from now on (``other`` a step
+    :meth:`TrainStep.without_devices` made of it): what ``exclude_devices`` does, and
+    what ``fit`` does to the step it was given once a recovery left a device out."""
+    step._runtime = other._runtime
