@@ -16,7 +16,7 @@ from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._diagnose import Replay
 from jaxstep._src.loop._prefetch import InTurn
 from jaxstep._src.loop._prefetch import Prefetch
-from jaxstep._src.loop._recover import Recoverer
+from jaxstep._src.loop._recover import SelfHealing
 from jaxstep._src.loop._watchdog import StepWatchdog
 from jaxstep._src.step import runtime_of
 from jaxstep.testing import Fault
@@ -117,7 +117,7 @@ def test_the_actions_a_run_asks_for_come_in_their_documented_order(tmp_path):
         kinds = [type(part) for part in loop.actions.parts]
         # the user's callbacks are listeners in the same list, in the order given
         progress = jaxstep.Progress
-        assert kinds == [Prefetch, FitCheckpoints, StepWatchdog, progress, Recoverer, Replay]
+        assert kinds == [Prefetch, FitCheckpoints, StepWatchdog, progress, SelfHealing, Replay]
         assert loop.actions.runner.settles_at_once is True  # the watchdog runs the dispatch
     finally:
         loop.actions.close()

@@ -35,7 +35,7 @@ from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._prefetch import InTurn
 from jaxstep._src.loop._prefetch import Prefetch
 from jaxstep._src.loop._records import Recovery
-from jaxstep._src.loop._recover import Recoverer
+from jaxstep._src.loop._recover import SelfHealing
 from jaxstep._src.loop._watchdog import StepWatchdog
 from jaxstep._src.step import Runtime
 from jaxstep._src.step import TrainStep
@@ -85,9 +85,9 @@ def actions(
     if options.prefetch:  # placing ahead: a step placing batches itself, rows not carried
         place = not carried and options.step_timeout is None
         feeder = Prefetch(runtime, options.prefetch, presplit=options.presplit, place=place)
-    recoverer = None
+    healing = None
     if options.recover is not None:
-        recoverer = Recoverer(
+        healing = SelfHealing(
             options.recover,
             runtime,
             checkpoints=checkpoints,
@@ -103,7 +103,7 @@ def actions(
         None if checkpoints.store is None else checkpoints,
         runner,
         *callbacks,
-        recoverer,
+        healing,
         replay,
     )
     parts: list[Callback] = [part for part in found if part is not None]

@@ -66,8 +66,8 @@ from jaxstep._src.step import Runtime
 from jaxstep._src.step import runtime_of
 
 
-class Recoverer(Action):
-    """The loop's recovery action (``fit(..., recover=...)``): what one fit call's
+class SelfHealing(Action):
+    """The listener that heals a run (``fit(..., recover=...)``): what one fit call's
     recoveries hold between failures (the budget spent, the retries of each batch, the
     steps since the last verified checkpoint: a rollback trains them again).
 
