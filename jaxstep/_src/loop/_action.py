@@ -81,9 +81,10 @@ class Action(Callback):
     def pulled(self, batch: Any) -> None:
         """A batch was pulled from the data, before the step takes it."""
 
-    def before(self, state: TrainState, item: Item) -> bool:
-        """Before ``state`` is dispatched (and donated) on ``item``: whether this step
-        must run the replica check (the loop ORs every action's answer)."""
+    def before(self, state: TrainState, item: Item, number: int) -> bool:
+        """Before ``state`` (the state of step ``number``, ``state.step``) is dispatched
+        (and donated) on ``item``: whether this step must run the replica check (the
+        loop ORs every action's answer)."""
         return False
 
     def dispatched(self, pending: Pending) -> None:

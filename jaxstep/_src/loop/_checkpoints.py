@@ -23,30 +23,30 @@ class FitCheckpoints(Action):
     (:func:`jaxstep._src.checkpoint.begin_fit` builds it). A listener only with a
     checkpoint directory (``store`` not None: without one there is nothing to save);
     the loop's other parts read the run here: ``store``, ``every``, ``source`` (the
-    data), ``number`` (the step number of the next state dispatched) and
-    :meth:`latest_verified`."""
+    data), ``first`` (the step the fit call starts at) and :meth:`latest_verified`.
+    The step number of a state is the loop's one counter (``state.step``), handed to
+    :meth:`before` and :meth:`resumed`: nothing here counts steps."""
 
     def __init__(self, saver: Saver):
         self.saver = saver
         self.store = saver.store
         self.every = saver.every
         self.source = saver.source
-        self.number = saver.first
+        self.first = saver.first
 
     def latest_verified(self) -> int | None:
         """The step of the newest verified checkpoint written, or None
         (:meth:`~jaxstep._src.checkpoint.Saver.latest_verified`)."""
         return self.saver.latest_verified()
 
-    def before(self, state: TrainState, item: Item) -> bool:
-        """Before ``state`` is dispatched (and donated) on ``item``: whether the step
+    def before(self, state: TrainState, item: Item, number: int) -> bool:
+        """Before ``state``, the state of step ``number``, is dispatched (and donated) on
+        ``item``: whether the step
         must check replicas, at a checkpoint step on every process alike (the same
         program everywhere), so the checkpoint is verified; its copy is taken here,
         unless that step is written already. The data position a checkpoint of
         ``state`` resumes from is ``item``'s first row (rows carried: where the rows not
         trained are, ``item.at``)."""
-        number = self.number
-        self.number += 1
         check = self.every is not None and self.store is not None and number % self.every == 0
         if not check or self.saver.holds(number):
             return check
@@ -66,7 +66,6 @@ class FitCheckpoints(Action):
         device left: the step's runtime from now on)."""
         if resume.runtime is not None:
             self.saver.resumed_on(resume.runtime)
-        self.number = number
         self.saver.rewind(number)
 
     def report(self, error: TrainingWorkerError, first: Cursor | None) -> TrainingWorkerError:

@@ -103,7 +103,7 @@ class Loop:
         self.exits = Exits(self.flight, self.actions, self.peers, self.record)
         self.last: StepOutput | None = None  # the newest dispatched step
         #: the batches this call may train (num_steps, until_step), None: all
-        self.limit = limit(options, checkpoints.number)
+        self.limit = limit(options, checkpoints.first)
         self.waited = 0.0  # seconds waited for data since the last dispatch
         self.interrupted = False  # a first Ctrl-C: stop after the step in flight
         self.pulled = 0  # batches pulled from the source (advance's calls)
@@ -190,10 +190,10 @@ class Loop:
             item = placed_in_data(taken, self.carry, queue, pulled, self.source.hold)
             flight.in_hand = item
         presplit = self.presplit and item.first is None  # carried rows come joined
+        number = self.number
         check = False
         for before in actions.before:  # a checkpoint step: check replicas
-            check = before(self.state, item) or check
-        number = self.number
+            check = before(self.state, item, number) or check
         try:
             self.state, out = actions.runner.run(
                 self.runtime, self.state, item, number, check, presplit

@@ -102,7 +102,7 @@ class SelfHealing(Action):
         self.step_timeout = step_timeout
         self.shown = shown
         self.rows = Rows(runtime, checkpoints.source.start, presplit, options.example_id)
-        self.fit_start = checkpoints.number  # state.step as this fit call starts
+        self.fit_start = checkpoints.first  # state.step as this fit call starts
         self.rollback = Rollback(checkpoints, self.rows, options.rollback_batches)
         # retries by batch (its Item.seq); a rollback's training again starts afresh
         self.retried: dict[int, int] = {}
