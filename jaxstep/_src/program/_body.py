@@ -41,18 +41,18 @@ def body(
     extras: dict[str, Any],
     *,
     beat: Beat | None,
-    replicas: bool,
+    check_replicas: bool,
 ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
-    """One device's step. ``replicas``: the every-``divergence_every``-th variant that
+    """One device's step. ``check_replicas``: the every-``divergence_every``-th variant that
     also fingerprints this device's copy of the state; ``beat``: call it once the
     local part is done (before the collective). Returns the extras it changed (not
     ``chunk``)."""
     at = here(options, state, batch, extras)
     repair = None
-    if options.on_failure == "drop" and replicas:  # a diverged replica is repaired first
+    if options.on_failure == "drop" and check_replicas:  # a diverged replica is repaired first
         state, repair = drop.repair_replicas(options, state, at.position)
     # 1. input, 2. loss and gradients, 3. local health: all before any collective.
-    part = local_part(options, state, batch, at, beat=beat, replicas=replicas)
+    part = local_part(options, state, batch, at, beat=beat, check_replicas=check_replicas)
     # 4. the first collective, 5. the checks that compare the devices' rows.
     reduced = all_reduce(options, state, part, at)
     gathered, extras = compare_devices(options, reduced, part, at, extras, repair)

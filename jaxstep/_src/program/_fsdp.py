@@ -156,7 +156,7 @@ def gathered_work(
     *,
     plan: Plan,
     grid: Grid,
-    replicas: bool,
+    check_replicas: bool,
     keep: jax.Array | None,
 ) -> tuple[DeviceWork, tuple[str, ...]]:
     """``device_work`` with the sharded parameters gathered through
@@ -164,7 +164,7 @@ def gathered_work(
     reduce-scattered (this device's shard of the sum), each replicated leaf's local;
     its health: the local cotangents'. ``keep``: under ``drop``, 0 leaves this
     device's cotangents out of the sums (None: by what its forward pass tells);
-    ``replicas``: the gathered copies' fingerprints come back too."""
+    ``check_replicas``: the gathered copies' fingerprints come back too."""
     if ctx is not None:
         batch = options.injector.input(batch, ctx)
     in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))  # before the backward
@@ -178,7 +178,7 @@ def gathered_work(
         params = jax.tree.unflatten(treedef, full)
         value, aux = loss_of(options, params, *args, model_state=model_state)
         copies = None
-        if replicas:  # this device's gathered copies: a bad link shows here
+        if check_replicas:  # this device's gathered copies: a bad link shows here
             copies = (cross_checks.fingerprint(full), health.first_nonfinite(full)[1])
         return (gathering.scaled(value), sink), (value, aux, copies)
 
@@ -321,7 +321,7 @@ def local_part(
     at: Here,
     *,
     beat: Beat | None,
-    replicas: bool,
+    check_replicas: bool,
     sharded: Sequence[bool],
 ) -> tuple[LocalPart, Callable[[jax.Array], tuple[PyTree, PyTree]]]:
     """:func:`jaxstep._src.program._local.local_part` under ``"params"``: the parameters'
@@ -347,16 +347,18 @@ def local_part(
     def work(
         keep: jax.Array | None, checked: bool
     ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
-        fn = functools.partial(gathered_work, plan=plan, grid=grid, replicas=checked, keep=keep)
+        fn = functools.partial(
+            gathered_work, plan=plan, grid=grid, check_replicas=checked, keep=keep
+        )
         return microbatched_work(
             options, state, batch, key, at.ctx, options.microbatches, fn, scattered=True
         )
 
-    found, microbatch, check_names = work(None, replicas)
+    found, microbatch, check_names = work(None, check_replicas)
     status = found.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
     row = row_of(found, found.grad_leaf, found.grad_squares, microbatch)
     prints = None
-    if replicas:
+    if check_replicas:
         assert found.prints is not None and found.param_leaf is not None
         if grid.grouped:  # every leaf as this device holds it: a shard among its twins
             trees = (state.params, state.opt_state, state.model_state)

@@ -78,12 +78,12 @@ def local_part(
     at: Here,
     *,
     beat: Beat | None,
-    replicas: bool,
+    check_replicas: bool,
     sharded: Sequence[bool] | None = None,
     work_fn: WorkFn | None = None,
 ) -> LocalPart:
     """This device's loss, gradients and health row, before any collective; with
-    ``replicas`` its fingerprints too, and with ``beat`` the host told it is done. The
+    ``check_replicas`` its fingerprints too, and with ``beat`` the host told it is done. The
     key is folded with the step and the chunk: a replay that moves a chunk to another
     device moves its random numbers with it (dropout masks), so a failure that follows
     the chunk is the data's and one that stays is the device's. ``sharded``: which
@@ -111,7 +111,7 @@ def local_part(
         status |= jnp.where(bad, flag, 0)
     row = row_of(work, grad_leaf, squares, microbatch)
     prints = None
-    if replicas:
+    if check_replicas:
         prints, param_leaf = replica_check(state, sharded)
         if options.on_failure == "drop":
             prints = None  # compared before the local part (drop.repair_replicas)

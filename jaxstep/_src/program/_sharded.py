@@ -107,27 +107,29 @@ def sharded_step(
     extras: dict[str, Any],
     *,
     beat: Beat | None,
-    replicas: bool,
+    check_replicas: bool,
 ) -> tuple[TrainState, StepOutput, dict[str, Any]]:
     """The whole step on global arrays (traced inside the backend's ``jit``): each
     device's part in a ``shard_map``, then the verdict and the update."""
     axis = options.axis_name
     plan = Plan.of(options, state)
     if not plan.sharded:  # the rule shards no leaf: the replicated step, bit for bit
-        device_step = functools.partial(body, options, beat=beat, replicas=replicas)
+        device_step = functools.partial(body, options, beat=beat, check_replicas=check_replicas)
         return map_body(device_step, mesh, axis, extra_specs)(state, batch, extras)
     grid = Grid(mesh, options.replicas)
     specs, blocks = grid.state_specs(plan, state), grid.block_specs(plan, state)
     rows = jax.tree.leaves(batch)[0].shape[0] // options.n
 
     def part(state: TrainState, batch: Batch, extras: dict[str, Any]) -> Parted:
-        out = device_part(options, plan, grid, state, batch, extras, beat=beat, replicas=replicas)
+        out = device_part(
+            options, plan, grid, state, batch, extras, beat=beat, check_replicas=check_replicas
+        )
         return out._replace(aux=jax.tree.map(lambda x: x[None], out.aux))
 
     grads = plan.grad_specs(state.params, axis)
     seen = Seen._make([P()] * len(Seen._fields))
     gathered = Gathered._make([P(), P(), seen, P(), grads, P(), P()])
-    repairs = options.on_failure == "drop" and replicas  # the repaired state comes out
+    repairs = options.on_failure == "drop" and check_replicas  # the repaired state comes out
     out_specs = Parted._make(
         [gathered, dict(extra_specs), P(axis), P(), blocks if repairs else None]
     )
@@ -162,7 +164,7 @@ def device_part(
     extras: dict[str, Any],
     *,
     beat: Beat | None,
-    replicas: bool,
+    check_replicas: bool,
 ) -> Parted:
     """One device's step up to the update (inside the ``shard_map``): its local part and
     checks, the reduction, the checks that compare the devices' rows."""
@@ -170,12 +172,20 @@ def device_part(
     shards = shard_mask(plan, state)
     dropping = options.on_failure == "drop"
     repair = None
-    if dropping and replicas:  # diverged copies (and shards, among twins) repaired first
+    if dropping and check_replicas:  # diverged copies (and shards, among twins) repaired first
         state, repair = drop.repair_replicas(options, state, at.position, shards, grid)
     rerun: Rerun
     if options.shard_state == "params":
         part, rerun = fsdp.local_part(
-            options, plan, grid, state, batch, at, beat=beat, replicas=replicas, sharded=shards
+            options,
+            plan,
+            grid,
+            state,
+            batch,
+            at,
+            beat=beat,
+            check_replicas=check_replicas,
+            sharded=shards,
         )
     else:
         work_fn = functools.partial(device_work, input_apart=True) if dropping else None
@@ -185,11 +195,11 @@ def device_part(
             batch,
             at,
             beat=beat,
-            replicas=replicas,
+            check_replicas=check_replicas,
             sharded=None if grid.grouped else shards,  # shards with twins are compared
             work_fn=work_fn,
         )
-        if dropping and replicas:
+        if dropping and check_replicas:
             part = part._replace(prints=None)  # compared before (drop.repair_replicas)
 
         def rerun(left_out: jax.Array) -> tuple[PyTree, PyTree]:
