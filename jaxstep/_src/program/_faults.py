@@ -262,6 +262,113 @@ class Injector:
         return value
 
 
+class Armed:
+    """The one seam between the injected faults and the traced step: a device's faults
+    at one step (:meth:`jaxstep._src.program.Options.arm`), called by the step at its named
+    points (the input, the loss, the gradients, the new parameters, a stall, the fire
+    flags). :data:`NO_FAULTS` is the same seam for a step built without faults: every
+    point hands its value through, so that step's program holds none of this."""
+
+    def __init__(self, injector: Injector, ctx: Context):
+        self._injector, self._ctx = injector, ctx
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def count(self) -> int:
+        """The step's faults (one fire flag each)."""
+        return len(self._injector.faults)
+
+    def rows(self, start: jax.Array, size: int) -> Armed:
+        """These faults for the ``size`` rows from ``start`` of the chunk (a micro-batch)."""
+        return Armed(self._injector, self._ctx._replace(rows=start + jnp.arange(size)))
+
+    def check_rows(self, rows: int) -> None:
+        """Raises (at trace time) for a fault on an example the chunks do not have."""
+        self._injector.check_rows(rows)
+
+    def stall(self, token: jax.Array) -> jax.Array:
+        """Blocks this device where a stall fires (``token``: its mark)."""
+        return self._injector.stall(self._ctx, token)
+
+    def input(self, batch: Batch) -> Batch:
+        """The batch as an input fault leaves it."""
+        return self._injector.input(batch, self._ctx)
+
+    def after_loss(self, value: jax.Array, grads: PyTree) -> tuple[jax.Array, PyTree]:
+        """The loss and its gradients as a loss fault leaves them."""
+        return self._injector.after_loss(value, grads, self._ctx)
+
+    def grads(self, grads: PyTree) -> PyTree:
+        """The gradients as a gradient fault leaves them."""
+        return self._injector.tree("grad", grads, self._ctx)
+
+    def params(self, params: PyTree) -> PyTree:
+        """The (checked) new parameters as a parameter fault leaves them."""
+        return self._injector.tree("param", params, self._ctx)
+
+    def loss_factor(self) -> jax.Array | None:
+        """:meth:`Injector.loss_factor` now."""
+        return self._injector.loss_factor(self._ctx)
+
+    def leaf_value(self, kind: str, names: Sequence[str], i: int) -> jax.Array | None:
+        """:meth:`Injector.leaf_value` now."""
+        return self._injector.leaf_value(kind, names, i, self._ctx)
+
+    def fire_flags(self) -> jax.Array:
+        """(count,) bool: which faults fire on this device in this step."""
+        return self._injector.fire_flags(self._ctx)
+
+
+class _NoFaults(Armed):
+    """:class:`Armed` of a step without faults: each point hands its value through."""
+
+    def __init__(self) -> None:
+        pass
+
+    def __bool__(self) -> bool:
+        return False
+
+    @property
+    def count(self) -> int:
+        return 0
+
+    def rows(self, start: jax.Array, size: int) -> Armed:
+        return self
+
+    def check_rows(self, rows: int) -> None:
+        pass
+
+    def stall(self, token: jax.Array) -> jax.Array:
+        return token
+
+    def input(self, batch: Batch) -> Batch:
+        return batch
+
+    def after_loss(self, value: jax.Array, grads: PyTree) -> tuple[jax.Array, PyTree]:
+        return value, grads
+
+    def grads(self, grads: PyTree) -> PyTree:
+        return grads
+
+    def params(self, params: PyTree) -> PyTree:
+        return params
+
+    def loss_factor(self) -> jax.Array | None:
+        return None
+
+    def leaf_value(self, kind: str, names: Sequence[str], i: int) -> jax.Array | None:
+        return None
+
+    def fire_flags(self) -> jax.Array:
+        return jnp.zeros((0,), bool)
+
+
+#: the seam of a step built without faults
+NO_FAULTS: Armed = _NoFaults()
+
+
 def spiked(x: jax.Array, factor: jax.Array | None) -> jax.Array:
     """``x`` times :meth:`Injector.loss_factor`'s ``factor`` where it is not 1."""
     if factor is None:

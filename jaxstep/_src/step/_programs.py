@@ -8,7 +8,6 @@ alone)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,10 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep._src.core import TrainState
 from jaxstep._src.program import Options
-from jaxstep._src.program import body
+from jaxstep._src.program import Step
 from jaxstep._src.program import fingerprint
 from jaxstep._src.program import shard_mask
-from jaxstep._src.program import sharded_step
 from jaxstep._src.step._backends import Backend
 
 #: ``beat(position, step_number, status) -> status``: the heartbeat callback
@@ -64,16 +62,10 @@ class Programs:
         self._prints: Callable[[TrainState], jax.Array] | None = None
 
     def _variant(self, split: dict[str, bool], beat: Beat | None, check_replicas: bool) -> Any:
-        """One variant: the per-device body mapped by the backend, or under
-        ``shard_state`` the sharded step, whose ``shard_map`` is its own."""
-        options = self.options
-        if options.shard_state is not None:
-            step = functools.partial(
-                sharded_step, options, beat=beat, check_replicas=check_replicas
-            )
-            return self.backend.compile_sharded(step, options.donate, split)
-        mapped = functools.partial(body, options, beat=beat, check_replicas=check_replicas)
-        return self.backend.compile(mapped, options.donate, split)
+        """One variant: the one per-device body (:class:`jaxstep._src.program.Step`) over
+        the state's layout, compiled by the backend."""
+        step = Step(self.options, beat=beat, check_replicas=check_replicas)
+        return self.backend.compile(step, self.options.donate, split)
 
     def replay(self, heartbeat: bool, check_replicas: bool) -> Any:
         """A variant as a replay runs it: ``(state, batch, extras) -> StepOutput``, the
