@@ -100,9 +100,10 @@ class OnFailure:
         all-reduce: read before it, so XLA updates their donated buffers in place)."""
         return {}
 
-    def gathered(self, rows: jax.Array) -> dict[str, jax.Array | None]:
-        """:meth:`counters` as :class:`Seen` takes them back from the gathered rows."""
-        return {"skips": None, "drops": None}
+    def gathered(self, rows: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
+        """:meth:`counters` as :class:`Seen` takes them back from the gathered rows:
+        (``skips``, ``drops``)."""
+        return None, None
 
     def share(self, failing: jax.Array) -> Callable[[jax.Array], jax.Array]:
         """How a sum over the devices becomes their mean (``failing``: the devices that
@@ -162,8 +163,8 @@ class Skip(OnFailure):
     def counters(self, state: TrainState, index: jax.Array) -> dict[str, jax.Array]:
         return {"consecutive_skips": state.consecutive_skips}
 
-    def gathered(self, rows: jax.Array) -> dict[str, jax.Array | None]:
-        return {"skips": rows[0, _SKIPS].astype(jnp.int32), "drops": None}
+    def gathered(self, rows: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
+        return rows[0, _SKIPS].astype(jnp.int32), None
 
     def halt_or_skip(
         self, failed: jax.Array, must_halt: jax.Array, skips: jax.Array, halted: jax.Array
@@ -219,8 +220,8 @@ class Drop(Skip):
             "consecutive_drops": state.monitor["drops"][index],
         }
 
-    def gathered(self, rows: jax.Array) -> dict[str, jax.Array | None]:
-        return {**super().gathered(rows), "drops": rows[:, _DROPS].astype(jnp.int32)}
+    def gathered(self, rows: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
+        return super().gathered(rows)[0], rows[:, _DROPS].astype(jnp.int32)
 
     def share(self, failing: jax.Array) -> Callable[[jax.Array], jax.Array]:
         # times the reciprocal, not divided: a multiply by a scalar fuses into both of
@@ -255,7 +256,7 @@ class Drop(Skip):
     def failed(self, seen: Seen) -> jax.Array:
         # what leaving the failing devices out cannot cure
         limit = self.options.dropped_limit
-        return seen.late | seen.halt | (seen.failing > limit)  # type: ignore[return-value]
+        return seen.late | seen.halt | (seen.failing > limit)
 
     def decide(
         self, state: TrainState, seen: Seen, ok: jax.Array

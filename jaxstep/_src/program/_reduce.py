@@ -95,6 +95,7 @@ def received(
     share = policy.share(counts[0])  # drop: the mean over the devices not left out
     floats = [share(x) for x in floats]
     model_state = with_floats(part.work.model_state, floats)
+    skips, drops = policy.gathered(rows)
     seen = Seen(
         failed=counts[0] > 0,
         overflow=counts[1] > 0,
@@ -103,7 +104,8 @@ def received(
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
         failing=counts[0],
         repeats=counts[6] > 0 if len(summed) > 6 else None,
-        **policy.gathered(rows),
+        skips=skips,
+        drops=drops,
     )
     rest = gathered[:, width:]
     status = rows[:, COL["status"]].astype(jnp.int32)
