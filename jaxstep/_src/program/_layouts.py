@@ -181,8 +181,7 @@ class Replicated:
             start = state if parted.repaired is None else parted.repaired
             assert parted.at is not None  # inside the shard_map
             new_state, out = finish(start, parted, InPlace(self.options, parted.at))
-            # only the extras a step changes go out (``fired``): an output chunk was a copy
-            # kernel
+            # only the extras a step changes go out (``fired``): an output chunk cost a copy
             return new_state, out, {k: v for k, v in parted.extras.items() if k != "chunk"}
 
         return step
