@@ -4,10 +4,10 @@ leading device axis). Both place chunk i of the global batch on ``devices[i]``.
 
 A step is a :class:`jaxstep._src.program.Step`, ``step(mesh, extra_specs, state, batch,
 extras) -> (state, StepOutput, changed)`` on global arrays (or its ``per_device`` at
-``pmap``'s stacked edge); ``extras``
-is a dict of small arrays the step threads through (the chunk each device holds, and
-the faults' bookkeeping), each either replicated or split over the devices; ``changed``
-holds those the step changes (``fired``; never ``chunk``).
+``pmap``'s stacked edge); ``extras`` is a dict of small arrays the step threads through
+(the chunk each device holds, and the faults' bookkeeping), each either replicated or
+split over the devices; ``changed`` holds those the step changes (``fired``; never
+``chunk``).
 
 Copies between host and devices are named by direction: ``place_*`` puts host data on
 the step's devices, ``read_*`` returns numpy copies of device data (through
