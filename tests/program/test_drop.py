@@ -339,7 +339,7 @@ def test_the_mean_over_the_healthy_devices_keeps_the_gradients_precision(dtype, 
     # 1 / 7 is taken in float32 at least (float64 under x64) and the product rounded
     # once, within half an ulp (bfloat16: 2**-8 relative at most); a float32 reciprocal
     # cast to bfloat16 first was off by up to 0.53%, and float64 kept float32's digits
-    from jaxstep._src.program._verdict import times_share
+    from jaxstep._src.program._policies import times_share
 
     with jax.enable_x64(dtype == "float64"):
         x = jnp.asarray(np.linspace(-3.0, 3.0, 257), dtype)

@@ -1,10 +1,10 @@
 """The traced per-device program: each device's own part (loss, gradients, checks)
-before the one all-reduce, the verdict every device agrees on, and the guarded update.
-Pure functions of the frozen :class:`Options` the step was built with (checked there,
-once); nothing here touches the host."""
+before the one reduction, the verdict every device agrees on, and the guarded update:
+one body (:class:`Step`) over a layout of the state and a failure policy, both picked
+once from the frozen :class:`Options` the step was built with (checked there, once);
+nothing here touches the host."""
 
-from jaxstep._src.program._body import body as body
-from jaxstep._src.program._body import map_body as map_body
+from jaxstep._src.program._body import Step as Step
 from jaxstep._src.program._cross_checks import DEFAULT_DIVERGENCE_EVERY as DEFAULT_DIVERGENCE_EVERY
 from jaxstep._src.program._cross_checks import LossSpike as LossSpike
 from jaxstep._src.program._cross_checks import all_agree as all_agree
@@ -25,7 +25,6 @@ from jaxstep._src.program._padding import cut as cut
 from jaxstep._src.program._padding import pad_to as pad_to
 from jaxstep._src.program._scaling import DynamicLossScale as DynamicLossScale
 from jaxstep._src.program._sharded import shard_mask as shard_mask
-from jaxstep._src.program._sharded import sharded_step as sharded_step
 from jaxstep._src.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD_MIN_SIZE
 from jaxstep._src.program._shards import Plan as Plan
 from jaxstep._src.program._shards import ShardRule as ShardRule
@@ -47,20 +46,18 @@ __all__ = [
     "Pads",
     "Plan",
     "ShardRule",
+    "Step",
     "all_agree",
-    "body",
     "cut",
     "drop_memory",
     "example_failed",
     "fingerprint",
     "float_leaves",
     "grad_leaves_finite",
-    "map_body",
     "minority",
     "nbytes_per_device",
     "pad_to",
     "shard_axis",
     "shard_mask",
     "shard_spec",
-    "sharded_step",
 ]

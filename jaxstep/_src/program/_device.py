@@ -18,7 +18,7 @@ from jaxstep._src.core import TrainState
 from jaxstep._src.core import WeightedLoss
 from jaxstep._src.core import health
 from jaxstep._src.core import validate
-from jaxstep._src.program._faults import Context
+from jaxstep._src.program._faults import Armed
 from jaxstep._src.program._options import Options
 
 
@@ -74,7 +74,7 @@ class DeviceWork(NamedTuple):
         )
 
 
-#: ``work_fn(options, state, batch, key, model_state, ctx) -> (DeviceWork, check names)``
+#: ``work_fn(options, state, batch, key, model_state, faults) -> (DeviceWork, check names)``
 WorkFn = Callable[..., tuple["DeviceWork", tuple[str, ...]]]
 
 
@@ -84,7 +84,7 @@ def device_work(
     batch: Batch,
     key: jax.Array | None,
     model_state: PyTree,
-    ctx: Context | None,
+    faults: Armed,
     *,
     input_apart: bool = False,
 ) -> tuple[DeviceWork, tuple[str, ...]]:
@@ -93,8 +93,7 @@ def device_work(
     the input is checked in a reduction of its own, not in the gradients' (a sharded
     layout's ``drop`` leaves a device out by what its forward pass tells, before its
     gradients are all made)."""
-    if ctx is not None:
-        batch = options.injector.input(batch, ctx)
+    batch = faults.input(batch)
     scaler, scale = options.loss_scale, state.loss_scale
 
     def loss_fn(*args: Any) -> tuple[jax.Array, PyTree]:
@@ -107,8 +106,8 @@ def device_work(
     validate.rng_for(options.loss_fn, key is not None)  # at trace time only
     args = (state.params, batch) if key is None else (state.params, batch, key)
     (_, (value, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(*args)
-    if ctx is not None:  # on the scaled gradients: they overflow as a real spike's would
-        value, grads = options.injector.after_loss(value, grads, ctx)
+    # on the scaled gradients: they overflow as a real spike's would
+    value, grads = faults.after_loss(value, grads)
     if scaler is not None and scale is not None:
         grads = scaler.unscale(scale, grads)
     checks, aux = validate.checks(aux)
@@ -159,7 +158,7 @@ def microbatched_work(
     state: TrainState,
     batch: Batch,
     key: jax.Array | None,
-    ctx: Context | None,
+    faults: Armed,
     microbatches: int,
     work_fn: WorkFn | None = None,
     *,
@@ -173,7 +172,7 @@ def microbatched_work(
     micro-batches' own (their mean squared norm)."""
     work_fn = device_work if work_fn is None else work_fn
     if microbatches == 1:
-        work, found = work_fn(options, state, batch, key, state.model_state, ctx)
+        work, found = work_fn(options, state, batch, key, state.model_state, faults)
         return work, jnp.where(work.status != 0, 0, -1).astype(jnp.int32), found
     rows = jax.tree.leaves(batch)[0].shape[0]
     size = rows // microbatches
@@ -187,8 +186,7 @@ def microbatched_work(
         total, model_state = carry
         part, m = xs
         sub = None if key is None else jax.random.fold_in(key, m)
-        sub_ctx = None if ctx is None else ctx._replace(rows=m * size + jnp.arange(size))
-        work, names = work_fn(options, state, part, sub, model_state, sub_ctx)
+        work, names = work_fn(options, state, part, sub, model_state, faults.rows(m * size, size))
         total = jax.tree.map(jnp.add, total, work.grads)
         return (total, work.model_state), work._replace(grads=None, model_state=None)
 
@@ -239,9 +237,9 @@ def example_failed(
     replay diagnosis maps this over the examples of a failing chunk. Collectives in
     the model see a one-example axis (the caller binds ``axis_name``)."""
     example = jax.tree.map(lambda x: x[None], example)
-    work, grads = _replayed(options, state, example, jnp.int32(-1), chunk, row[None])
+    work, grads, faults = _replayed(options, state, example, jnp.int32(-1), chunk, row[None])
     bad = (work.status & ~int(Status.OVERFLOW)) != 0
-    if options.injector:  # an injected gradient fault is checked like a real one
+    if faults:  # an injected gradient fault is checked like a real one
         bad |= health.first_nonfinite(jax.tree.leaves(grads))[0]
     return bad
 
@@ -260,7 +258,7 @@ def grad_leaves_finite(
     replay diagnosis. Collectives in the model see a one-chunk axis (the caller binds
     ``axis_name``)."""
     rows = jnp.arange(jax.tree.leaves(chunk_batch)[0].shape[0])
-    _, grads = _replayed(options, state, chunk_batch, device_id, chunk, rows)
+    _, grads, _ = _replayed(options, state, chunk_batch, device_id, chunk, rows)
     return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
 
 
@@ -271,18 +269,14 @@ def _replayed(
     device_id: jax.Array,
     chunk: jax.Array,
     rows: jax.Array,
-) -> tuple[DeviceWork, PyTree]:
+) -> tuple[DeviceWork, PyTree, Armed]:
     """:func:`device_work` for rows the diagnosis replays away from the step: the key and
     the faults they had as rows ``rows`` of chunk ``chunk`` on device ``device_id``
-    (-1: faults bound to a device do not fire). Returns the work and its gradients
-    with any injected gradient fault applied."""
-    ctx = None
-    if options.injector:
-        fired = jnp.zeros(len(options.injector.faults), bool)
-        ctx = Context(state.step, device_id, chunk, rows, fired)
+    (-1: faults bound to a device do not fire). Returns the work, its gradients with
+    any injected gradient fault applied, and the faults."""
+    faults = options.arm(state.step, chunk, rows, None, device_id=device_id)
     key = None
     if state.rng is not None:
         key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), chunk)
-    work, _ = device_work(options, state, batch, key, state.model_state, ctx)
-    grads = work.grads if ctx is None else options.injector.tree("grad", work.grads, ctx)
-    return work, grads
+    work, _ = device_work(options, state, batch, key, state.model_state, faults)
+    return work, faults.grads(work.grads), faults

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 from typing import get_args
 
 import jax
@@ -260,6 +261,76 @@ class Injector:
             fired = jnp.where(self._active(k, ctx), jnp.float32(f.value), jnp.float32(0))
             value = fired if value is None else jnp.where(fired != 0, fired, value)
         return value
+
+
+class Armed:
+    """The one seam between the injected faults and the traced step: a device's faults
+    at one step (:meth:`jaxstep._src.program.Options.arm`), called by the step at its named
+    points (the input, the loss, the gradients, the new parameters, a stall, the fire
+    flags). :data:`NO_FAULTS` is the same seam for a step built without faults: every
+    point hands its value through, so that step's program holds none of this."""
+
+    def __init__(self, injector: Injector, ctx: Context | None):
+        self._injector, self._ctx = injector, ctx
+
+    def __bool__(self) -> bool:
+        return bool(self._injector)
+
+    @property
+    def _at(self) -> Context:
+        # None only in NO_FAULTS, whose injector has no fault to read it
+        return cast(Context, self._ctx)
+
+    @property
+    def count(self) -> int:
+        """The step's faults (one fire flag each)."""
+        return len(self._injector.faults)
+
+    def rows(self, start: jax.Array, size: int) -> Armed:
+        """These faults for the ``size`` rows from ``start`` of the chunk (a micro-batch)."""
+        if self._ctx is None:
+            return self
+        return Armed(self._injector, self._ctx._replace(rows=start + jnp.arange(size)))
+
+    def check_rows(self, rows: int) -> None:
+        """Raises (at trace time) for a fault on an example the chunks do not have."""
+        self._injector.check_rows(rows)
+
+    def stall(self, token: jax.Array) -> jax.Array:
+        """Blocks this device where a stall fires (``token``: its mark)."""
+        return self._injector.stall(self._at, token)
+
+    def input(self, batch: Batch) -> Batch:
+        """The batch as an input fault leaves it."""
+        return self._injector.input(batch, self._at)
+
+    def after_loss(self, value: jax.Array, grads: PyTree) -> tuple[jax.Array, PyTree]:
+        """The loss and its gradients as a loss fault leaves them."""
+        return self._injector.after_loss(value, grads, self._at)
+
+    def grads(self, grads: PyTree) -> PyTree:
+        """The gradients as a gradient fault leaves them."""
+        return self._injector.tree("grad", grads, self._at)
+
+    def params(self, params: PyTree) -> PyTree:
+        """The (checked) new parameters as a parameter fault leaves them."""
+        return self._injector.tree("param", params, self._at)
+
+    def loss_factor(self) -> jax.Array | None:
+        """:meth:`Injector.loss_factor` now."""
+        return self._injector.loss_factor(self._at)
+
+    def leaf_value(self, kind: str, names: Sequence[str], i: int) -> jax.Array | None:
+        """:meth:`Injector.leaf_value` now."""
+        return self._injector.leaf_value(kind, names, i, self._at)
+
+    def fire_flags(self) -> jax.Array:
+        """(count,) bool: which faults fire on this device in this step."""
+        return self._injector.fire_flags(self._at)
+
+
+#: the seam of a step built without faults: no fault, so no point reads the context
+NO_FAULTS = Armed(Injector((), ()), None)
 
 
 def spiked(x: jax.Array, factor: jax.Array | None) -> jax.Array:

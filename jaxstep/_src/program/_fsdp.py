@@ -38,7 +38,7 @@ from jaxstep._src.program._device import DeviceWork
 from jaxstep._src.program._device import loss as loss_of
 from jaxstep._src.program._device import microbatched_work
 from jaxstep._src.program._device import status_bits
-from jaxstep._src.program._faults import Context
+from jaxstep._src.program._faults import Armed
 from jaxstep._src.program._faults import poisoned
 from jaxstep._src.program._faults import spiked
 from jaxstep._src.program._grid import Grid
@@ -52,6 +52,7 @@ from jaxstep._src.program._options import Options
 from jaxstep._src.program._padding import Pad
 from jaxstep._src.program._padding import cut
 from jaxstep._src.program._padding import pad_to
+from jaxstep._src.program._policies import OnFailure
 from jaxstep._src.program._shards import Plan
 
 #: the ``checkpoint_name`` of a gathered parameter (never saved for the backward)
@@ -152,25 +153,25 @@ def gathered_work(
     batch: Batch,
     key: jax.Array | None,
     model_state: PyTree,
-    ctx: Context | None,
+    faults: Armed,
     *,
+    policy: OnFailure,
     plan: Plan,
     grid: Grid,
-    replicas: bool,
+    check_replicas: bool,
     keep: jax.Array | None,
 ) -> tuple[DeviceWork, tuple[str, ...]]:
     """``device_work`` with the sharded parameters gathered through
     :func:`checked_gather`. Its gradients: each sharded leaf's already
     reduce-scattered (this device's shard of the sum), each replicated leaf's local;
-    its health: the local cotangents'. ``keep``: under ``drop``, 0 leaves this
-    device's cotangents out of the sums (None: by what its forward pass tells);
-    ``replicas``: the gathered copies' fingerprints come back too."""
-    if ctx is not None:
-        batch = options.injector.input(batch, ctx)
+    its health: the local cotangents'. ``keep``: 0 leaves this device's cotangents out
+    of the sums (None: as ``policy`` keeps them, by what its forward pass tells);
+    ``check_replicas``: the gathered copies' fingerprints come back too."""
+    batch = faults.input(batch)
     in_bad, in_leaf = health.first_nonfinite(jax.tree.leaves(batch))  # before the backward
     validate.rng_for(options.loss_fn, key is not None)  # at trace time only
     shards, treedef = jax.tree.flatten(state.params)
-    gathering = Gathering(options, plan, grid, state, ctx)
+    gathering = Gathering(options, plan, grid, state, faults, masked=policy.leaves_out)
     args = (batch,) if key is None else (batch, key)
 
     def f(shards: list[jax.Array], probes: list[jax.Array], one: jax.Array) -> Any:
@@ -178,7 +179,7 @@ def gathered_work(
         params = jax.tree.unflatten(treedef, full)
         value, aux = loss_of(options, params, *args, model_state=model_state)
         copies = None
-        if replicas:  # this device's gathered copies: a bad link shows here
+        if check_replicas:  # this device's gathered copies: a bad link shows here
             copies = (cross_checks.fingerprint(full), health.first_nonfinite(full)[1])
         return (gathering.scaled(value), sink), (value, aux, copies)
 
@@ -200,8 +201,7 @@ def gathered_work(
     value = spiked(value, gathering.factor)
     if keep is None:  # what the forward tells, before any cotangent is scattered
         forward = in_bad | ~jnp.isfinite(value) | ms_bad | health.any_true(check_failed)
-        masked = options.on_failure == "drop"
-        keep = jnp.where(forward, 0.0, 1.0) if masked else jnp.ones((), jnp.float32)
+        keep = policy.forward_keep(forward)
     grads, flags, _ = vjp((jnp.ones_like(scaled), keep))
     grads, squares, grad_leaf = gathering.local_health(grads, flags)
     status = status_bits(options, in_bad, value, ~jnp.isfinite(squares), ms_bad, check_failed)
@@ -230,9 +230,17 @@ class Gathering:
     non-finite one) joined with the replicated leaves' own health."""
 
     def __init__(
-        self, options: Options, plan: Plan, grid: Grid, state: TrainState, ctx: Context | None
+        self,
+        options: Options,
+        plan: Plan,
+        grid: Grid,
+        state: TrainState,
+        faults: Armed,
+        *,
+        masked: bool,
     ):
         self.options, self.plan, self.links = options, plan, grid.links
+        self.masked = masked  # the drop mask's cotangent leaves a device out
         self.scaler, self.scale = options.loss_scale, state.loss_scale
         self.scaling = self.scaler is not None and self.scale is not None
         #: the positions of the gathered (sharded) leaves, and of the replicated ones
@@ -241,11 +249,8 @@ class Gathering:
         names = [leaf_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
         self.poisons: list[jax.Array | None] = [None] * len(names)
         #: an injected loss fault's factor (None: the step has none)
-        self.factor = None if ctx is None else options.injector.loss_factor(ctx)
-        if ctx is not None:
-            self.poisons = [
-                options.injector.leaf_value("grad", names, i, ctx) for i in range(len(names))
-            ]
+        self.factor = faults.loss_factor()
+        self.poisons = [faults.leaf_value("grad", names, i) for i in range(len(names))]
 
     def gather(
         self, shards: list[jax.Array], probes: list[jax.Array], one: jax.Array
@@ -258,7 +263,7 @@ class Gathering:
             if self.scaling and self.scale is not None
             else jnp.ones((), jnp.float32)
         )
-        masked = self.options.on_failure == "drop"
+        masked = self.masked
         spiking, nothing = self.factor is not None, jnp.zeros((), jnp.float32)
         for k, i in enumerate(self.indices):
             poison = self.poisons[i]
@@ -314,6 +319,7 @@ class Gathering:
 
 def local_part(
     options: Options,
+    policy: OnFailure,
     plan: Plan,
     grid: Grid,
     state: TrainState,
@@ -321,7 +327,7 @@ def local_part(
     at: Here,
     *,
     beat: Beat | None,
-    replicas: bool,
+    check_replicas: bool,
     sharded: Sequence[bool],
 ) -> tuple[LocalPart, Callable[[jax.Array], tuple[PyTree, PyTree]]]:
     """:func:`jaxstep._src.program._local.local_part` under ``"params"``: the parameters'
@@ -347,16 +353,18 @@ def local_part(
     def work(
         keep: jax.Array | None, checked: bool
     ) -> tuple[DeviceWork, jax.Array, tuple[str, ...]]:
-        fn = functools.partial(gathered_work, plan=plan, grid=grid, replicas=checked, keep=keep)
+        fn = functools.partial(
+            gathered_work, policy=policy, plan=plan, grid=grid, check_replicas=checked, keep=keep
+        )
         return microbatched_work(
-            options, state, batch, key, at.ctx, options.microbatches, fn, scattered=True
+            options, state, batch, key, at.faults, options.microbatches, fn, scattered=True
         )
 
-    found, microbatch, check_names = work(None, replicas)
+    found, microbatch, check_names = work(None, check_replicas)
     status = found.status | jnp.minimum(token, 0)  # keeps an injected stall ahead
     row = row_of(found, found.grad_leaf, found.grad_squares, microbatch)
     prints = None
-    if replicas:
+    if check_replicas:
         assert found.prints is not None and found.param_leaf is not None
         if grid.grouped:  # every leaf as this device holds it: a shard among its twins
             trees = (state.params, state.opt_state, state.model_state)

@@ -1,5 +1,5 @@
 """A device's own part of the step, before any collective: where it stands in the step
-(:class:`Here`: its position, the chunk it holds, the faults' view), its loss, gradients
+(:class:`Here`: its position, the chunk it holds, its armed faults), its loss, gradients
 and health row (:func:`local_part`), with the injected faults, the replica check's
 fingerprints and the heartbeat folded in."""
 
@@ -23,7 +23,7 @@ from jaxstep._src.program import _cross_checks as cross_checks
 from jaxstep._src.program._device import DeviceWork
 from jaxstep._src.program._device import WorkFn
 from jaxstep._src.program._device import microbatched_work
-from jaxstep._src.program._faults import Context
+from jaxstep._src.program._faults import Armed
 from jaxstep._src.program._options import Options
 
 #: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
@@ -38,7 +38,7 @@ class Here(NamedTuple):
     #: the chunk of the global batch it holds: its own position, except in a replay that
     #: moves the chunks, where the key and the faults travel with the rows
     chunk: jax.Array
-    ctx: Context | None  # the injected faults' view of its step (None: no faults)
+    faults: Armed  # its faults at this step, the step's one seam to them (or NO_FAULTS)
     token: jax.Array  # an injected stall's mark (negative when one stalled it)
 
 
@@ -46,19 +46,11 @@ def here(options: Options, state: TrainState, batch: Batch, extras: dict[str, An
     """This device's :class:`Here` (an injected stall, due at this step, runs here)."""
     index = jax.lax.axis_index(options.axis_name)
     chunk = extras["chunk"].reshape(-1)[0]
-    ctx, token = None, jnp.zeros((), jnp.int32)
     rows = jax.tree.leaves(batch)[0].shape[0]
-    if options.injector:
-        ctx = Context(
-            step=state.step,
-            device_id=jnp.asarray(options.device_ids, jnp.int32)[index],
-            chunk=chunk,
-            rows=jnp.arange(rows),
-            fired=extras["fired"],
-        )
-        options.injector.check_rows(rows)
-        token = options.injector.stall(ctx, token)
-    return Here(index, chunk, ctx, token)
+    faults = options.arm(state.step, chunk, rows, extras.get("fired"), position=index)
+    faults.check_rows(rows)
+    token = faults.stall(jnp.zeros((), jnp.int32))
+    return Here(index, chunk, faults, token)
 
 
 class LocalPart(NamedTuple):
@@ -78,12 +70,12 @@ def local_part(
     at: Here,
     *,
     beat: Beat | None,
-    replicas: bool,
+    check_replicas: bool,
     sharded: Sequence[bool] | None = None,
     work_fn: WorkFn | None = None,
 ) -> LocalPart:
     """This device's loss, gradients and health row, before any collective; with
-    ``replicas`` its fingerprints too, and with ``beat`` the host told it is done. The
+    ``check_replicas`` its fingerprints too, and with ``beat`` the host told it is done. The
     key is folded with the step and the chunk: a replay that moves a chunk to another
     device moves its random numbers with it (dropout masks), so a failure that follows
     the chunk is the data's and one that stays is the device's. ``sharded``: which
@@ -91,14 +83,14 @@ def local_part(
     sharded layout: no replica to compare; their fingerprints are left out);
     ``work_fn``: what each (micro-)batch runs in place of ``device_work``."""
     key = chunk_key(state, at.chunk)
-    ctx = at.ctx
+    faults = at.faults
     work, microbatch, check_names = microbatched_work(
-        options, state, batch, key, ctx, options.microbatches, work_fn
+        options, state, batch, key, faults, options.microbatches, work_fn
     )
     grads, squares, grad_leaf = work.grads, work.grad_squares, work.grad_leaf
     status = work.status | jnp.minimum(at.token, 0)  # keeps an injected stall ahead
-    if ctx is not None:
-        grads = options.injector.tree("grad", grads, ctx)
+    if faults:
+        grads = faults.grads(grads)
         # an injected gradient fault is checked like a real one
         injected, injected_leaf, _ = health.gradient_health(jax.tree.leaves(grads))
         bad = ~jnp.isfinite(injected)
@@ -111,10 +103,8 @@ def local_part(
         status |= jnp.where(bad, flag, 0)
     row = row_of(work, grad_leaf, squares, microbatch)
     prints = None
-    if replicas:
+    if check_replicas:
         prints, param_leaf = replica_check(state, sharded)
-        if options.on_failure == "drop":
-            prints = None  # compared before the local part (drop.repair_replicas)
         row["param_leaf"] = param_leaf
         status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
     if beat is not None:

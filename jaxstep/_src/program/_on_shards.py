@@ -16,7 +16,6 @@ from jaxstep._src.core import Params
 from jaxstep._src.core import PyTree
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import health
-from jaxstep._src.program._faults import Context
 from jaxstep._src.program._grid import Grid
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._padding import cut
@@ -24,7 +23,7 @@ from jaxstep._src.program._shards import Plan
 
 
 class OnShards:
-    """:class:`jaxstep._src.program._verdict.Sharded` for one traced step: the update on
+    """:class:`jaxstep._src.program._verdict.View` for one traced step: the update on
     the global arrays of a sharded layout (after the step's ``shard_map``)."""
 
     def __init__(
@@ -78,15 +77,9 @@ class OnShards:
 
         def check(shards: Params, number: jax.Array, extras: dict[str, Any]) -> jax.Array:
             index = jax.lax.axis_index(options.axis_name)
-            if options.injector:
-                ctx = Context(
-                    step=number,
-                    device_id=jnp.asarray(options.device_ids, jnp.int32)[index],
-                    chunk=extras["chunk"].reshape(-1)[0],
-                    rows=jnp.arange(self._rows),
-                    fired=extras["fired"],
-                )
-                shards = options.injector.tree("param", shards, ctx)
+            chunk = extras["chunk"].reshape(-1)[0]
+            faults = options.arm(number, chunk, self._rows, extras.get("fired"), position=index)
+            shards = faults.params(shards)
             leaf = health.first_nonfinite(jax.tree.leaves(shards))[1]
             mine = jnp.arange(options.n) == index
             return jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)

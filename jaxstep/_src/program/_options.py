@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxstep._src.core import BACKEND_NAMES
@@ -22,6 +23,9 @@ from jaxstep._src.core import processes
 from jaxstep._src.core import validate
 from jaxstep._src.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
 from jaxstep._src.program._cross_checks import LossSpike
+from jaxstep._src.program._faults import NO_FAULTS
+from jaxstep._src.program._faults import Armed
+from jaxstep._src.program._faults import Context
 from jaxstep._src.program._faults import Fault
 from jaxstep._src.program._faults import Injector
 from jaxstep._src.program._padding import Kept
@@ -139,6 +143,29 @@ class Options:
         parts += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
         name = getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
         return f"{name}, {', '.join(parts)}"
+
+    def arm(
+        self,
+        step: jax.Array,
+        chunk: jax.Array,
+        rows: int | jax.Array,
+        fired: jax.Array | None,
+        *,
+        position: jax.Array | None = None,
+        device_id: jax.Array | None = None,
+    ) -> Armed:
+        """The faults of the device at ``position`` (or ``device_id``: -1 for none) at
+        ``step``, holding ``rows`` of chunk ``chunk`` (a count: all of them), with
+        ``fired`` the transient ones that fired already (None: none): the one seam the
+        traced step injects through (:data:`NO_FAULTS` when the step has none)."""
+        if not self.injector:
+            return NO_FAULTS
+        if device_id is None:
+            device_id = jnp.asarray(self.device_ids, jnp.int32)[position]
+        if fired is None:
+            fired = jnp.zeros(len(self.injector.faults), bool)
+        rows = jnp.arange(rows) if isinstance(rows, int) else rows
+        return Armed(self.injector, Context(step, device_id, chunk, rows, fired))
 
     @property
     def group_size(self) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,45 +20,35 @@ from jaxstep._src.core import TrainState
 from jaxstep._src.core import health
 from jaxstep._src.program import _cross_checks as cross_checks
 from jaxstep._src.program import _drop as drop
+from jaxstep._src.program._gathered import Gathered
+from jaxstep._src.program._gathered import Reduced
+from jaxstep._src.program._gathered import Seen
 from jaxstep._src.program._local import Here
 from jaxstep._src.program._local import LocalPart
 from jaxstep._src.program._options import Options
-from jaxstep._src.program._verdict import Gathered
-from jaxstep._src.program._verdict import Seen
+from jaxstep._src.program._policies import OnFailure
 from jaxstep._src.program._verdict import halting_status
-from jaxstep._src.program._verdict import times_share
-
-_SKIPS, _DROPS = COL["consecutive_skips"], COL["consecutive_drops"]  # counters, gathered
 
 
-class Reduced(NamedTuple):
-    """What every device holds after the all-reduce."""
-
-    grad_sums: PyTree  # the gradients summed over the devices (divided in the update)
-    model_state: PyTree  # the new model state, its float leaves averaged
-    rows: jax.Array  # every device's health row, as packed
-    seen: Seen  # the step-wide facts summed alongside
-    rest: jax.Array  # (n, k): the fingerprints' halves, then the faults' fire flags
-    status: jax.Array  # (n,) every device's status
-
-
-def all_reduce(options: Options, state: TrainState, part: LocalPart, at: Here) -> Reduced:
+def all_reduce(
+    options: Options, policy: OnFailure, state: TrainState, part: LocalPart, at: Here
+) -> Reduced:
     """The first collective: the health rows (one-hot, so the sum is a gather), the
     count of devices failing or halting so far (summed: the verdict needs no
     reduction over the table), the float model state, the fingerprints and the fault
     flags ride in the gradients' all-reduce."""
-    summed, sent = send(options, state, part, at)
+    summed, sent = send(options, policy, state, part, at)
     grads, floats = part.grads, floats_of(part.work.model_state)
-    if options.on_failure == "drop":  # a failing device sends zeros: left out of the mean
-        grads, floats = drop.leave_out(summed[0], (grads, floats))
+    # drop: a failing device sends zeros, left out of the mean
+    grads, floats = policy.leave_out(summed[0], (grads, floats))
     # The gradients stay summed here: the division by n happens inside the update,
     # where it fuses into the optimizer's pass (a kernel and a pass per leaf saved).
     grad_sums, floats, gathered = jax.lax.psum((grads, floats, sent), options.axis_name)
-    return received(options, part, summed, grad_sums, floats, gathered)
+    return received(options, policy, part, summed, grad_sums, floats, gathered)
 
 
 def send(
-    options: Options, state: TrainState, part: LocalPart, at: Here
+    options: Options, policy: OnFailure, state: TrainState, part: LocalPart, at: Here
 ) -> tuple[list[jax.Array], jax.Array]:
     """This device's columns summed over the devices (``summed``) and what it sends
     of the health table (its one-hot row, the summed columns, its fingerprints' halves
@@ -68,8 +57,8 @@ def send(
     extra = []
     if part.prints is not None:
         extra.append(cross_checks.split16(part.prints))
-    if at.ctx is not None:
-        extra.append(options.injector.fire_flags(at.ctx).astype(jnp.float32))
+    if at.faults:
+        extra.append(at.faults.fire_flags().astype(jnp.float32))
     halting = int(halting_status(options))
     summed = [
         (status & ~int(Status.OVERFLOW)) != 0,
@@ -82,22 +71,16 @@ def send(
         jnp.where(index == 0, state.step // 65536, 0),
         jnp.where(index == 0, state.step % 65536, 0),
     ]
-    if options.on_failure == "drop" and options.max_consecutive_drops is not None:
-        # failing again, and max_consecutive_drops times in a row: counted here, in
-        # the summed columns, so the verdict needs no reduction over the devices
-        drops = state.monitor["drops"][index]
-        summed.append(summed[0] & (drops + 1 >= options.max_consecutive_drops))
-    row = part.row  # (skip, drop) the counters the verdict reads, gathered here (as above)
-    if options.on_failure != "raise":
-        row = {**row, "consecutive_skips": state.consecutive_skips}
-    if options.on_failure == "drop":
-        row["consecutive_drops"] = state.monitor["drops"][index]
+    summed += policy.summed(state, summed[0], index)
+    # the counters the verdict reads (skip, drop), gathered here (as above)
+    row = {**part.row, **policy.counters(state, index)}
     sent = health.onehot_rows(row, index, n, summed, jnp.concatenate(extra) if extra else None)
     return summed, sent
 
 
 def received(
     options: Options,
+    policy: OnFailure,
     part: LocalPart,
     summed: list[jax.Array],
     grad_sums: PyTree,
@@ -106,16 +89,13 @@ def received(
 ) -> Reduced:
     """What the all-reduce gathered, unpacked: the rows, the step-wide facts, the
     float model state averaged (over the devices kept, under ``drop``)."""
-    n = options.n
     width = len(COLUMNS) + len(summed)
     rows = gathered[:, : len(COLUMNS)]  # every device's row, as packed
     counts = gathered[0, len(COLUMNS) : width]
-    if options.on_failure == "drop":  # the mean over the devices not left out
-        healthy = jnp.maximum(n - counts[0], 1)  # see update's ``mean``
-        floats = [times_share(x, healthy) for x in floats]
-    else:
-        floats = [x / n for x in floats]
+    share = policy.share(counts[0])  # drop: the mean over the devices not left out
+    floats = [share(x) for x in floats]
     model_state = with_floats(part.work.model_state, floats)
+    skips, drops = policy.gathered(rows)
     seen = Seen(
         failed=counts[0] > 0,
         overflow=counts[1] > 0,
@@ -124,8 +104,8 @@ def received(
         step=counts[4].astype(jnp.int32) * 65536 + counts[5].astype(jnp.int32),
         failing=counts[0],
         repeats=counts[6] > 0 if len(summed) > 6 else None,
-        skips=None if options.on_failure == "raise" else rows[0, _SKIPS].astype(jnp.int32),
-        drops=rows[:, _DROPS].astype(jnp.int32) if options.on_failure == "drop" else None,
+        skips=skips,
+        drops=drops,
     )
     rest = gathered[:, width:]
     status = rows[:, COL["status"]].astype(jnp.int32)
@@ -134,6 +114,7 @@ def received(
 
 def compare_devices(
     options: Options,
+    policy: OnFailure,
     reduced: Reduced,
     part: LocalPart,
     at: Here,
@@ -150,8 +131,7 @@ def compare_devices(
     extras."""
     status, seen, rest = reduced.status, reduced.seen, reduced.rest
     columns: dict[str, jax.Array] = {}
-    if options.on_failure == "drop":
-        seen = seen._replace(left_out=drop.left_out(status))
+    seen = policy.mark(seen, status)
     if repair is not None:
         added = jnp.where(repair.diverged, int(Status.DIVERGED), 0)
         status |= added
@@ -166,8 +146,8 @@ def compare_devices(
         status |= added
         seen = seen.add(added, int(halting_status(options)))
         columns["diverged_leaf"] = first
-    if at.ctx is not None:
-        fired = jnp.any(rest[:, rest.shape[1] - len(options.injector.faults) :] > 0, axis=0)
+    if at.faults:
+        fired = jnp.any(rest[:, rest.shape[1] - at.faults.count :] > 0, axis=0)
         extras = dict(extras, fired=extras["fired"] | fired)
     losses = reduced.rows[:, COL["loss"]]
     gathered = Gathered(

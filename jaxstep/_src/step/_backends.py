@@ -2,10 +2,12 @@
 backend) or ``jax.pmap`` (for code written in that style: state and outputs carry a
 leading device axis). Both place chunk i of the global batch on ``devices[i]``.
 
-The body is ``body(state, batch, extras) -> (state, StepOutput, changed)``; ``extras``
-is a dict of small arrays the step threads through (the chunk each device holds, and
-the faults' bookkeeping), each either replicated or split over the devices; ``changed``
-holds those the step changes (``fired``; never ``chunk``).
+A step is a :class:`jaxstep._src.program.Step`, ``step(mesh, extra_specs, state, batch,
+extras) -> (state, StepOutput, changed)`` on global arrays (or its ``per_device`` at
+``pmap``'s stacked edge); ``extras`` is a dict of small arrays the step threads through
+(the chunk each device holds, and the faults' bookkeeping), each either replicated or
+split over the devices; ``changed`` holds those the step changes (``fired``; never
+``chunk``).
 
 Copies between host and devices are named by direction: ``place_*`` puts host data on
 the step's devices, ``read_*`` returns numpy copies of device data (through
@@ -37,14 +39,11 @@ from jaxstep._src.program import Grid
 from jaxstep._src.program import Options
 from jaxstep._src.program import Pads
 from jaxstep._src.program import Plan
-from jaxstep._src.program import map_body
+from jaxstep._src.program import Step
 from jaxstep._src.program import shard_spec
 from jaxstep._src.step._placement import BatchPlacement
 
-Body = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 Compiled = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
-#: ``step(mesh, extra_specs, state, batch, extras)``: a sharded layout's whole step
-ShardedBody = Callable[..., tuple[Any, Any, Any]]
 
 
 class Backend(Protocol):
@@ -56,10 +55,7 @@ class Backend(Protocol):
     grid: Grid  # the devices as replica groups (one group but under replicas)
 
     def __init__(self, options: Options) -> None: ...
-    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
-    def compile_sharded(
-        self, step: ShardedBody, donate: bool, split: Mapping[str, bool]
-    ) -> Compiled: ...
+    def compile(self, step: Step, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
     def init_sharded(self, optimizer: Any, params: PyTree) -> tuple[PyTree, PyTree]: ...
     def compile_state_fn(
         self, fn: Callable[[Any], Any], out_specs: Any = None
@@ -96,17 +92,9 @@ class ShardMapBackend:
         self.split = NamedSharding(self.mesh, P(axis_name))
         self.placement = BatchPlacement(self.mesh, axis_name)
 
-    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
-        """``body`` over the devices (:func:`jaxstep._src.program.map_body`), jitted."""
-        extra_specs = {k: P(self.axis) if s else P() for k, s in split.items()}
-        mapped = map_body(body, self.mesh, self.axis, extra_specs)
-        return jax.jit(mapped, donate_argnums=(0,) if donate else ())
-
-    def compile_sharded(
-        self, step: ShardedBody, donate: bool, split: Mapping[str, bool]
-    ) -> Compiled:
-        """A sharded layout's step (:func:`jaxstep._src.program.sharded_step`): its own
-        ``shard_map`` inside, the update on global arrays after it."""
+    def compile(self, step: Step, donate: bool, split: Mapping[str, bool]) -> Compiled:
+        """``step`` on the global arrays, jitted: its ``shard_map`` is its own (the
+        update after it under a sharded layout)."""
         extra_specs = {k: P(self.axis) if s else P() for k, s in split.items()}
 
         def run(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:

@@ -30,9 +30,8 @@ from jaxstep._src.program import Grid
 from jaxstep._src.program import Options
 from jaxstep._src.program import Pads
 from jaxstep._src.program import Plan
-from jaxstep._src.step._backends import Body
+from jaxstep._src.program import Step
 from jaxstep._src.step._backends import Compiled
-from jaxstep._src.step._backends import ShardedBody
 from jaxstep._src.step._placement import BatchPlacement
 
 
@@ -54,9 +53,11 @@ class PmapBackend:
         self.grid = Grid(self.mesh, 1)  # no sharded state: one group
         self.placement = BatchPlacement(self.mesh, axis_name)
 
-    def compile(self, body: Body, donate: bool, split: Mapping[str, bool]) -> Compiled:
-        """``body`` over the devices as ``jax.pmap`` maps it: each stacked input's block
-        squeezed, each result expanded back to a leading device axis."""
+    def compile(self, step: Step, donate: bool, split: Mapping[str, bool]) -> Compiled:
+        """``step``'s per-device body (the replicated layout) over the devices as
+        ``jax.pmap`` maps it: the stacked layout converted at the edge, each input's
+        block squeezed, each result expanded back to a leading device axis."""
+        body = step.per_device
 
         def blocks(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
             squeeze = functools.partial(jax.lax.squeeze, dimensions=[0])
@@ -80,11 +81,6 @@ class PmapBackend:
 
     def pads(self, state: Any) -> Pads:
         return None
-
-    def compile_sharded(
-        self, step: ShardedBody, donate: bool, split: Mapping[str, bool]
-    ) -> Compiled:
-        raise NotImplementedError("Options refuses a shard_state under pmap")
 
     def init_sharded(self, optimizer: Any, params: PyTree) -> tuple[PyTree, PyTree]:
         raise NotImplementedError("Options refuses a shard_state under pmap")

@@ -8,7 +8,6 @@ alone)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,10 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstep._src.core import TrainState
 from jaxstep._src.program import Options
-from jaxstep._src.program import body
+from jaxstep._src.program import Step
 from jaxstep._src.program import fingerprint
 from jaxstep._src.program import shard_mask
-from jaxstep._src.program import sharded_step
 from jaxstep._src.step._backends import Backend
 
 #: ``beat(position, step_number, status) -> status``: the heartbeat callback
@@ -63,22 +61,18 @@ class Programs:
         )
         self._prints: Callable[[TrainState], jax.Array] | None = None
 
-    def _variant(self, split: dict[str, bool], beat: Beat | None, replicas: bool) -> Any:
-        """One variant: the per-device body mapped by the backend, or under
-        ``shard_state`` the sharded step, whose ``shard_map`` is its own."""
-        options = self.options
-        if options.shard_state is not None:
-            step = functools.partial(sharded_step, options, beat=beat, replicas=replicas)
-            return self.backend.compile_sharded(step, options.donate, split)
-        mapped = functools.partial(body, options, beat=beat, replicas=replicas)
-        return self.backend.compile(mapped, options.donate, split)
+    def _variant(self, split: dict[str, bool], beat: Beat | None, check_replicas: bool) -> Any:
+        """One variant: the one per-device body (:class:`jaxstep._src.program.Step`) over
+        the state's layout, compiled by the backend."""
+        step = Step(self.options, beat=beat, check_replicas=check_replicas)
+        return self.backend.compile(step, self.options.donate, split)
 
-    def replay(self, heartbeat: bool, replicas: bool) -> Any:
+    def replay(self, heartbeat: bool, check_replicas: bool) -> Any:
         """A variant as a replay runs it: ``(state, batch, extras) -> StepOutput``, the
         new state left out. Nothing is donated, so it runs from the state itself (no
         copy), and XLA drops the update the output does not need (all of it but
         ``verify_update``'s check): it holds less than the step. Compiled on first use."""
-        key = (heartbeat, replicas)
+        key = (heartbeat, check_replicas)
         if key not in self._replays:
             variant = self.variants[key]  # inlined: its donation does not apply here
             self._replays[key] = jax.jit(
@@ -93,14 +87,14 @@ class Programs:
         extras: Any,
         *,
         heartbeat: bool,
-        replicas: bool,
+        check_replicas: bool,
         replay: bool = False,
     ) -> jax.stages.Compiled:
         """The variant (``replay``: its replay) compiled ahead for these shapes (cached)."""
         leaves = jax.tree.leaves((state, placed))
-        key = (heartbeat, replicas, replay, *((x.shape, str(x.dtype)) for x in leaves))
+        key = (heartbeat, check_replicas, replay, *((x.shape, str(x.dtype)) for x in leaves))
         if key not in self._ahead:
-            how = (heartbeat, replicas)
+            how = (heartbeat, check_replicas)
             variant = self.replay(*how) if replay else self.variants[how]
             self._ahead[key] = variant.lower(state, placed, extras).compile()
         return self._ahead[key]

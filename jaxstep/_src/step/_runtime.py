@@ -275,7 +275,12 @@ class Runtime:
         self.inputs.check_batch(batch)
         placed = self.backend.place_batch(batch)
         return self.programs.ahead(
-            state, placed, self.extras.placed, heartbeat=heartbeat, replicas=replicas, replay=replay
+            state,
+            placed,
+            self.extras.placed,
+            heartbeat=heartbeat,
+            check_replicas=replicas,
+            replay=replay,
         )
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
