@@ -136,6 +136,21 @@ def test_a_name_removed_from_the_face_says_where_it_went(backend, name):
         step.nope  # noqa: B018
 
 
+def test_compile_replicas_is_check_replicas_with_a_warning_and_the_same_program(backend):
+    """``replicas`` is make_train_step's number of groups; the replica-check variant's
+    keyword is ``check_replicas`` (one word, one meaning), the old one kept a release."""
+    step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1), backend=backend)
+    state = step.init(init_params())
+    batch = make_batches(1)[0]
+    checked = step.compile(state, batch, check_replicas=True)
+    with pytest.warns(DeprecationWarning, match=r"step\.compile\(check_replicas=\.\.\.\)"):
+        old = step.compile(state, batch, replicas=True)
+    assert old is checked  # the cached program of the same variant
+    assert step.compile(state, batch) is not checked
+    with pytest.raises(TypeError, match=r"unexpected keywords \['beat'\]"):
+        step.compile(state, batch, beat=True)
+
+
 @pytest.mark.parametrize(
     "dtype", [np.float32, np.int32, np.float64, np.int64, np.bool_], ids=lambda d: d.__name__
 )

@@ -68,9 +68,9 @@ class StepWatchdog(Runner):
             call = functools.partial(
                 runtime.dispatch, heartbeat=True, check_replicas=check_replicas
             )
-        for replicas in (False, check_replicas or runtime.options.divergence_every is not None):
+        for check in (False, check_replicas or runtime.options.divergence_every is not None):
             # Compile time is not step time: both programs, before the clock starts.
-            compile_ahead(state, batch, heartbeat=True, replicas=replicas)
+            compile_ahead(state, batch, heartbeat=True, check_replicas=check)
         return self._watch(runtime, functools.partial(call, state, batch), expected)
 
     def replay(
@@ -81,8 +81,8 @@ class StepWatchdog(Runner):
         heartbeat variant (compiled ahead), and past the deadline the ``HUNG`` error
         naming the devices that did not finish their part of the replay (the diagnosis
         of ``fit(diagnose=True)`` and of ``recover``)."""
-        for replicas in (False, runtime.options.divergence_every is not None):
-            runtime.compile(state, batch, heartbeat=True, replicas=replicas, replay=True)
+        for check in (False, runtime.options.divergence_every is not None):
+            runtime.compile(state, batch, heartbeat=True, check_replicas=check, replay=True)
         call = functools.partial(runtime.replay, state, batch, rotation=rotation, heartbeat=True)
         during = f"the replay that diagnoses step {expected}"
         return self._watch(runtime, call, expected, during)

@@ -221,11 +221,13 @@ class Runtime:
         number = self._next_number if last else self.step_number(state)
         placed = self.backend.place_batch(batch, leaves)
         every = self.options.divergence_every
-        replicas = check_replicas or (every is not None and number % every == 0)
+        check = check_replicas or (every is not None and number % every == 0)
         if heartbeat:
-            fn: Callable[..., Any] = self.compile(state, batch, heartbeat=True, replicas=replicas)
+            fn: Callable[..., Any] = self.compile(
+                state, batch, heartbeat=True, check_replicas=check
+            )
         else:
-            fn = self.programs.variants[(False, replicas)]
+            fn = self.programs.variants[(False, check)]
         try:  # free when nothing is raised (Python 3.11): no per-shape bookkeeping needed
             state, out, changed = fn(state, placed, self.extras.placed)
         except Exception as err:  # tracing a new shape failed: say if it looks pre-split
@@ -266,7 +268,7 @@ class Runtime:
         batch: Batch,
         *,
         heartbeat: bool = False,
-        replicas: bool = False,
+        check_replicas: bool = False,
         replay: bool = False,
     ) -> jax.stages.Compiled:
         """The step (``replay``: its :meth:`replay`, so a watched replay's deadline holds
@@ -279,7 +281,7 @@ class Runtime:
             placed,
             self.extras.placed,
             heartbeat=heartbeat,
-            check_replicas=replicas,
+            check_replicas=check_replicas,
             replay=replay,
         )
 
@@ -357,10 +359,10 @@ class Runtime:
         placed = self.backend.place_batch(moved)
         every = self.options.divergence_every
         number = self.step_number(state)
-        replicas = every is not None and number % every == 0
-        fn: Any = self.programs.replay(False, replicas)
+        check = every is not None and number % every == 0
+        fn: Any = self.programs.replay(False, check)
         if heartbeat:
-            fn = self.compile(state, batch, heartbeat=True, replicas=replicas, replay=True)
+            fn = self.compile(state, batch, heartbeat=True, check_replicas=check, replay=True)
         out: StepOutput = fn(state, placed, extras)
         self.inputs.learn_checks(out.info.checks)
         return out
@@ -396,9 +398,16 @@ class Runtime:
         return new, out
 
     def compile_dropping(
-        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, replicas: bool = False
+        self,
+        state: TrainState,
+        batch: Batch,
+        *,
+        heartbeat: bool = False,
+        check_replicas: bool = False,
     ) -> None:
         """:meth:`rerun_dropping`'s program compiled ahead for this state and batch."""
         self.check_state(state)
         entering = self.dropping.entering(state)
-        self.dropping.sibling().compile(entering, batch, heartbeat=heartbeat, replicas=replicas)
+        self.dropping.sibling().compile(
+            entering, batch, heartbeat=heartbeat, check_replicas=check_replicas
+        )

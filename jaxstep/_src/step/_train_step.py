@@ -318,7 +318,13 @@ class TrainStep:
         return self._runtime.place_state(state)
 
     def compile(
-        self, state: TrainState, batch: Batch, *, heartbeat: bool = False, replicas: bool = False
+        self,
+        state: TrainState,
+        batch: Batch,
+        *,
+        heartbeat: bool = False,
+        check_replicas: bool = False,
+        **moved: bool,
     ) -> jax.stages.Compiled:
         """Compiles the step ahead of time for this state and batch shape (cached), to
         keep compile time out of a timeout or to read ``memory_analysis()``.
@@ -327,12 +333,33 @@ class TrainStep:
           state: a state of this step.
           batch: a batch of the shape to compile for.
           heartbeat: the variant ``fit(step_timeout=...)`` runs.
-          replicas: the variant that runs every ``divergence_every``-th step.
+          check_replicas: the variant that also compares every device's copy of the
+            state (it runs every ``divergence_every``-th step).
+          **moved: ``replicas=``, this keyword's name until 0.2.0 (``replicas`` is the
+            number of groups of :func:`jaxstep.make_train_step`): it answers with a
+            ``DeprecationWarning``, and goes in 0.3.0.
 
         Returns:
           The ``jax.stages.Compiled`` program.
+
+        Raises:
+          TypeError: an unknown keyword.
         """
-        return self._runtime.compile(state, batch, heartbeat=heartbeat, replicas=replicas)
+        if moved:
+            unknown = sorted(set(moved) - {"replicas"})
+            if unknown:
+                raise TypeError(f"TrainStep.compile() got unexpected keywords {unknown}")
+            warnings.warn(
+                "step.compile(replicas=...) is step.compile(check_replicas=...) since jaxstep "
+                "0.2.0 (replicas is make_train_step's number of groups); the old keyword "
+                "goes in 0.3.0",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            check_replicas = moved["replicas"]
+        return self._runtime.compile(
+            state, batch, heartbeat=heartbeat, check_replicas=check_replicas
+        )
 
     def lower(self, state: TrainState, batch: Batch) -> jax.stages.Lowered:
         """The step lowered for this state and batch (for HLO and memory analysis).
