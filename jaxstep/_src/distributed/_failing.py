@@ -56,6 +56,15 @@ def write_error_report(
 
     Returns:
       The report's path, or None when no directory is set.
+
+    Example:
+      >>> import tempfile
+      >>> from jaxstep.distributed import reports, write_error_report
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     path = write_error_report(ValueError("bad batch"), errors)
+      ...     report = reports.read(errors)[0]
+      >>> path.name, report["exception"], report["message"], report["root_cause"]
+      ('error-p0.json', 'ValueError', 'bad batch', True)
     """
     where = reports.error_dir(directory)
     if where is None:
@@ -154,6 +163,14 @@ def leave(exit_code: int, note: str = "exited", wait_s: float = 10.0) -> NoRetur
       note: what the others read: ``exited`` or ``failed: why`` (they declare this
         process lost at once), or ``done``.
       wait_s: the most seconds process 0 waits for the others.
+
+    Example:
+      It ends the process (``os._exit``): after a hang, in place of ``raise``::
+
+          except jaxstep.TrainingWorkerError as err:
+              if err.status & jaxstep.Status.HUNG:
+                  jaxstep.distributed.leave(jaxstep.RESTART_EXIT_CODE)
+              raise
     """
     peers = monitor()
     if peers is not None:
