@@ -106,12 +106,25 @@ def record(fn: _F) -> _F:
       ``fn`` wrapped: it returns what ``fn`` returns, and re-raises what it raises
       (but for the exit above).
 
-    Example::
-
-        @jaxstep.distributed.record
-        def main():
-            jaxstep.distributed.initialize()
-            ...
+    Example:
+      >>> import os, tempfile
+      >>> from unittest import mock
+      >>> from jaxstep.distributed import record, reports
+      >>> @record
+      ... def main(steps):
+      ...     if steps < 0:
+      ...         raise ValueError(f"steps must be >= 0, got {steps}")
+      ...     return steps
+      >>> main(3)
+      3
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     with mock.patch.dict(os.environ, {reports.ENV_ERROR_DIR: errors}):
+      ...         try:
+      ...             main(-1)
+      ...         except ValueError:
+      ...             pass  # re-raised (one process), its report written first
+      ...     print(reports.root_cause(errors)["message"])
+      steps must be >= 0, got -1
     """
 
     @functools.wraps(fn)

@@ -232,10 +232,17 @@ def root_cause(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     Returns:
       The report marked as the root cause, else the earliest one, else None.
 
-    Example::
-
-        report = jaxstep.distributed.root_cause("errors/")
-        print(report["host"], report["device_id"], report["step"], report["reason"])
+    Example:
+      >>> import tempfile
+      >>> from jaxstep.distributed import reports
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     for p, first in ((0, False), (1, True)):
+      ...         report = reports.build(RuntimeError(f"p{p} failed"), process_index=p,
+      ...                                root_cause=first, root_cause_process=1)
+      ...         _ = reports.write(report, errors)
+      ...     cause = reports.root_cause(errors)
+      >>> cause["process_index"], cause["message"]
+      (1, 'p1 failed')
     """
     found = read(directory)
     marked = [r for r in found.values() if r.get("root_cause")]
