@@ -205,6 +205,13 @@ def assert_matches_reference(
         reference; the message names the step and the leaf.
       TypeError: ``loss_fn`` takes ``model_state`` and none was given (or the other
         way round); refused before anything runs.
+
+    Example:
+      >>> from jaxstep.testing import assert_matches_reference, tiny_step
+      >>> tiny = tiny_step(divergence_every=None)
+      >>> state = assert_matches_reference(tiny.step, tiny.params(), tiny.batches(3))
+      >>> int(state.step)  # three steps, each as a single-device optax loop takes it
+      3
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
     _model_state_matches(step.options.loss_fn, model_state)
