@@ -70,6 +70,14 @@ def local_rows(devices: Sequence[jax.Device], global_batch_size: int) -> np.ndar
 
         rows = local_rows(step.devices, len(global_batch["x"]))
         batch = jax.tree.map(lambda x: x[rows], global_batch)
+
+      Process 0's rows of a batch of 8 over two processes of two devices each:
+
+      >>> class D:
+      ...     def __init__(self, p):
+      ...         self.process_index = p
+      >>> local_rows([D(0), D(0), D(1), D(1)], 8).tolist()
+      [0, 1, 2, 3]
     """
     n = len(devices)
     if global_batch_size % n:
