@@ -216,7 +216,7 @@ def launch(
         process reads its attempt in ``$JAXSTEP_RESTART`` (0 first).
       show_gloo: relay gloo's connection lines too (one per group of collectives and
         process, torn when two of its threads write at once); by default none reaches
-        ``out`` (:class:`GlooFilter`).
+        ``out``, whole or torn.
 
     Returns:
       0 if every process of the last attempt exited with 0, else the exit code of the
