@@ -38,6 +38,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",  # Google-style docstrings
+    "sphinx.ext.intersphinx",  # Python, numpy, JAX, optax, flax names link to their docs
     "sphinx_copybutton",
     "coverage_check",  # docs/ext: a public name missing from the reference fails the build
     "repo_links",  # docs/ext: links to README/CHANGELOG/BENCHMARKS land on their pages
@@ -77,12 +78,10 @@ napoleon_attr_annotations = False
 # A reference to a name the site does not document is a warning, and so an error: a
 # docstring that points at a renamed, removed or internal name fails the build.
 nitpicky = True
-# No intersphinx (the build runs offline, in CI and on devices without a network): names
-# from Python, numpy, JAX, optax, flax and matplotlib stay plain text.
+# matplotlib's names (no inventory kept) stay plain text.
 nitpick_ignore_regex = [
-    ("py:(class|data|obj|exc|func|meth)", r"(collections\.abc|typing|os|pathlib|subprocess)\..*"),
-    ("py:(class|data|obj|exc|func|meth)", r"(np|numpy|jax|jaxlib|optax|flax|matplotlib)\..*"),
-    ("py:class", r"(Axes|Figure|FigureBase|AxesImage|NoReturn|Any)"),
+    ("py:(class|data|obj|exc|func|meth)", r"matplotlib\..*"),
+    ("py:class", r"(Axes|Figure|FigureBase|AxesImage)"),
 ]
 # Types that public signatures name but that have no public name of their own: they
 # show unlinked. Each is a question for the public face (export it, or stop naming it).
@@ -100,6 +99,25 @@ UNNAMED_TYPES = [
 nitpick_ignore_regex += [
     ("py:class", rf"(jaxstep\.[\w.]*\._\w+\.)?{name}") for name in UNNAMED_TYPES
 ]
+
+# -- Links to other projects' references --------------------------------------------
+# The build runs offline (in CI, on devices without a network): each project's
+# inventory is kept in docs/_inventories/, refreshed by scripts/inventories.py (the
+# official one where it can download it, else one it builds from the installed package
+# with the names the site refers to). A project without one there is not linked.
+INTERSPHINX_SITES = {
+    "python": "https://docs.python.org/3/",
+    "numpy": "https://numpy.org/doc/stable/",
+    "jax": "https://docs.jax.dev/en/latest/",
+    "optax": "https://optax.readthedocs.io/en/latest/",
+    "flax": "https://flax.readthedocs.io/en/latest/",
+    "orbax": "https://orbax.readthedocs.io/en/latest/",
+}
+intersphinx_mapping = {
+    name: (site, str(DOCS / "_inventories" / f"{name}.inv"))
+    for name, site in INTERSPHINX_SITES.items()
+    if (DOCS / "_inventories" / f"{name}.inv").exists()
+}
 
 # -- HTML -----------------------------------------------------------------------------
 html_theme = "sphinx_book_theme"

@@ -14,7 +14,11 @@ a ``str``) is described by the ``#:`` comment above the assignment that defines 
 (:func:`own_words` hands it to autodoc, which reads such comments only in the module
 an entry names: a face, where the value is only imported); one that has none would
 show Python's docstring of ``int`` or ``str`` as its own, in its entry and in its
-summary, and fails the build. An entry whose name has a private part
+summary, and fails the build. Each public function and class (a name of a public
+module's ``__all__``) shows how it is used: its docstring has an example (an
+``Example`` section, Google style, with ``>>>`` lines that the test suite runs as
+doctests; a ``::`` code block only where nothing can run in one process), or the build
+fails. An entry whose name has a private part
 (``jaxstep._src.step._build.x``) fails the build too: the reference never sends a user to an
 internal module.
 
@@ -208,6 +212,31 @@ def borrowed(required: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def has_example(obj: Any) -> bool:
+    """Whether ``obj``'s own docstring (not one it inherits) shows how it is used:
+    ``>>>`` lines, or an ``Example``/``Examples`` section (``Example:``, or
+    ``Example::`` before a code block)."""
+    doc = inspect.cleandoc(getattr(obj, "__doc__", None) or "")
+    headings = {"Example:", "Examples:", "Example::", "Examples::"}
+    return ">>>" in doc or any(line.strip() in headings for line in doc.splitlines())
+
+
+def without_example(required: dict[str, Any]) -> list[str]:
+    """The public functions and classes (names of a public module's ``__all__``,
+    defined in jaxstep) whose docstring has no example (:func:`has_example`); a
+    class's members and the public values are not asked for one."""
+    out = []
+    for name, obj in required.items():
+        parent = name.rsplit(".", 1)[0]
+        if parent == name or not inspect.ismodule(required.get(parent)):
+            continue
+        if not (inspect.isclass(obj) or inspect.isroutine(obj)) or not is_ours(obj):
+            continue
+        if not has_example(obj):
+            out.append(name)
+    return sorted(out)
+
+
 def own_words(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
     """autodoc-process-docstring: a public value's docstring is the ``#:`` comment
     where it is defined, not its builtin type's (which autodoc reads when the entry
@@ -247,10 +276,12 @@ def problems(required: dict[str, Any], documented: set[str], excused: dict[str, 
     gaps = {n: unsaid(obj) for n, obj in required.items()}
     vague = sorted(n for n, gap in gaps.items() if gap and n not in excused)
     lent = borrowed(required)
+    bare = without_example(required)
     stale = sorted(set(excused) - set(required))
-    done = sorted(
-        n for n in set(excused) & set(required) if n in documented and not gaps[n] and n not in lent
-    )
+    # what an excuse may cover: each of the problems below but the stale and the private
+    wanting = (set(required) - documented) | {n for n, gap in gaps.items() if gap}
+    wanting |= set(lent) | set(bare)
+    done = sorted(set(excused) & set(required) - wanting)
     return (
         [f"{n} is public and has no entry in the API reference (docs/api/)" for n in lost]
         + [f"{n}'s docstring does not say {', '.join(gaps[n])}" for n in vague]
@@ -258,6 +289,12 @@ def problems(required: dict[str, Any], documented: set[str], excused: dict[str, 
             f"{n}'s entry shows Python's docstring of {lent[n]}: describe it in a #: comment "
             "above the assignment that defines it"
             for n in sorted(set(lent) - set(excused))
+        ]
+        + [
+            f"{n} has no example in its docstring: add an Example section with >>> lines "
+            "(run as a doctest; a :: code block only where nothing runs in one process)"
+            for n in bare
+            if n not in excused
         ]
         + [
             f"{n} has an entry but names a private module or member"
@@ -288,7 +325,8 @@ def _check(app: Any, exception: BaseException | None) -> None:
     else:
         log.info(
             f"coverage check: {len(required) - len(excused)} of {len(required)} public names "
-            "have an entry in the reference and a docstring that says what they take and give"
+            "have an entry in the reference and a docstring that says what they take and give "
+            "(each function and class with an example)"
         )
 
 

@@ -20,6 +20,12 @@ class Split(NamedTuple):
     Attributes:
       image: the images, ``(n, 8, 8, 1)`` float32 in [0, 1].
       label: the digits shown, ``(n,)`` int32 in 0..9.
+
+    Example:
+      >>> from jaxstep import data
+      >>> train, test = data.digits(test_fraction=0.5)
+      >>> len(test), test.image.shape, test.label.shape, test.label.dtype.name
+      (898, (898, 8, 8, 1), (898,), 'int32')
     """
 
     image: np.ndarray

@@ -84,6 +84,18 @@ def marks(history: History) -> dict[str, np.ndarray]:
 
     Raises:
       ValueError: the history is empty.
+
+    Example:
+      Device 3's gradient fails at step 1 under ``on_failure="skip"``:
+
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(on_failure="skip", faults=[Fault("grad", device_id=3, step=1)])
+      >>> history = jaxstep.History()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), history=history)
+      >>> where = jaxstep.plot.marks(history)
+      >>> where["failures"].tolist(), where["skipped"].tolist()
+      ([[1, 3]], [1])
     """
     a = _arrays(history)
     steps = a["step"].astype(np.int64)
@@ -195,6 +207,15 @@ def grad_norm_heatmap(history: History, ax: Axes | None = None, *, colorbar: boo
     Raises:
       ValueError: the history is empty.
       ImportError: matplotlib is missing (``pip install 'jaxstep[demo]'``).
+
+    Example:
+      >>> import jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> history = jaxstep.History()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(4), history=history)
+      >>> ax = jaxstep.plot.grad_norm_heatmap(history)
+      >>> ax.images[0].get_array().shape  # a row a device, a column a step
+      (8, 4)
     """
     plt = _pyplot()
     from matplotlib.colors import LogNorm
@@ -281,6 +302,15 @@ def loss_curves(history: History, ax: Axes | None = None) -> Axes:
     Raises:
       ValueError: the history is empty.
       ImportError: matplotlib is missing (``pip install 'jaxstep[demo]'``).
+
+    Example:
+      >>> import jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> history = jaxstep.History()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(4), history=history)
+      >>> ax = jaxstep.plot.loss_curves(history)
+      >>> len(ax.lines)  # a line a device, and their mean
+      9
     """
     plt = _pyplot()
     a = _arrays(history)

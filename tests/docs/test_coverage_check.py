@@ -118,3 +118,62 @@ def test_autodoc_shows_the_defining_comment_not_the_builtins_docstring(check):
     words = ["The colour of a failure.", ""]  # a #: comment autodoc found stays
     check.own_words(None, "data", "jaxstep.plot.FAILURE_COLOR", "#e41a1c", None, words)
     assert words == ["The colour of a failure.", ""]
+
+
+def test_a_public_function_or_class_without_an_example_fails_it(check):
+    def shown() -> None:
+        """Does it.
+
+        Example:
+          >>> shown()
+        """
+
+    def block() -> None:
+        """Does it in several processes.
+
+        Example::
+
+            block()
+        """
+
+    def bare() -> None:
+        """Does it."""
+
+    class Bare:
+        """A thing."""
+
+        def method(self) -> None:
+            """A member needs no example of its own."""
+
+    class Shown:
+        """A thing.
+
+        >>> Shown()
+        """
+
+    class Heir(Shown):  # an inherited docstring is not its own
+        pass
+
+    fake = types.ModuleType("jaxstep.fake")
+    objects = {"shown": shown, "block": block, "bare": bare, "Bare": Bare, "Heir": Heir}
+    for obj in objects.values():
+        obj.__module__ = "jaxstep.fake"
+    required = {"jaxstep.fake": fake, "jaxstep.fake.Bare.method": Bare.method}
+    required |= {f"jaxstep.fake.{name}": obj for name, obj in objects.items()}
+    found = check.problems(required, set(required), {})
+    assert found == [
+        f"jaxstep.fake.{name} has no example in its docstring: add an Example section with "
+        ">>> lines (run as a doctest; a :: code block only where nothing runs in one process)"
+        for name in ("Bare", "Heir", "bare")
+    ]
+    # An excuse covers it while it is needed, and is a problem once it is not.
+    excused = {"jaxstep.fake.Bare": "why", "jaxstep.fake.Heir": "why", "jaxstep.fake.bare": "why"}
+    assert check.problems(required, set(required), excused) == []
+    found = check.problems(required, set(required), excused | {"jaxstep.fake.shown": "why"})
+    assert found == [
+        "jaxstep.fake.shown is in conf.py's coverage_ignore but needs it no more: take it out"
+    ]
+
+
+def test_every_public_function_and_class_has_an_example(check):
+    assert check.without_example(dict(check.public_objects())) == []

@@ -66,6 +66,29 @@ class CluWriter(_Writer):
 
     Raises:
       TypeError: ``writer`` is not a CLU metric writer (a path, say).
+
+    Example:
+      With a stand-in for a CLU writer that keeps what it is given
+      (``metric_writers.create_default_writer(workdir)`` in a run):
+
+      >>> import jaxstep
+      >>> class Writer:
+      ...     def __init__(self):
+      ...         self.scalars = {}
+      ...     def write_scalars(self, step, scalars):
+      ...         self.scalars[step] = scalars
+      ...     def write_texts(self, step, texts):
+      ...         pass
+      ...     def flush(self):
+      ...         pass
+      >>> writer = Writer()
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(2),
+      ...                     callbacks=[jaxstep.CluWriter(writer)])
+      >>> sorted(writer.scalars)  # the steps
+      [0, 1]
+      >>> "loss" in writer.scalars[1], "device_3/grad_norm" in writer.scalars[1]
+      (True, True)
     """
 
     def __init__(self, writer: Any, *, all_processes: bool = True):

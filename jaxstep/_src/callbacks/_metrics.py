@@ -219,6 +219,15 @@ class TensorBoardWriter(_Writer):
 
     Raises:
       ImportError: tensorboardX is missing (``pip install 'jaxstep[demo]'``).
+
+    Example:
+      >>> import os, tempfile, jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> logdir = tempfile.mkdtemp()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(2),
+      ...                     callbacks=[jaxstep.TensorBoardWriter(logdir)])
+      >>> [name.split(".")[:3] for name in os.listdir(logdir)]
+      [['events', 'out', 'tfevents']]
     """
 
     def __init__(self, logdir: str | os.PathLike[str], *, all_processes: bool = False):

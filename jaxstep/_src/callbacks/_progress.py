@@ -59,6 +59,17 @@ class Progress(Callback):
         ``rich`` is installed and ``file`` is a terminal, or a Jupyter notebook's
         output with ``ipywidgets`` installed.
       file: where to write (default ``sys.stdout``).
+
+    Example:
+      Plain lines (a terminal or a notebook gets a live bar), every step:
+
+      >>> import io, jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> out = io.StringIO()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3),
+      ...                     callbacks=[jaxstep.Progress(3, every=1, live=False, file=out)])
+      >>> [line.split()[:3] for line in out.getvalue().splitlines()]
+      [['step', '0', '(1/3)'], ['step', '1', '(2/3)'], ['step', '2', '(3/3)']]
     """
 
     def __init__(

@@ -185,13 +185,19 @@ def read_emergency(where: str | os.PathLike[str], *, process: int | None = None)
       FileNotFoundError: there is no emergency save at ``where`` (or no part of
         ``process`` in it).
 
-    Example::
-
-        try:
-            state = jaxstep.fit(step, state, batches, checkpoint_dir="ckpt")
-        except jaxstep.TrainingWorkerError as err:
-            saved = jaxstep.read_emergency(err.checkpoint)
-            print(saved.step, saved.report["reason"])
+    Example:
+      >>> import tempfile, jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("input", device_id=3, step=1)])
+      >>> try:
+      ...     jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), diagnose=False,
+      ...                 checkpoint_dir=tempfile.mkdtemp())
+      ... except jaxstep.TrainingWorkerError as err:
+      ...     saved = jaxstep.read_emergency(err.checkpoint)
+      >>> saved.step, saved.report["device_id"], saved.report["status"]
+      (1, 3, 'INPUT_NONFINITE|LOSS_NONFINITE|GRAD_NONFINITE')
+      >>> saved.batch["x"].shape  # the failing batch: it reproduces the failure
+      (16, 3)
     """
     path = as_path(where)
     part = path / _part(jax.process_index() if process is None else process)

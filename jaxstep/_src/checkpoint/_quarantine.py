@@ -126,6 +126,17 @@ def read_quarantine(directory: str | os.PathLike[str]) -> Quarantine:
       OSError: the file exists but cannot be read.
 
     Example:
+      A NaN in example 4 of batch 1 is quarantined, and the run goes on:
+
+      >>> import tempfile, jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("input", device_id=2, step=1, mode="data")])
+      >>> checkpoint_dir = tempfile.mkdtemp()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3),
+      ...                     recover=jaxstep.Recover(), checkpoint_dir=checkpoint_dir)
+      >>> dict(jaxstep.read_quarantine(checkpoint_dir))  # {batch: its examples}
+      {1: (4,)}
+
       The batches come in the same order every epoch: skip the examples by position::
 
           bad = jaxstep.read_quarantine(checkpoint_dir)

@@ -68,6 +68,19 @@ class TrainingWorkerError(RuntimeError):
         (``diagnosis``) finds the devices it started from, which then lead.
       hint: what to try, when the status's own hint would mislead (a replay's
         verdict wins), or None.
+
+    Example:
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("grad", device_id=3, step=1)])
+      >>> try:
+      ...     jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), diagnose=False)
+      ... except jaxstep.TrainingWorkerError as err:
+      ...     error = err
+      >>> str(error).splitlines()[0]
+      "training worker on device 3 failed: non-finite gradient in ['b'] at step 1 (process 0)"
+      >>> error.device_id, error.step, error.status.name, int(error.state.step), len(error.batches)
+      (3, 1, 'GRAD_NONFINITE', 1, 2)
     """
 
     def __init__(

@@ -35,6 +35,15 @@ class Failure:
       microbatch: the first failing micro-batch (``microbatches > 1``), else None.
       host: the host name of the process holding the device (runs on several
         hosts), else None.
+
+    Example:
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("grad", device_id=3, step=0)])
+      >>> state, out = tiny.step(tiny.state(), tiny.batches(1)[0])
+      >>> [failure] = tiny.step.failures(tiny.step.table(out))
+      >>> failure.device_id, failure.step, failure.status.name, failure.reason
+      (3, 0, 'GRAD_NONFINITE', "non-finite gradient in ['b']")
     """
 
     device_id: int

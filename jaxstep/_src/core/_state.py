@@ -54,6 +54,13 @@ class TrainState:
         mean so far (None under the other policies: their program does not carry it).
         The per-device memory of that policy (steps in a row each device was left out,
         replicas repaired) is in ``monitor["drops"]`` and ``monitor["repairs"]``.
+
+    Example:
+      >>> import jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> state = tiny.step.init(tiny.params())  # {"w": zeros (3, 1), "b": zeros (1,)}
+      >>> int(state.step), bool(state.halted), state.params["w"].shape, state.rng
+      (0, False, (3, 1), None)
     """
 
     step: jax.Array
@@ -153,6 +160,13 @@ class StepOutput(NamedTuple):
         of the checks ``loss_fn`` returned in ``aux["checks"]``, in table order.
 
     Under the ``pmap`` backend each array carries one more leading device axis.
+
+    Example:
+      >>> import jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> state, out = tiny.step(tiny.state(), tiny.batches(1)[0])
+      >>> round(float(out.metrics["loss"]), 3), out.health.shape[0], out.aux
+      (3.264, 8, None)
     """
 
     metrics: dict[str, jax.Array]

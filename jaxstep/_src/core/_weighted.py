@@ -29,12 +29,20 @@ class WeightedLoss:
         a float scalar.
       weight: what counts in the chunk (examples, real tokens), a scalar >= 0.
 
-    Example::
+    Example:
+      The mean over the rows a mask keeps, whatever device holds them (rows 8 to 15 are
+      padding, two devices' chunks all of it):
 
-        def loss_fn(params, batch):
-            per_token = xent(model.apply(params, batch["tokens"]), batch["targets"])
-            mask = batch["mask"]
-            return jaxstep.WeightedLoss(jnp.sum(per_token * mask), jnp.sum(mask))
+      >>> import jax.numpy as jnp, optax, jaxstep
+      >>> def loss_fn(params, batch):
+      ...     per_row = (batch["x"] * params["w"] - batch["y"]) ** 2
+      ...     return jaxstep.WeightedLoss(jnp.sum(per_row * batch["mask"]), jnp.sum(batch["mask"]))
+      >>> step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1))
+      >>> mask = jnp.arange(16) < 8
+      >>> batch = {"x": jnp.ones(16), "y": jnp.where(mask, 2.0, 100.0), "mask": mask}
+      >>> state, out = step(step.init({"w": jnp.zeros(())}), batch)
+      >>> round(float(out.metrics["loss"]), 3)  # (2 - 0)**2 on each row kept
+      4.0
     """
 
     sum: jax.Array

@@ -41,6 +41,12 @@ class Status(enum.IntFlag):
         skipped and the scale lowered; no failure, unless the scale is at its minimum.
       MODEL_STATE_NONFINITE: the new model state (e.g. BatchNorm statistics) is not
         finite.
+
+    Example:
+      >>> from jaxstep import Status
+      >>> status = Status.INPUT_NONFINITE | Status.LOSS_NONFINITE
+      >>> int(status), bool(status & Status.LOSS_NONFINITE), Status(4).name
+      (3, True, 'GRAD_NONFINITE')
     """
 
     OK = 0
@@ -335,6 +341,17 @@ class HealthTable(NamedTuple):
         majority copy in this step.
       consecutive_drops: ``on_failure="drop"``: steps in a row each device was left
         out, this one included.
+
+    Example:
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("loss", device_id=5, step=0)])
+      >>> state, out = tiny.step(tiny.state(), tiny.batches(1)[0])
+      >>> table = tiny.step.table(out)
+      >>> table.status.tolist()  # one row a device: device 5's loss is NaN
+      [0, 0, 0, 0, 0, 6, 0, 0]
+      >>> table.step, table.failed, table.halted
+      (0, True, True)
     """
 
     status: np.ndarray

@@ -33,6 +33,14 @@ def local_positions(devices: Sequence[jax.Device]) -> list[int]:
 
     Returns:
       The positions, in increasing order.
+
+    Example:
+      One process holds all 8 fake CPU devices:
+
+      >>> import jax
+      >>> from jaxstep.distributed import local_positions
+      >>> local_positions(jax.devices())
+      [0, 1, 2, 3, 4, 5, 6, 7]
     """
     me = jax.process_index()
     return [i for i, d in enumerate(devices) if d.process_index == me]
@@ -62,6 +70,14 @@ def local_rows(devices: Sequence[jax.Device], global_batch_size: int) -> np.ndar
 
         rows = local_rows(step.devices, len(global_batch["x"]))
         batch = jax.tree.map(lambda x: x[rows], global_batch)
+
+      Process 0's rows of a batch of 8 over two processes of two devices each:
+
+      >>> class D:
+      ...     def __init__(self, p):
+      ...         self.process_index = p
+      >>> local_rows([D(0), D(0), D(1), D(1)], 8).tolist()
+      [0, 1, 2, 3]
     """
     n = len(devices)
     if global_batch_size % n:
@@ -123,6 +139,14 @@ def local_batch(batch: Batch, devices: Sequence[jax.Device]) -> Any:
 
     Raises:
       ValueError: the batch's leading axis does not divide by the number of devices.
+
+    Example:
+      >>> import jax
+      >>> import numpy as np
+      >>> from jaxstep.distributed import local_batch
+      >>> batch = {"x": np.arange(16).reshape(8, 2)}
+      >>> local_batch(batch, jax.devices())["x"].shape  # one process: every row
+      (8, 2)
     """
     return jax.tree.map(lambda x: np.asarray(x)[local_rows(devices, len(x))], batch)
 
@@ -136,6 +160,12 @@ def spans_processes(devices: Sequence[jax.Device]) -> bool:
 
     Returns:
       True when they span processes.
+
+    Example:
+      >>> import jax
+      >>> from jaxstep.distributed import spans_processes
+      >>> spans_processes(jax.devices())  # 8 fake CPU devices, one process
+      False
     """
     return len({d.process_index for d in devices}) > 1
 
@@ -161,6 +191,17 @@ def place_local_batch(
 
     Returns:
       The same pytree of global ``jax.Array`` s.
+
+    Example:
+      >>> import jax
+      >>> import numpy as np
+      >>> from jax.sharding import NamedSharding, Mesh, PartitionSpec as P
+      >>> from jaxstep.distributed import place_local_batch
+      >>> devices = jax.devices()
+      >>> sharding = NamedSharding(Mesh(np.array(devices), ("devices",)), P("devices"))
+      >>> x = place_local_batch({"x": np.ones((16, 3))}, devices, sharding)["x"]
+      >>> x.shape, len(x.addressable_shards), x.addressable_shards[1].data.shape
+      ((16, 3), 8, (2, 3))
     """
     positions = local_positions(devices) if positions is None else positions
     n_local, n = len(positions), len(devices)
@@ -189,6 +230,13 @@ def local_rows_per_device(batch: Batch, devices: Sequence[jax.Device]) -> int:
 
     Returns:
       The rows each device's chunk holds.
+
+    Example:
+      >>> import jax
+      >>> import numpy as np
+      >>> from jaxstep.distributed import local_rows_per_device
+      >>> local_rows_per_device({"x": np.zeros((16, 3))}, jax.devices())
+      2
     """
     first = jax.tree.leaves(batch)[0]
     size = int(first.shape[0])
@@ -231,6 +279,14 @@ def share(
 
     Raises:
       TimeoutError: a process did not publish within ``timeout_s`` (lost, or elsewhere).
+
+    Example:
+      Without several processes, each call hears only its own process:
+
+      >>> import jax
+      >>> from jaxstep.distributed import share
+      >>> share("steps", 12, jax.devices())
+      {0: 12}
     """
     me = jax.process_index()
     among = tuple(sorted({int(d.process_index) for d in devices}))
@@ -296,6 +352,12 @@ def host_name(process_index: int) -> str | None:
 
     Returns:
       The host name, or None when that process did not publish one.
+
+    Example:
+      >>> import socket
+      >>> from jaxstep.distributed import host_name
+      >>> host_name(0) == socket.gethostname()  # one process: its own
+      True
     """
     return _host_info(int(process_index))["host"]
 
@@ -309,5 +371,11 @@ def process_pid(process_index: int) -> int | None:
 
     Returns:
       The pid, or None when that process did not publish one.
+
+    Example:
+      >>> import os
+      >>> from jaxstep.distributed import process_pid
+      >>> process_pid(0) == os.getpid()  # one process: its own
+      True
     """
     return _host_info(int(process_index))["pid"]

@@ -56,6 +56,15 @@ def write_error_report(
 
     Returns:
       The report's path, or None when no directory is set.
+
+    Example:
+      >>> import tempfile
+      >>> from jaxstep.distributed import reports, write_error_report
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     path = write_error_report(ValueError("bad batch"), errors)
+      ...     report = reports.read(errors)[0]
+      >>> path.name, report["exception"], report["message"], report["root_cause"]
+      ('error-p0.json', 'ValueError', 'bad batch', True)
     """
     where = reports.error_dir(directory)
     if where is None:
@@ -97,12 +106,25 @@ def record(fn: _F) -> _F:
       ``fn`` wrapped: it returns what ``fn`` returns, and re-raises what it raises
       (but for the exit above).
 
-    Example::
-
-        @jaxstep.distributed.record
-        def main():
-            jaxstep.distributed.initialize()
-            ...
+    Example:
+      >>> import os, tempfile
+      >>> from unittest import mock
+      >>> from jaxstep.distributed import record, reports
+      >>> @record
+      ... def main(steps):
+      ...     if steps < 0:
+      ...         raise ValueError(f"steps must be >= 0, got {steps}")
+      ...     return steps
+      >>> main(3)
+      3
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     with mock.patch.dict(os.environ, {reports.ENV_ERROR_DIR: errors}):
+      ...         try:
+      ...             main(-1)
+      ...         except ValueError:
+      ...             pass  # re-raised (one process), its report written first
+      ...     print(reports.root_cause(errors)["message"])
+      steps must be >= 0, got -1
     """
 
     @functools.wraps(fn)
@@ -154,6 +176,14 @@ def leave(exit_code: int, note: str = "exited", wait_s: float = 10.0) -> NoRetur
       note: what the others read: ``exited`` or ``failed: why`` (they declare this
         process lost at once), or ``done``.
       wait_s: the most seconds process 0 waits for the others.
+
+    Example:
+      It ends the process (``os._exit``): after a hang, in place of ``raise``::
+
+          except jaxstep.TrainingWorkerError as err:
+              if err.status & jaxstep.Status.HUNG:
+                  jaxstep.distributed.leave(jaxstep.RESTART_EXIT_CODE)
+              raise
     """
     peers = monitor()
     if peers is not None:

@@ -40,6 +40,20 @@ class PeerHeartbeats:
       me: this process's index.
       count: the number of processes in the run.
       timeout: seconds without a beat before a process is lost.
+
+    Example:
+      With a stand-in for the coordination service's client (``jax.distributed``'s, in a
+      run), unstarted:
+
+      >>> from jaxstep.distributed import PeerHeartbeats
+      >>> class Store:
+      ...     def key_value_set(self, key, value, allow_overwrite=False):
+      ...         print(key, "=", value)
+      >>> beats = PeerHeartbeats(Store(), me=0, count=2, timeout=10.0)
+      >>> beats.interval, beats.lost()
+      (1.0, {})
+      >>> beats.stop()  # finished: the others do not wait for it
+      jaxstep/alive/0 = done
     """
 
     def __init__(self, client: Any, me: int, count: int, timeout: float):
@@ -158,6 +172,11 @@ def share_heartbeats(step: int, local: Sequence[int], wait_s: float) -> tuple[se
     Returns:
       (every position that finished, on any process; processes that did not report
       within ``wait_s`` seconds).
+
+    Example:
+      >>> from jaxstep.distributed import share_heartbeats
+      >>> share_heartbeats(5, [0, 1, 2], wait_s=1.0)  # one process: its own alone
+      ({0, 1, 2}, [])
     """
     store = client()
     me = jax.process_index()

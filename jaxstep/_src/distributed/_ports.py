@@ -29,6 +29,13 @@ def free_port() -> int:
 
     Returns:
       The port number.
+
+    Example:
+      >>> import socket
+      >>> from jaxstep.launch import free_port
+      >>> port = free_port()
+      >>> with socket.socket() as s:  # free: the coordinator can bind it
+      ...     s.bind(("127.0.0.1", port))
     """
     port = 0
     for candidate in [*_below_ephemeral(16), *[0] * 64]:  # then the OS's own choice

@@ -62,6 +62,11 @@ def is_multiprocess() -> bool:
 
     Returns:
       True after ``jax.distributed`` joined several processes.
+
+    Example:
+      >>> from jaxstep.distributed import is_multiprocess
+      >>> is_multiprocess()  # one process, without jax.distributed
+      False
     """
     return jax.process_count() > 1
 
@@ -95,6 +100,22 @@ def initialize(
         ``heartbeat_timeout_seconds``, the launcher's environment variables are
         malformed, or no multi-process environment was found (the message says what to
         pass).
+
+    Example:
+      At the top of each process's script, before any JAX computation (run it as
+      ``python -m jaxstep.launch -n 2 train.py``, or on a TPU VM slice as is)::
+
+          import jaxstep
+
+          jaxstep.distributed.initialize(lost_timeout=20)
+          step = jaxstep.make_train_step(loss_fn, optimizer)  # spans every process
+
+      A timeout the coordination service would beat is refused before anything starts:
+
+      >>> from jaxstep.distributed import initialize
+      >>> initialize(lost_timeout=200)
+      Traceback (most recent call last):
+      ValueError: lost_timeout=200 s must be below heartbeat_timeout_seconds=100: ...
     """
     timeout = _lost_timeout(lost_timeout)
     if not timeout < heartbeat_timeout_seconds:
@@ -158,6 +179,11 @@ def watch(lost_timeout: float | None = None) -> PeerHeartbeats | None:
 
     Raises:
       ValueError: ``lost_timeout`` is not above 0.
+
+    Example:
+      >>> from jaxstep.distributed import watch
+      >>> print(watch())  # one process: no peers to watch
+      None
     """
     global _peers
     client = _client()
@@ -196,6 +222,11 @@ def monitor() -> PeerHeartbeats | None:
       The :class:`PeerHeartbeats` (their ``lost()`` names the processes declared lost
       so far, and why), or None before :func:`watch` (or :func:`initialize`) ran, and
       outside a multi-process run.
+
+    Example:
+      >>> from jaxstep.distributed import monitor
+      >>> print(monitor())  # one process: no heartbeats run
+      None
     """
     return _peers
 
@@ -206,6 +237,11 @@ def lost_processes() -> dict[int, str]:
     Returns:
       ``{process index: why}``; empty while every process beats, and outside a
       multi-process run.
+
+    Example:
+      >>> from jaxstep.distributed import lost_processes
+      >>> lost_processes()  # one process: none to lose
+      {}
     """
     return {} if _peers is None else _peers.lost()
 
@@ -223,6 +259,15 @@ def wait_ready(array: jax.Array, step: int, devices: Sequence[jax.Device]) -> No
     Raises:
       TrainingWorkerError: a process of the run is lost (status ``HUNG``, naming its
         devices), after the Python stacks went to the ``jaxstep`` logger.
+
+    Example:
+      >>> import jax
+      >>> import jax.numpy as jnp
+      >>> from jaxstep.distributed import wait_ready
+      >>> health = jnp.zeros(8)
+      >>> wait_ready(health, 0, jax.devices())  # one process: returns at once
+      >>> health.tolist()[:2]
+      [0.0, 0.0]
     """
     if _peers is None:
         return
@@ -245,6 +290,11 @@ def finish_in_flight(array: jax.Array, err: BaseException) -> None:
     Args:
       array: an output of the newest dispatched step.
       err: the exception about to be raised.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxstep.distributed import finish_in_flight
+      >>> finish_in_flight(jnp.zeros(8), ValueError("a bug"))  # one process: returns at once
     """
     if _peers is None or (isinstance(err, TrainingWorkerError) and err.status & Status.HUNG):
         return
@@ -268,6 +318,13 @@ def lost_after(err: BaseException, step: int, devices: Sequence[jax.Device]) -> 
     Returns:
       The lost-process error (:func:`lost_error`) if a peer turns out lost in time,
       else ``err`` itself.
+
+    Example:
+      >>> import jax
+      >>> from jaxstep.distributed import lost_after
+      >>> err = RuntimeError("gloo: connection closed by peer")
+      >>> lost_after(err, 3, jax.devices()) is err  # no peer lost: the error itself
+      True
     """
     if _peers is None:
         return err
@@ -294,6 +351,15 @@ def lost_error(
     Returns:
       A :class:`jaxstep.TrainingWorkerError` with status ``HUNG`` for each device of
       the lost processes, and no state (a lost process's state cannot be read).
+
+    Example:
+      >>> import jax
+      >>> from jaxstep.distributed import lost_error
+      >>> err = lost_error({0: "it stopped sending heartbeats"}, 3, jax.devices()[:2])
+      >>> [(f.device_id, f.status.name, f.step) for f in err.failures]
+      [(0, 'HUNG', 3), (1, 'HUNG', 3)]
+      >>> print(err.state)
+      None
     """
     names = ", ".join(f"process {p} (host {host_name(p)}, pid {process_pid(p)})" for p in lost)
     log_stacks(f"step {step} cannot finish: lost {names}")
@@ -324,6 +390,19 @@ def log_stacks(why: str) -> None:
 
     Args:
       why: the first line of the message.
+
+    Example:
+      >>> import logging
+      >>> from jaxstep.distributed import log_stacks
+      >>> class Keep(logging.Handler):
+      ...     def emit(self, record):
+      ...         self.first = record.getMessage().splitlines()[0]
+      >>> keep = Keep()
+      >>> logging.getLogger("jaxstep").addHandler(keep)
+      >>> log_stacks("step 3 cannot finish")
+      >>> keep.first
+      'step 3 cannot finish; Python stacks:'
+      >>> logging.getLogger("jaxstep").removeHandler(keep)
     """
     stacks = "\n".join(
         f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))

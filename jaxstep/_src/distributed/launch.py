@@ -65,6 +65,12 @@ def child_env(
 
     Returns:
       A new dict of environment variables.
+
+    Example:
+      >>> from jaxstep.launch import child_env
+      >>> env = child_env(1, 2, 12345, devices_per_process=4, error_dir=None, base={})
+      >>> env["JAXSTEP_COORDINATOR"], env["JAXSTEP_PROCESS_ID"], env["JAX_NUM_CPU_DEVICES"]
+      ('127.0.0.1:12345', '1', '4')
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -210,7 +216,7 @@ def launch(
         process reads its attempt in ``$JAXSTEP_RESTART`` (0 first).
       show_gloo: relay gloo's connection lines too (one per group of collectives and
         process, torn when two of its threads write at once); by default none reaches
-        ``out`` (:class:`GlooFilter`).
+        ``out``, whole or torn.
 
     Returns:
       0 if every process of the last attempt exited with 0, else the exit code of the
@@ -219,6 +225,19 @@ def launch(
     Raises:
       ValueError: ``num_processes``, ``devices_per_process`` or ``restarts`` is out of
         range.
+
+    Example:
+      Two processes of one device each, their lines prefixed by the process:
+
+      >>> import io
+      >>> import sys
+      >>> from jaxstep.launch import launch
+      >>> out = io.StringIO()
+      >>> launch([sys.executable, "-c", "print('hello')"], num_processes=2,
+      ...        devices_per_process=1, out=out)
+      0
+      >>> sorted(out.getvalue().splitlines())
+      ['[p0] hello', '[p1] hello']
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -378,6 +397,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
       The job's exit code, as :func:`launch` returns it.
+
+    Example:
+      >>> import pathlib
+      >>> import tempfile
+      >>> from jaxstep.launch import main
+      >>> with tempfile.TemporaryDirectory() as tmp:
+      ...     script = pathlib.Path(tmp, "train.py")
+      ...     _ = script.write_text("import os; print('process', os.environ['JAXSTEP_PROCESS_ID'])")
+      ...     code = main(["-n", "1", "--devices-per-process", "1", str(script)])
+      [p0] process 0
+      >>> code
+      0
     """
     parser = argparse.ArgumentParser(
         prog="python -m jaxstep.launch",

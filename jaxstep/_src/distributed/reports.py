@@ -56,6 +56,16 @@ def error_dir(path: str | os.PathLike[str] | None = None) -> Path | None:
 
     Returns:
       ``path``, else ``$JAXSTEP_ERROR_DIR``, else None (no reports).
+
+    Example:
+      >>> import os
+      >>> from jaxstep.distributed import reports
+      >>> reports.error_dir("errors")
+      PosixPath('errors')
+      >>> from unittest import mock
+      >>> with mock.patch.dict(os.environ, {reports.ENV_ERROR_DIR: "run/errors"}):
+      ...     print(reports.error_dir())
+      run/errors
     """
     chosen = path if path is not None else os.environ.get(ENV_ERROR_DIR)
     return Path(chosen) if chosen else None
@@ -70,6 +80,11 @@ def report_path(directory: str | os.PathLike[str], process_index: int) -> Path:
 
     Returns:
       ``{directory}/error-p{process_index}.json``.
+
+    Example:
+      >>> from jaxstep.distributed import reports
+      >>> reports.report_path("errors", 3).as_posix()
+      'errors/error-p3.json'
     """
     return Path(directory) / f"error-p{process_index}.json"
 
@@ -104,6 +119,14 @@ def build(
       ``root_cause_process``, and for a :class:`jaxstep.TrainingWorkerError` the
       failing ``device_id``, ``device_process_index``, ``device_host``, ``step``,
       ``status``, ``reason``, ``leaf`` and every ``failures`` entry.
+
+    Example:
+      >>> from jaxstep.distributed import reports
+      >>> report = reports.build(
+      ...     ValueError("bad batch"), process_index=1, root_cause=True, root_cause_process=1,
+      ...     host="node-1")
+      >>> report["host"], report["exception"], report["reason"], report["root_cause"]
+      ('node-1', 'ValueError', 'bad batch', True)
     """
     now = time.time()
     report: dict[str, Any] = {
@@ -154,6 +177,15 @@ def write(report: Mapping[str, Any], directory: str | os.PathLike[str]) -> Path:
 
     Raises:
       OSError: the directory cannot be made or written.
+
+    Example:
+      >>> import tempfile
+      >>> from jaxstep.distributed import reports
+      >>> report = reports.build(OSError("disk full"), process_index=2, root_cause=False,
+      ...                        root_cause_process=None)
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     print(reports.write(report, errors).name)
+      error-p2.json
     """
     path = report_path(directory, int(report["process_index"]))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +203,18 @@ def read(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
 
     Returns:
       ``{process index: report}``; empty when there is none.
+
+    Example:
+      >>> import tempfile
+      >>> from jaxstep.distributed import reports
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     for p in (0, 1):
+      ...         report = reports.build(ValueError(f"p{p}"), process_index=p, root_cause=False,
+      ...                                root_cause_process=None)
+      ...         _ = reports.write(report, errors)
+      ...     found = reports.read(errors)
+      >>> {p: r["message"] for p, r in found.items()}
+      {0: 'p0', 1: 'p1'}
     """
     out = {}
     for path in sorted(Path(directory).glob("error-p*.json")):
@@ -188,10 +232,17 @@ def root_cause(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     Returns:
       The report marked as the root cause, else the earliest one, else None.
 
-    Example::
-
-        report = jaxstep.distributed.root_cause("errors/")
-        print(report["host"], report["device_id"], report["step"], report["reason"])
+    Example:
+      >>> import tempfile
+      >>> from jaxstep.distributed import reports
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     for p, first in ((0, False), (1, True)):
+      ...         report = reports.build(RuntimeError(f"p{p} failed"), process_index=p,
+      ...                                root_cause=first, root_cause_process=1)
+      ...         _ = reports.write(report, errors)
+      ...     cause = reports.root_cause(errors)
+      >>> cause["process_index"], cause["message"]
+      (1, 'p1 failed')
     """
     found = read(directory)
     marked = [r for r in found.values() if r.get("root_cause")]
@@ -215,6 +266,18 @@ def complete(
       returncodes: each process's exit code (negative: a signal; None: still running),
         in the order the processes ended.
       procs: the processes, by index (for their pids), when known.
+
+    Example:
+      A process killed by SIGKILL left no report: the launcher writes one, marked the root
+      cause:
+
+      >>> import tempfile
+      >>> from jaxstep.distributed import reports
+      >>> with tempfile.TemporaryDirectory() as errors:
+      ...     reports.complete(errors, {1: -9, 0: 1})
+      ...     cause = reports.root_cause(errors)
+      >>> cause["process_index"], cause["reason"]
+      (1, 'killed by signal SIGKILL')
     """
     found = read(directory)
     silent = [i for i, code in returncodes.items() if code and i not in found]

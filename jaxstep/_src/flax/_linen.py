@@ -32,6 +32,16 @@ def linen_split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
     Raises:
       ValueError: there is no ``"params"`` collection.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> from jaxstep.flax import linen_split
+      >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
+      >>> variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> params, model_state = linen_split(variables)
+      >>> sorted(params["layers_0"]), sorted(model_state["batch_stats"]["layers_1"])
+      (['bias', 'kernel'], ['mean', 'var'])
     """
     if "params" not in variables:
         raise ValueError(
@@ -89,6 +99,18 @@ def linen_apply(
       passed through, so with the default ``mutable`` the structure never changes
       (a collection added through ``mutable``, e.g. ``"intermediates"``, is in
       ``new_model_state`` too: take it out before returning the state to jaxstep).
+
+    Example:
+      Inside a ``loss_fn(params, batch, *, model_state)``:
+
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> from jaxstep.flax import linen_apply, linen_split
+      >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
+      >>> params, model_state = linen_split(model.init(jax.random.key(0), jnp.ones((2, 3))))
+      >>> y, new_state = linen_apply(model, params, model_state, jnp.ones((2, 3)))
+      >>> y.shape, sorted(new_state)
+      ((2, 4), ['batch_stats'])
     """
     model_state = dict(model_state or {})
     mutable = list(model_state) if mutable is None else list(mutable)

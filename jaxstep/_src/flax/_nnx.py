@@ -32,6 +32,13 @@ class NNXGraph:
         as shapes.
       rngs: the module's RNG streams (``nnx.RngState``): constant under jaxstep,
         which reseeds them from the step's key on every step and device.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxstep.flax import nnx_split
+      >>> graph, params, model_state = nnx_split(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+      >>> graph.params["kernel"].shape, model_state  # shapes: the arrays are in params
+      ((3, 1), {})
     """
 
     graphdef: Any
@@ -127,6 +134,15 @@ def nnx_merge(
 
     Raises:
       ValueError: ``model_state`` is missing for a module that has one.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxstep.flax import nnx_merge, nnx_split
+      >>> graph, params, model_state = nnx_split(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+      >>> model = nnx_merge(graph, params, model_state)  # trained: step.host_state(state)'s
+      >>> type(model).__name__, model(jnp.ones((2, 3))).shape
+      ('Linear', (2, 1))
     """
     _require_state(graph, model_state)
     return nnx.merge(
@@ -177,6 +193,18 @@ def nnx_loss_fn(
       module's new state in ``aux["model_state"]``. Every RNG stream of the module
       is reseeded from ``rng`` (folded with the stream's path), so each device and
       step draws its own numbers.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxstep
+      >>> from flax import nnx
+      >>> from jaxstep.flax import nnx_loss_fn, nnx_split
+      >>> graph, params, model_state = nnx_split(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+      >>> loss_fn = nnx_loss_fn(graph, lambda model, b: jnp.mean((model(b["x"]) - b["y"]) ** 2))
+      >>> step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1), has_aux=True)
+      >>> state = step.init(params, model_state=model_state)
+      >>> state, out = step(state, {"x": jnp.ones((16, 3)), "y": jnp.ones((16, 1))})
+      >>> int(state.step), step.table(out).failed
+      (1, False)
     """
 
     def loss_fn(

@@ -63,6 +63,20 @@ class Diagnosis:
         ``pmean`` in the loss) carried the failure to every device: the ids of the
         devices whose own rows fail alone, where it started. The error then leads
         with them.
+
+    Example:
+      A NaN in the input of example 1 of device 3's chunk follows that chunk to whichever
+      device runs it:
+
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("input", device_id=3, step=1, mode="data", example=1)])
+      >>> try:
+      ...     jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), diagnose=True)
+      ... except jaxstep.TrainingWorkerError as err:
+      ...     diagnosis = err.diagnosis
+      >>> diagnosis.verdict, diagnosis.examples
+      ('data', (7,))
     """
 
     verdict: ReplayVerdict
@@ -116,6 +130,20 @@ def diagnose(
     Raises:
       TrainingWorkerError: a replay hung (``Status.HUNG``), or a peer process was lost.
       ValueError: ``error`` has no state to replay from (a hang).
+
+    Example:
+      A fault of device 3's own: the replay moves device 3's rows elsewhere, and device 3
+      fails again on other rows.
+
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("grad", device_id=3, step=1)])
+      >>> try:
+      ...     jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), diagnose=False)
+      ... except jaxstep.TrainingWorkerError as err:
+      ...     diagnosis = jaxstep.diagnose(tiny.step, err, err.batches[0])
+      >>> diagnosis.verdict, diagnosis.replays
+      ('device', ((0, (3,)), (1, (3,))))
     """
     return diagnose_on(runtime_of(step), error, batch, step_timeout=step_timeout)
 

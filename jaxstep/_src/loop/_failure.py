@@ -168,6 +168,17 @@ def replica_state(step: TrainStep, state: TrainState, position: int) -> TrainSta
 
     Returns:
       That device's copy on every device of the step.
+
+    Example:
+      Device 1's copy of ``['w']`` is corrupted; device 0's copy, placed on every device,
+      is whole again:
+
+      >>> from jaxstep import replica_state
+      >>> from jaxstep.testing import assert_replicas_equal, corrupt_replica, tiny_step
+      >>> tiny = tiny_step(divergence_every=None)
+      >>> bad = corrupt_replica(tiny.step, tiny.state(), tiny.step.devices[1].id, "['w']")
+      >>> good = replica_state(tiny.step, bad, position=0)
+      >>> assert_replicas_equal(tiny.step, good)  # every copy alike: passes
     """
     return replica_state_on(runtime_of(step), state, position)
 

@@ -93,6 +93,15 @@ def fit(
       TrainingWorkerError: a step failed, diverged or hung (``error.state``: the last
         good state; ``error.batches``: the failing batch and every one after it).
       ValueError, TypeError: an argument was wrong (before anything ran).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxstep
+      >>> step = jaxstep.make_train_step(
+      ...     lambda p, b: jnp.mean((b["x"] * p["w"] - b["y"]) ** 2), optax.sgd(0.1))
+      >>> batches = [{"x": jnp.ones(16), "y": 2 * jnp.ones(16)}] * 5
+      >>> state = jaxstep.fit(step, step.init({"w": jnp.zeros(())}), batches)
+      >>> int(state.step), round(float(state.params["w"]), 3)
+      (5, 1.345)
     """
     options = FitOptions(
         num_steps=num_steps,

@@ -43,6 +43,18 @@ class Recover:
         examples (``Recovery.example_ids``, the quarantine file's ``ids``), which
         still name them once the data is shuffled: :func:`read_quarantine`'s ``ids``
         are what the data pipeline filters on next epoch. Checked on the first batch.
+
+    Example:
+      A fault that does not come back (``mode="transient"``) is retried:
+
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("grad", device_id=3, step=1, mode="transient")])
+      >>> history = jaxstep.History()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), history=history,
+      ...                     recover=jaxstep.Recover(retries=1))
+      >>> int(state.step), [(r.step, r.verdict, r.action) for r in history.recoveries]
+      (3, [(1, 'transient', 'retried')])
     """
 
     retries: int = 1

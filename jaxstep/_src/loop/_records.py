@@ -40,6 +40,17 @@ class Recovery:
       detail: what happened, in words.
       example_ids: with ``Recover(example_id=...)``: the values of that batch leaf for
         ``examples``, in their order (what names them in the data, shuffled or not).
+
+    Example:
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("input", device_id=2, step=1, mode="data")])
+      >>> history = jaxstep.History()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), history=history,
+      ...                     recover=jaxstep.Recover())
+      >>> [record] = history.recoveries
+      >>> record.verdict, record.action, record.device_ids, record.batch, record.examples
+      ('data', 'quarantined', (2,), 1, (4,))
     """
 
     step: int

@@ -59,6 +59,18 @@ class Fault:
       example: the row of the device's chunk that carries an ``input`` fault, and the
         example a ``data`` fault belongs to.
       seconds: how long a ``stall`` blocks the device.
+
+    Example:
+      A NaN written into device 3's gradient of ``['w']`` at step 1:
+
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("grad", device_id=3, step=1, leaf="['w']")])
+      >>> try:
+      ...     jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), diagnose=False)
+      ... except jaxstep.TrainingWorkerError as err:
+      ...     print(err.device_id, err.step, err.status.name, err.leaf)
+      3 1 GRAD_NONFINITE ['w']
     """
 
     kind: FaultKind

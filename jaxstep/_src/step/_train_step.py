@@ -51,6 +51,16 @@ class TrainStep:
     Args:
       options: every option, checked (what :func:`jaxstep.make_train_step` builds
         from its keywords; build steps with it).
+
+    Example:
+      >>> import jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> step = tiny.step
+      >>> state, out = step(step.init(tiny.params()), tiny.batches(1)[0])
+      >>> int(state.step), step.table(out).failed
+      (1, False)
+      >>> len(step.devices), step.names["params"]
+      (8, ["['b']", "['w']"])
     """
 
     def __init__(self, options: Options):

@@ -70,13 +70,15 @@ def assert_fails(
     Raises:
       AssertionError: the run did not fail, or failed elsewhere, or otherwise.
 
-    Example::
-
-      err = assert_fails(
-          lambda: jaxstep.fit(step, state, batches),
-          device_id=jax.devices()[3].id, step=2,
-          status=jaxstep.Status.GRAD_NONFINITE, leaf="['w']",
-      )
+    Example:
+      >>> import jaxstep
+      >>> from jaxstep.testing import Fault, assert_fails, tiny_step
+      >>> tiny = tiny_step(faults=[Fault("grad", device_id=3, step=1, leaf="['w']")])
+      >>> err = assert_fails(
+      ...     lambda: jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), diagnose=False),
+      ...     device_id=3, step=1, status=jaxstep.Status.GRAD_NONFINITE, leaf="['w']")
+      >>> err.reason
+      "non-finite gradient in ['w']"
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
     want_ids = [device_id] if isinstance(device_id, int) else list(device_id)
@@ -203,6 +205,13 @@ def assert_matches_reference(
         reference; the message names the step and the leaf.
       TypeError: ``loss_fn`` takes ``model_state`` and none was given (or the other
         way round); refused before anything runs.
+
+    Example:
+      >>> from jaxstep.testing import assert_matches_reference, tiny_step
+      >>> tiny = tiny_step(divergence_every=None)
+      >>> state = assert_matches_reference(tiny.step, tiny.params(), tiny.batches(3))
+      >>> int(state.step)  # three steps, each as a single-device optax loop takes it
+      3
     """
     __tracebackhide__ = True  # pytest: report the failure at the caller
     _model_state_matches(step.options.loss_fn, model_state)

@@ -58,6 +58,16 @@ def set_cpu_devices(n: int) -> None:
     Raises:
       ValueError: ``n`` is not a positive int.
       RuntimeError: a backend already runs with another device count.
+
+    Example:
+      In a script, before anything starts JAX's backend (in pytest, the plugin has given
+      this process 8 already: asking again for as many is a no-op):
+
+      >>> import jax
+      >>> from jaxstep.testing import set_cpu_devices
+      >>> set_cpu_devices(8)
+      >>> jax.device_count()
+      8
     """
     request_cpu_devices(n)
     check_cpu_devices(n)

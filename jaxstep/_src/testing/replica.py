@@ -112,6 +112,13 @@ def replicas(step: TrainStep, tree: Any) -> list[Any]:
 
     Returns:
       One copy a device, as numpy, in the order of ``step.devices``.
+
+    Example:
+      >>> from jaxstep.testing import replicas, tiny_step
+      >>> tiny = tiny_step(divergence_every=None)
+      >>> copies = replicas(tiny.step, tiny.state().params)
+      >>> len(copies), copies[5]["w"].shape
+      (8, (3, 1))
     """
     runtime = runtime_of(step)
     return [runtime.read_at(tree, i) for i in range(len(step.devices))]

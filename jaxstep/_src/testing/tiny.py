@@ -34,6 +34,14 @@ class TinyStep(NamedTuple):
 
     Attributes:
       step: the :class:`jaxstep.TrainStep`.
+
+    Example:
+      >>> from jaxstep.testing import tiny_step
+      >>> tiny = tiny_step(divergence_every=None)
+      >>> {name: x.shape for name, x in tiny.params().items()}
+      {'w': (3, 1), 'b': (1,)}
+      >>> [batch["x"].shape for batch in tiny.batches(2, per_device=4)]  # 8 devices
+      [(32, 3), (32, 3)]
     """
 
     step: TrainStep
