@@ -25,7 +25,6 @@ import numpy as np
 
 import jaxstep
 from jaxstep._src.checkpoint._position import Source
-from jaxstep._src.loop._callbacks import Callbacks
 from jaxstep._src.loop._recorder import Recorder
 from jaxstep._src.step import Runtime
 from jaxstep._src.step import runtime_of
@@ -78,13 +77,15 @@ def _phases(step: Any, clock: dict[str, float]) -> Iterator[None]:
     runtime = runtime_of(step)
     variants = runtime.programs.variants
     saved = (Source.__next__, Runtime.dispatch, Runtime.raw_table)
-    saved += (Recorder.settled, Callbacks.on_step_end, dict(variants))
+    hooks = (jaxstep.Progress, jaxstep.JsonlWriter)  # the callbacks breakdown attaches
+    saved += (Recorder.settled, dict(variants)) + tuple(c.on_step_end for c in hooks)
     try:
         Source.__next__ = _timed("pull", Source.__next__, clock)  # type: ignore[method-assign]
         Runtime.dispatch = _timed("step", Runtime.dispatch, clock)  # type: ignore[method-assign]
         Runtime.raw_table = _timed("table read", Runtime.raw_table, clock)  # type: ignore[method-assign]
         Recorder.settled = _timed("history", Recorder.settled, clock)  # type: ignore[method-assign]
-        Callbacks.on_step_end = _timed("callbacks", Callbacks.on_step_end, clock)  # type: ignore[method-assign]
+        for c in hooks:  # bound by fit when it starts: patched before
+            c.on_step_end = _timed("callbacks", c.on_step_end, clock)  # type: ignore[method-assign]
         runtime.inputs.check_batch = _timed("check", runtime.inputs.check_batch, clock)  # type: ignore[method-assign]
         runtime.backend.place_batch = _timed("place", runtime.backend.place_batch, clock)  # type: ignore[method-assign]
         for key, fn in variants.items():
@@ -92,9 +93,11 @@ def _phases(step: Any, clock: dict[str, float]) -> Iterator[None]:
         yield
     finally:
         Source.__next__, Runtime.dispatch, Runtime.raw_table = saved[:3]  # type: ignore[method-assign]
-        Recorder.settled, Callbacks.on_step_end = saved[3:5]  # type: ignore[method-assign]
+        Recorder.settled = saved[3]  # type: ignore[method-assign]
+        for c, fn in zip(hooks, saved[5:]):
+            c.on_step_end = fn  # type: ignore[method-assign]
         variants.clear()
-        variants.update(saved[5])
+        variants.update(saved[4])
         del runtime.inputs.check_batch, runtime.backend.place_batch
 
 

@@ -25,6 +25,7 @@ FACE = {
     "options",
     "place_state",
     "table",
+    "without_devices",
 }
 
 
