@@ -168,10 +168,15 @@ class TrainingWorkerError(RuntimeError):
                     "fit(..., checkpoint_dir=..., resume=True) in a restarted process trains "
                     "them again from the latest verified checkpoint's data position"
                 )
-            else:
+            elif self.state_is_good:
                 lines.append(
                     f"error.batches holds {held}: fit(step, error.state, "
                     "itertools.chain(error.batches, rest)) loses none"
+                )
+            else:  # resuming from error.state would train on a bad state
+                lines.append(
+                    f"error.batches holds {held}: train them again after the checkpoint "
+                    "you go back to, with the batches since it"
                 )
         if self.checkpoint is not None:
             held = "state, failing batch" if self.state is not None else "failing batch"

@@ -1,0 +1,82 @@
+"""Two copies that differ with no majority to tell which is bad (issue 45 items 2, 3
+and 6): the twins of ``replicas=2`` (``shard_map``: ``replicas`` needs ``shard_state``)
+and the two replicas of a step on two devices (both backends). The error names both
+devices, claims no majority, does not call its state good and points to the last
+verified checkpoint; ``fit(recover=jaxstep.Recover())`` goes back to it whenever
+nothing is lost, and says how many batches would be otherwise."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxstep
+from jaxstep import Status
+from jaxstep.testing import assert_fails
+from jaxstep.testing import corrupt_replica
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+
+MOMENT = "opt_state[0].mu['dense1']['kernel']"  # sharded: one twin under replicas=2
+KERNEL = "params['dense1']['kernel']"  # whole on every device of a replicated step
+
+#: (name, step options, the device corrupted, the pair that differs, the leaf)
+PAIRS = {
+    "twins-optimizer": (
+        {"shard_state": "optimizer", "replicas": 2, "shard_min_size": 0},
+        5,
+        [1, 5],
+        MOMENT,
+    ),
+    "twins-params": (
+        {"shard_state": "params", "replicas": 2, "shard_min_size": 0},
+        5,
+        [1, 5],
+        MOMENT,
+    ),
+    "two-shard_map": ({"backend": "shard_map", "devices": 2}, 1, [0, 1], KERNEL),
+    "two-pmap": ({"backend": "pmap", "devices": 2}, 1, [0, 1], KERNEL),
+}
+
+
+def _step(options, **kw):
+    options = dict(options)
+    if "devices" in options:
+        options["devices"] = jax.devices()[: options["devices"]]
+    return jaxstep.make_train_step(loss_fn, optax.adam(1e-2), divergence_every=1, **options, **kw)
+
+
+def _host(step, state):
+    host = step.host_state(state)
+    return [np.asarray(x) for x in jax.tree.leaves((host.params, host.opt_state))]
+
+
+@pytest.mark.parametrize("case", list(PAIRS))
+def test_a_pair_that_differs_names_both_claims_no_majority_and_no_good_state(case):
+    options, bad, pair, leaf = PAIRS[case]
+    step = _step(options)
+    state = jaxstep.fit(step, step.init(init_params()), make_batches(1))
+    corrupted = corrupt_replica(step, state, bad, leaf)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, corrupted, make_batches(2))
+    err = assert_fails(info, device_id=pair, step=1, status=Status.DIVERGED, leaf=leaf)
+    assert sorted(f.device_id for f in err.failures) == pair  # no healthy device blamed
+    assert sorted(f.device_id for f in err.root_causes) == pair
+    assert err.state_is_good is False
+    text = str(err)
+    headline = text.splitlines()[0]
+    assert "majority" in headline and "diverged from the majority" not in text
+    a, b = err.failures
+    assert f"differs from its twin's on device {b.device_id}" in a.reason
+    assert f"differs from its twin's on device {a.device_id}" in b.reason
+    assert "no majority: either may be bad" in headline
+    assert f"devices {pair[0]} and {pair[1]} hold the two copies" in text
+    assert "no majority can tell which one is right" in text
+    assert "the last good state" not in text and "NOT a good one" in text
+    assert "latest verified checkpoint" in text
+    assert "loses none" not in text  # error.batches are not to be trained on error.state
+    # what the old message advised: resuming from error.state fails again at once
+    with pytest.raises(jaxstep.TrainingWorkerError) as again:
+        jaxstep.fit(step, err.state, make_batches(1))
+    assert_fails(again, device_id=pair, step=1, status=Status.DIVERGED)
