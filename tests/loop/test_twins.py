@@ -12,6 +12,7 @@ import pytest
 
 import jaxstep
 from jaxstep import Status
+from jaxstep._src.step import Runtime
 from jaxstep.testing import assert_fails
 from jaxstep.testing import corrupt_replica
 from tests.models import init_params
@@ -80,3 +81,72 @@ def test_a_pair_that_differs_names_both_claims_no_majority_and_no_good_state(cas
     with pytest.raises(jaxstep.TrainingWorkerError) as again:
         jaxstep.fit(step, err.state, make_batches(1))
     assert_fails(again, device_id=pair, step=1, status=Status.DIVERGED)
+
+
+def _runs(options, tmp_path, recover, corrupt):
+    """A first fit call saving its end (step 2, verified), the pair corrupted (or
+    not) between the calls, and a second call under ``recover``."""
+    batches = make_batches(4)
+    _, bad, _, leaf = options
+    saving = {"checkpoint_dir": tmp_path / str(corrupt), "checkpoint_every": 2}
+    step = _step(options[0])
+    state = jaxstep.fit(step, step.init(init_params()), batches[:2], **saving)
+    if corrupt:
+        state = corrupt_replica(step, state, bad, leaf)
+    history = jaxstep.History()
+    state = jaxstep.fit(step, state, batches[2:], history=history, recover=recover, **saving)
+    return step, state, history
+
+
+@pytest.mark.parametrize("rollback_batches", [None, 1])
+@pytest.mark.parametrize("case", list(PAIRS))
+def test_recover_rolls_a_pair_corrupted_between_calls_back_to_the_calls_checkpoint(
+    case, rollback_batches, tmp_path
+):
+    recover = jaxstep.Recover(rollback_batches=rollback_batches)
+    step, state, history = _runs(PAIRS[case], tmp_path, recover, corrupt=True)
+    (record,) = history.recoveries
+    assert (record.step, record.verdict, record.action) == (2, "diverged", "rolled back")
+    assert sorted(record.device_ids) == PAIRS[case][2]
+    assert record.detail == "restored the checkpoint of step 2; 1 batch(es) since it trained again"
+    assert history.step == [2, 2, 3]
+    clean_step, clean, _ = _runs(PAIRS[case], tmp_path, recover, corrupt=False)
+    for x, y in zip(_host(step, state), _host(clean_step, clean), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("case", ["twins-params", "two-pmap"])
+def test_a_rollback_that_would_lose_batches_says_how_many_and_how_to_keep_them(
+    case, tmp_path, monkeypatch
+):
+    """Corrupted inside the call, before step 3: the checkpoint is step 2's, and
+    without rollback_batches the batch of step 2 is not held."""
+    options, bad, pair, leaf = PAIRS[case]
+    step = _step(options)
+    dispatch, corrupted = Runtime.dispatch, []
+
+    def corrupting(runtime, state, batch, **kw):  # once, before step 3 is dispatched
+        number, halted = runtime.read_first((state.step, state.halted))
+        if not corrupted and int(number) == 3 and not bool(halted):
+            corrupted.append(3)
+            state = corrupt_replica(step, state, bad, leaf)
+        return dispatch(runtime, state, batch, **kw)
+
+    monkeypatch.setattr(Runtime, "dispatch", corrupting)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            make_batches(5),
+            recover=jaxstep.Recover(),
+            checkpoint_dir=tmp_path,
+            checkpoint_every=2,
+        )
+    assert corrupted == [3]
+    err = assert_fails(info, device_id=pair, step=3, status=Status.DIVERGED, leaf=leaf)
+    assert err.state_is_good is False
+    text = str(err)
+    assert (
+        "not recovered: going back to the checkpoint of step 2 would lose 1 batch(es) "
+        "(of step 2), not held: Recover(rollback_batches=1) holds them" in text
+    )

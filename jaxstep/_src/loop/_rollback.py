@@ -130,10 +130,18 @@ class Rollback:
                 "not recovered: no verified checkpoint to go back to "
                 "(fit(checkpoint_dir=..., checkpoint_every=...))",
             )
-        since = [(n, item) for n, item in self.kept if c <= n <= pending.number]
-        if [n for n, _ in since] != list(range(c, pending.number + 1)):
+        # the failing step's own batch is at hand (pending): a checkpoint of the step
+        # it started from (one a previous fit call ended on, say) loses nothing
+        since = [(n, item) for n, item in self.kept if c <= n < pending.number]
+        since.append((pending.number, item_of(pending)))
+        lost = sorted(set(range(c, pending.number)) - {n for n, _ in since})
+        if lost:
+            steps = f"step {lost[0]}" if len(lost) == 1 else f"steps {lost[0]}..{lost[-1]}"
             return error.with_note(
-                f"not recovered: the batches since the checkpoint of step {c} are gone"
+                f"not recovered: going back to the checkpoint of step {c} would lose "
+                f"{len(lost)} batch(es) (of {steps}), not held: "
+                "Recover(rollback_batches=1) holds them (references, each until a newer "
+                "checkpoint is written) for a rollback to train them again"
             )
         return c, since
 
