@@ -1,7 +1,9 @@
 """A rollback of ``fit(..., recover=...)``: back to the last verified checkpoint, the
 batches of every step since it trained again (held as references until a newer
-checkpoint is verified); for a loss spike (``Recover(rollback_batches=k)``: the spike's
-batch and the ``k - 1`` before it skipped) and a diverged replica."""
+checkpoint is verified, under ``Recover(rollback_batches=k)``; the failing step's own is
+always at hand); for a loss spike (the spike's batch and the ``k - 1`` before it
+skipped) and a diverged replica (also without ``k``, to a checkpoint of the failing
+step itself: one a previous fit call ended on)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ class Rollback:
     Args:
       checkpoints: the fit call's checkpoints.
       rows: where the rows of a step are in the data (the batches skipped).
-      k: ``Recover.rollback_batches`` (None: a loss spike is not rolled back; a
-        diverged replica rolls back only to steps kept for a spike).
+      k: ``Recover.rollback_batches`` (None: a loss spike is not rolled back, and no
+        batch is kept: a diverged replica rolls back only to a checkpoint of the failing
+        step itself, whose batch is at hand).
     """
 
     def __init__(self, checkpoints: FitCheckpoints, rows: Rows, k: int | None):
