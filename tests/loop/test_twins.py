@@ -83,6 +83,22 @@ def test_a_pair_that_differs_names_both_claims_no_majority_and_no_good_state(cas
     assert_fails(again, device_id=pair, step=1, status=Status.DIVERGED)
 
 
+@pytest.mark.parametrize("case", ["twins-params", "two-pmap"])
+def test_the_diagnosis_of_a_pair_that_differs_claims_no_majority(case):
+    options, bad, pair, leaf = PAIRS[case]
+    step = _step(options)
+    state = jaxstep.fit(step, step.init(init_params()), make_batches(1))
+    corrupted = corrupt_replica(step, state, bad, leaf)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, corrupted, make_batches(2), diagnose=True)
+    err = assert_fails(info, device_id=pair, step=1, status=Status.DIVERGED, leaf=leaf)
+    assert err.diagnosis.verdict == "diverged"
+    said = str(err.diagnosis)
+    assert f"devices {pair[0]} and {pair[1]}: their copies of the state differ" in said
+    assert "majority's" not in said and "healthy copy" not in said
+    assert "with no majority none can be trusted" in str(err)  # the hint stays
+
+
 def _runs(options, tmp_path, recover, corrupt):
     """A first fit call saving its end (step 2, verified), the pair corrupted (or
     not) between the calls, and a second call under ``recover``."""
