@@ -3,6 +3,7 @@ status flags, the error, the processes of a run, argument validation, and the ty
 layers share (pytrees, the modes: ``BackendName``, ``Policy``, ``Verdict``, ...). Imports
 nothing else of jaxstep."""
 
+from jaxstep._src.core._causes import CAUSES as CAUSES
 from jaxstep._src.core._errors import TrainingWorkerError as TrainingWorkerError
 from jaxstep._src.core._failures import Failure as Failure
 from jaxstep._src.core._failures import failed_alike as failed_alike
@@ -44,6 +45,7 @@ __all__ = [
     "BACKEND_NAMES",
     "BackendName",
     "Batch",
+    "CAUSES",
     "COL",
     "COLUMNS",
     "ENV_RESTART",

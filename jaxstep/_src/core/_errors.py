@@ -67,7 +67,7 @@ class TrainingWorkerError(RuntimeError):
         device named is only the first in device order, until a replay
         (``diagnosis``) finds the devices it started from, which then lead.
       hint: what to try, when the status's own hint would mislead (a replay's
-        verdict wins), or None.
+        verdict wins, except over a divergence, which is not replayed), or None.
 
     Example:
       >>> import jaxstep
@@ -155,7 +155,8 @@ class TrainingWorkerError(RuntimeError):
             hint = VERDICT_HINTS.get(getattr(self.diagnosis, "verdict", ""))
             if hint is None or primary in (Status.DIVERGED, Status.HUNG):
                 hint = HINTS[primary].format(rows=rows, leaf=first.leaf)
-            if self.hint is not None and self.diagnosis is None:
+            # a divergence is not replayed: the diagnosis adds nothing to the error's hint
+            if self.hint is not None and (self.diagnosis is None or primary is Status.DIVERGED):
                 hint = self.hint.format(rows=rows, leaf=first.leaf)
             lines.append("what to try: " + hint)
         if self.state is not None and self.state_is_good:
@@ -181,10 +182,15 @@ class TrainingWorkerError(RuntimeError):
                     "fit(..., checkpoint_dir=..., resume=True) in a restarted process trains "
                     "them again from the latest verified checkpoint's data position"
                 )
-            else:
+            elif self.state_is_good:
                 lines.append(
                     f"error.batches holds {held}: fit(step, error.state, "
                     "itertools.chain(error.batches, rest)) loses none"
+                )
+            else:  # resuming from error.state would train on a bad state
+                lines.append(
+                    f"error.batches holds {held}: train them again after the checkpoint "
+                    "you go back to, with the batches since it"
                 )
         if self.checkpoint is not None:
             held = "state, failing batch" if self.state is not None else "failing batch"

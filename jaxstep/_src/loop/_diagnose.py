@@ -158,6 +158,17 @@ def diagnose_on(
             f"error has no state to replay from (status {error.status!r}); a hung step "
             "cannot be replayed in this process"
         )
+    if error.status & Status.DIVERGED and not error.state_is_good:
+        ids = [f.device_id for f in error.failures if f.status & Status.DIVERGED]
+        named = " and ".join(str(i) for i in ids)
+        return Diagnosis(
+            "diverged",
+            (
+                f"devices {named}: their copies of the state differ and no majority tells "
+                "which one is bad; not replayed (no copy is known healthy to replay from), "
+                "so this says nothing of either chip",
+            ),
+        )
     if error.status & Status.DIVERGED:
         return Diagnosis(
             "diverged",

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep._src.core import CAUSES
 from jaxstep._src.core import Failure
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import Status
@@ -44,8 +45,18 @@ def failure_error(
             "which agrees with the majority"
         )
     elif any(f.status & Status.DIVERGED for f in failures):
-        state = runtime.unhalted(current)
-        note = _no_majority(runtime, failures)
+        # No copy can be called good: error.state holds the copy that differs (one of
+        # the pair, or every copy), and resuming from it fails again at once.
+        failures = _without_majority(runtime, failures)
+        return TrainingWorkerError(
+            failures,
+            state=runtime.unhalted(current),
+            note=_no_majority(runtime, failures),
+            history=history,
+            state_is_good=False,
+            alike=alike,
+            hint=NO_MAJORITY_HINT,
+        )
     else:
         state = runtime.unhalted(current)
         repeated = _repeated_drops(runtime, table)
@@ -95,21 +106,62 @@ def failure_error(
     )
 
 
+NO_MAJORITY_HINT = (
+    "of copies that differ with no majority none can be trusted: go back to the latest "
+    "verified checkpoint (fit(..., checkpoint_dir=..., resume=True), or "
+    "fit(recover=jaxstep.Recover()), which rolls back itself when it holds the batches "
+    "since the checkpoint), or build the step with replicas >= 3 for a majority to "
+    "repair from; if the same devices differ again, suspect their chips"
+)
+
+
+def _pair(runtime: Runtime, diverged: Sequence[Failure]) -> bool:
+    """Whether ``diverged`` are the two copies of a pair: twins (``replicas=2``) or
+    the two devices of a step on two."""
+    two = runtime.options.replicas == 2 or len(runtime.devices) == 2
+    return two and len(diverged) == 2
+
+
+def _without_majority(runtime: Runtime, failures: Sequence[Failure]) -> list[Failure]:
+    """``failures`` whose reason no longer says a majority was diverged from: a pair
+    that differs names the other device, every copy differing says so."""
+    diverged = [f for f in failures if f.status & Status.DIVERGED]
+    words = dict(CAUSES)[Status.DIVERGED]
+    out = []
+    for f in failures:
+        if not f.status & Status.DIVERGED:
+            out.append(f)
+            continue
+        if _pair(runtime, diverged):
+            other = next(d.device_id for d in diverged if d is not f)
+            said = (
+                f"copy differs from its twin's on device {other} (no majority: either may be bad)"
+            )
+        else:
+            said = "copies differ with no majority agreeing"
+        out.append(dataclasses.replace(f, reason=f.reason.replace(words, said, 1)))
+    return out
+
+
 def _no_majority(runtime: Runtime, failures: Sequence[Failure]) -> str:
     """The note of a divergence no majority can settle."""
     diverged = [f for f in failures if f.status & Status.DIVERGED]
-    if runtime.options.replicas == 2 and len(diverged) == 2:
+    if _pair(runtime, diverged):
         a, b = diverged
+        what = (
+            f"a shard of {a.leaf} (replicas=2: each shard has one twin)"
+            if runtime.options.replicas == 2
+            else f"the state (a step on two devices), first in {a.leaf}"
+        )
         return (
-            f"devices {a.device_id} and {b.device_id} hold the two copies of a shard of "
-            f"{a.leaf} (replicas=2: each shard has one twin) and the copies differ: no "
-            "majority can tell which one is right. error.state is the state as it stands; "
-            "go back to the latest verified checkpoint (fit(recover=jaxstep.Recover()) "
-            "does), or build the step with replicas >= 3 for a majority to repair from"
+            f"devices {a.device_id} and {b.device_id} hold the two copies of {what} and "
+            "the copies differ: no majority can tell which one is right, so either device "
+            "may be the healthy one. error.state is the state as it stands, holding one "
+            "of the two copies: resuming from it fails again"
         )
     return (
-        "no majority of replicas agrees (two devices, or every copy differs): error.state "
-        "is the state as it stands; compare it with your last checkpoint"
+        "no majority of replicas agrees (every copy differs): error.state is the state "
+        "as it stands, holding copies that differ"
     )
 
 

@@ -1,7 +1,9 @@
 """A rollback of ``fit(..., recover=...)``: back to the last verified checkpoint, the
 batches of every step since it trained again (held as references until a newer
-checkpoint is verified); for a loss spike (``Recover(rollback_batches=k)``: the spike's
-batch and the ``k - 1`` before it skipped) and a diverged replica."""
+checkpoint is verified, under ``Recover(rollback_batches=k)``; the failing step's own is
+always at hand); for a loss spike (the spike's batch and the ``k - 1`` before it
+skipped) and a diverged replica (also without ``k``, to a checkpoint of the failing
+step itself: one a previous fit call ended on)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ class Rollback:
     Args:
       checkpoints: the fit call's checkpoints.
       rows: where the rows of a step are in the data (the batches skipped).
-      k: ``Recover.rollback_batches`` (None: a loss spike is not rolled back; a
-        diverged replica rolls back only to steps kept for a spike).
+      k: ``Recover.rollback_batches`` (None: a loss spike is not rolled back, and no
+        batch is kept: a diverged replica rolls back only to a checkpoint of the failing
+        step itself, whose batch is at hand).
     """
 
     def __init__(self, checkpoints: FitCheckpoints, rows: Rows, k: int | None):
@@ -130,10 +133,18 @@ class Rollback:
                 "not recovered: no verified checkpoint to go back to "
                 "(fit(checkpoint_dir=..., checkpoint_every=...))",
             )
-        since = [(n, item) for n, item in self.kept if c <= n <= pending.number]
-        if [n for n, _ in since] != list(range(c, pending.number + 1)):
+        # the failing step's own batch is at hand (pending): a checkpoint of the step
+        # it started from (one a previous fit call ended on, say) loses nothing
+        since = [(n, item) for n, item in self.kept if c <= n < pending.number]
+        since.append((pending.number, item_of(pending)))
+        lost = sorted(set(range(c, pending.number)) - {n for n, _ in since})
+        if lost:
+            steps = f"step {lost[0]}" if len(lost) == 1 else f"steps {lost[0]}..{lost[-1]}"
             return error.with_note(
-                f"not recovered: the batches since the checkpoint of step {c} are gone"
+                f"not recovered: going back to the checkpoint of step {c} would lose "
+                f"{len(lost)} batch(es) (of {steps}), not held: "
+                "Recover(rollback_batches=1) holds them (references, each until a newer "
+                "checkpoint is written) for a rollback to train them again"
             )
         return c, since
 
