@@ -168,10 +168,12 @@ class Carry:
         empty: none."""
         return sorted(span for held in self.held.values() for span in held.spans)
 
-    def finish(self) -> list[Span]:
-        """The data ended: the rows still carried (of each shape, fewer than a step
-        needs) let go, in a warning, as the spans to list in ``History.left_over``
-        (batches counted from the data's first), in the data's order."""
+    def finish(self, cut_short: bool = False) -> list[Span]:
+        """The data ended, or the call's count of steps (``cut_short``: ``num_steps``,
+        ``until_step``): the rows still carried (of each shape) let go, in a warning, as
+        the spans to list in ``History.left_over`` (batches counted from the data's
+        first), in the data's order. Cut short, the data has batches left: the warning
+        says so, and that a resume from the call's final checkpoint trains them."""
         if not self.held:
             return []
         listed = [(self.start + seq, lo, hi) for seq, lo, hi in self.left()]
@@ -179,6 +181,11 @@ class Carry:
         self.held.clear()
         counts = [sum(hi - lo for _, lo, hi in held.spans) for held in helds]
         why = f"the data ended with fewer than the {self.unit} a step needs"
+        if cut_short:
+            why = (
+                "the call's count of steps (num_steps, until_step) ran out while they "
+                "were carried; a resume from its final checkpoint trains them"
+            )
         if len(helds) > 1:  # each shape's rows waited for batches of their own shape
             kinds = describe([self.user_rows(held.rows) for held in helds])
             each = "; ".join(f"{n} with {kind}" for n, kind in zip(counts, kinds, strict=True))

@@ -188,10 +188,10 @@ class Resplit:
         process's together)."""
         return self.carry.left()
 
-    def finish(self) -> list[Span]:
-        """The data ended: the rows still carried (fewer than a step needs, of each
-        shape), listed (:meth:`Carry.finish`)."""
-        return self.carry.finish()
+    def finish(self, cut_short: bool = False) -> list[Span]:
+        """The data ended (or the call's count of steps): the rows still carried,
+        listed (:meth:`Carry.finish`)."""
+        return self.carry.finish(cut_short)
 
 
 class Tagged(Carry):
