@@ -25,6 +25,8 @@ from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
 from jaxstep._src.loop._actions import actions
 from jaxstep._src.loop._carry import Carry
+from jaxstep._src.loop._carry import end_position
+from jaxstep._src.loop._carry import placed_in_data
 from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._exits import Exits
 from jaxstep._src.loop._failure import failure_error
@@ -38,8 +40,6 @@ from jaxstep._src.loop._peers import Peers
 from jaxstep._src.loop._pending import Item
 from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._pending import Placed
-from jaxstep._src.loop._position import end_position
-from jaxstep._src.loop._position import placed_in_data
 from jaxstep._src.loop._recorder import Recorder
 from jaxstep._src.loop._records import Recovery
 from jaxstep._src.loop._resplit import Resplit
@@ -91,10 +91,9 @@ class Loop:
         self.carry: Carry | Resplit | None = carry_for(
             runtime,
             source.start,
-            source.skip_rows,
+            source.resumed,
             options.presplit,
             source.carrying,
-            then=source.then,
             ready=self._ready,
         )
         self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
@@ -209,7 +208,7 @@ class Loop:
                 flight.in_hand = None
                 return
             queue, pulled = self.flight.queue, self.pulled
-            item = placed_in_data(taken, self.carry, queue, pulled, self.source.hold)
+            item = placed_in_data(taken, self.carry.left(), queue, pulled, self.source.hold)
             flight.in_hand = item
         presplit = self.presplit and item.first is None  # carried rows come joined
         check = False
@@ -399,7 +398,8 @@ class Loop:
         finish (the final state saved with checkpoints on, the recoveries made), waits
         for the writes, calls the callbacks' ``on_fit_end`` and returns the final
         state."""
-        first = end_position(self.carry, self.cut_short, self.pulled)
+        carried = [] if self.carry is None else self.carry.left()
+        first = end_position(carried, self.cut_short, self.pulled)
         if self.carry is not None:
             self.record.left_over(self.carry.finish(self.cut_short))
         self.actions.finish(self.state, first)
