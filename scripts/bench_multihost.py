@@ -15,6 +15,13 @@ per-round ratios.
 ``--checkpoint-every N`` also times ``jaxstep.fit`` with checkpoints every N steps
 against ``fit`` without, in each layout (process 0 writes, every process's data
 position is published through the coordination service).
+
+``--resplit`` also times ``jaxstep.fit`` after a device of the last process left the
+run (``step.without_devices``: the batches, laid out for the 8 devices, are re-split
+over the 7 left, the rows that do not divide carried; on 2x4 every process's rows of a
+batch are gathered first) against ``fit`` on all 8 devices, the same host batches.
+
+    .venv/bin/python scripts/bench_multihost.py --resplit --rounds 6 --block 20
 """
 
 from __future__ import annotations
@@ -138,21 +145,55 @@ def child(args: argparse.Namespace) -> None:
         fit_state = jaxstep.fit(checked, fit_state, [placed] * steps, **kwargs)
         return (time.perf_counter() - start) / steps
 
+    whole = jaxstep.make_train_step(loss_fn, opt, divergence_every=None)
+    whole_state = whole.init(jax.tree.map(jnp.asarray, params))
+    left, left_state = whole, whole_state
+    if args.resplit:  # a device of the last process leaves: 7 train the 8's batches
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            left, left_state = whole.without_devices([devices[-1].id], whole_state)
+
+    def run_resplit(steps: int, excluded: bool) -> float:
+        nonlocal whole_state, left_state
+        start = time.perf_counter()
+        if excluded:
+            left_state = jaxstep.fit(left, left_state, [local] * steps)
+        else:
+            whole_state = jaxstep.fit(whole, whole_state, [local] * steps)
+        return (time.perf_counter() - start) / steps
+
     run_jaxstep(3)  # compile and warm up
     run_hand(3)
     if every:
         run_fit(every, True)
         run_fit(every, False)
-    times: dict[str, list[float]] = {"jaxstep": [], "hand": [], "fit": [], "fit_ckpt": []}
+    if args.resplit:
+        run_resplit(args.block, True)
+        run_resplit(args.block, False)
+    times: dict[str, list[float]] = {
+        "jaxstep": [],
+        "hand": [],
+        "fit": [],
+        "fit_ckpt": [],
+        "fit_all": [],
+        "fit_resplit": [],
+    }
     for _ in range(args.rounds):
         times["jaxstep"].append(run_jaxstep(args.block))
         times["hand"].append(run_hand(args.block))
         if every:
             times["fit_ckpt"].append(run_fit(args.block, True))
             times["fit"].append(run_fit(args.block, False))
+        if args.resplit:
+            times["fit_resplit"].append(run_resplit(args.block, True))
+            times["fit_all"].append(run_resplit(args.block, False))
     if jax.process_index() == 0:
         result = {"processes": jax.process_count(), "devices": n}
-        for name, (a, b) in {"": ("jaxstep", "hand"), "ckpt_": ("fit_ckpt", "fit")}.items():
+        pairs = {"": ("jaxstep", "hand"), "ckpt_": ("fit_ckpt", "fit")}
+        pairs["resplit_"] = ("fit_resplit", "fit_all")
+        for name, (a, b) in pairs.items():
             if not times[a]:
                 continue
             ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
@@ -190,6 +231,7 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
         *("--rounds", str(args.rounds), "--block", str(args.block)),
         *("--checkpoint-every", str(args.checkpoint_every)),
         *("--checkpoint-dir", str(args.checkpoint_dir)),
+        *(["--resplit"] if args.resplit else []),
     ]
 
 
@@ -201,6 +243,11 @@ def main() -> None:
     p.add_argument("--block", type=int, default=10, help="steps per variant and round")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also time fit's checkpoints")
     p.add_argument("--checkpoint-dir", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--resplit",
+        action="store_true",
+        help="also time fit after a device left (rows re-split and carried)",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -228,6 +275,14 @@ def main() -> None:
             print(
                 f"{name:>8} {r['fit_ms']:9.2f} ms {r['fit_ckpt_ms']:9.2f} ms "
                 f"{r['ckpt_ratio']:6.3f}x (IQR {iqr})"
+            )
+    if args.resplit:
+        print("fit after a device left (7 of 8, rows re-split and carried) / fit on all 8:")
+        for name, r in (("1x8", one), ("2x4", two)):
+            iqr = f"{r['resplit_ratio_iqr'][0]:.2f}-{r['resplit_ratio_iqr'][1]:.2f}"
+            print(
+                f"{name:>8} {r['fit_all_ms']:9.2f} ms {r['fit_resplit_ms']:9.2f} ms "
+                f"{r['resplit_ratio']:6.3f}x (IQR {iqr})"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"1x8": one, "2x4": two, "args": vars(args)}))

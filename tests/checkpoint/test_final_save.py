@@ -178,6 +178,7 @@ def test_save_of_a_state_whose_copies_differ_names_the_devices_and_the_way_out(t
 def test_a_position_saved_while_rows_were_carried_resumes_carrying_them():
     """A checkpoint a run wrote after a device left it, at a batch's first row: the
     resume carries rows too (its batches need not divide by the devices left)."""
+    from jaxstep._src.checkpoint._position import Cursor
     from jaxstep._src.checkpoint._position import Position
     from jaxstep._src.loop._carry import Carry
     from jaxstep._src.loop._resplit import carry_for
@@ -188,6 +189,6 @@ def test_a_position_saved_while_rows_were_carried_resumes_carrying_them():
     assert Position.from_json({"index": 6, "kind": "sequence"}).carried is False  # older
     seven = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), devices=jax.devices()[:7])
     runtime = runtime_of(seven)
-    assert carry_for(runtime, 6, 0, False) is None
-    carry = carry_for(runtime, 6, 0, False, carried=True)
-    assert isinstance(carry, Carry) and (carry.unit, carry.skip, carry.start) == (7, 0, 6)
+    assert carry_for(runtime, 6, Cursor(0), False) is None
+    carry = carry_for(runtime, 6, Cursor(0), False, carried=True)
+    assert isinstance(carry, Carry) and (carry.unit, carry.resumed.rows, carry.start) == (7, 0, 6)

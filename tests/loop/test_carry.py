@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import jaxstep
+from jaxstep._src.checkpoint import Cursor
 from jaxstep._src.loop._carry import Carry
 from jaxstep._src.loop._pending import Item
 from jaxstep.testing import Fault
@@ -68,7 +69,7 @@ def test_the_rows_left_at_the_end_are_listed_per_shape_with_a_warning():
 def test_a_resume_passes_over_the_rows_trained_between_the_untrained_ones():
     """A position saved while two shapes were carried: batch 0 from row 2, batch 1
     trained whole, batch 2 from row 3 (``then``), batch 3 on whole."""
-    carry = Carry(unit=3, skip=2, then=[(2, 3)])
+    carry = Carry(unit=3, resumed=Cursor(0, 2, ((2, 3),)))
     rows = [{"x": np.arange(4, dtype=np.float32)[:, None] + 10 * b} for b in range(4)]
     assert carry.take(Item(rows[0], seq=0)) is None and carry.left() == [(0, 2, 4)]
     assert carry.take(Item(rows[1], seq=1)) is None  # trained before: passed over

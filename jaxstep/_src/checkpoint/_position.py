@@ -135,9 +135,10 @@ class Source(Iterator[Any]):
         if isinstance(start, int):
             start = Position(start, "")
         self.start = start.index
-        self.skip_rows = start.rows  # rows of the first batch trained already
-        #: later batches with rows not trained, counted in this source (Position.then)
-        self.then = tuple((index - start.index, rows) for index, rows in start.then)
+        #: where the rows not trained begin, counted in this source: rows of the first
+        #: batch trained already, later batches with rows not trained (Position.then)
+        later = tuple((index - start.index, rows) for index, rows in start.then)
+        self.resumed = Cursor(0, start.rows, later)
         #: rows are carried from batch to batch (a device left this run, or the run
         #: that saved ``start``): the positions saved say so
         self.carrying = start.carried

@@ -1,4 +1,11 @@
-"""Rows carried from step to step once a device left the run (``fit(...,
+"""Where the run is in the data, in one place: the rows carried from step to step once
+a device left the run (:class:`Carry`), where each of them came from (spans), the
+position a resume starts at (a :class:`~jaxstep._src.checkpoint.Cursor`: rows of the
+first batch trained, later batches' rows trained), the data position of the rows not
+trained yet (:func:`untrained_at`: what a checkpoint saves, what an early stop hands
+back) and the rows left over when the data ends.
+
+Rows are carried once a device left the run (``fit(...,
 recover=jaxstep.Recover())`` excluded it): a global batch of B rows no longer divides
 by the devices left, and no row may be lost.
 
@@ -29,6 +36,8 @@ the same way on each (:mod:`jaxstep._src.loop._resplit`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -36,6 +45,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jaxstep._src.checkpoint import Cursor
 from jaxstep._src.core import validate
 from jaxstep._src.core import warn
 from jaxstep._src.core.names import keystrs
@@ -44,6 +54,8 @@ from jaxstep._src.step import Runtime
 from jaxstep._src.step import join_presplit
 
 Span = tuple[int, int, int]  # (seq of a batch, first row, stop): rows of the data
+#: a fit call that starts at its first batch's first row, nothing trained after it
+AT_START = Cursor(0)
 
 
 def unit_of(runtime: Runtime) -> int:
@@ -66,40 +78,38 @@ class Carry:
 
     Args:
       unit: the rows a step's size must divide by (devices x micro-batches).
-      skip: rows of the first batch already trained (a resume at a data position
-        inside a batch): they are passed over.
       presplit: batches come ``(n_devices, per_device, ...)``: joined here, ``n_devices``
         read from the batch (laid out for the devices before any left the run).
       start: the data's count of the first batch fit pulled (``History.left_over``
         counts batches from the data's first).
-      then: a resume from a position saved while rows of several shapes were carried
-        (``Position.then``, counted from the first batch pulled): the later batches
-        that hold rows not trained, ``(seq, first row not trained)``; the rows before
-        it, and the batches between two of them, were trained: they are passed over.
+      resumed: where a resume starts, counted from the first batch pulled
+        (``Source.resumed``): ``rows`` of the first batch trained already (a position
+        inside a batch), and with rows of several shapes carried when it was saved
+        (``Position.then``) the later batches that hold rows not trained, ``(seq,
+        first row not trained)``; the rows before each, and the batches between two of
+        them, were trained: they are passed over.
     """
 
     def __init__(
         self,
         unit: int,
-        skip: int = 0,
         presplit: bool = False,
         *,
         start: int = 0,
-        then: Sequence[tuple[int, int]] = (),
+        resumed: Cursor = AT_START,
     ):
         self.unit = unit
-        self.skip = skip
         self.presplit = presplit
         self.start = start
-        self.then = list(then)
+        self.resumed = resumed
         #: the rows carried of each shape that has some (:func:`shape_of`)
         self.held: dict[Shape, Held] = {}
 
     def take(self, item: Item) -> Item | None:
         """The batch to train now from ``item``'s rows and those carried of their shape
         (its item None: fewer than ``unit`` rows of that shape at hand, all carried
-        on). Its ``spans`` say where each of its rows is in the data, ``first``/``offset``
-        where the first is. An item that went through here before (a recovery queued it
+        on). Its ``spans`` say where each of its rows is in the data (``first``/``offset``:
+        where the first is). An item that went through here before (a recovery queued it
         again: ``spans`` set) is joined rows with its spans already. Rows carried of
         other shapes stay carried, each until a batch of its own shape comes. Nothing
         changes when it raises: the loop hands ``item`` back."""
@@ -130,13 +140,7 @@ class Carry:
             self.held.pop(shape, None)
         if keep == 0:
             return None
-        taken = item._replace(
-            batch=jax.tree.map(lambda x: x[:keep], batch),
-            first=head[0][0],
-            offset=head[0][1],
-            spans=tuple(head),
-        )
-        return taken
+        return item._replace(batch=jax.tree.map(lambda x: x[:keep], batch), spans=tuple(head))
 
     def user_rows(self, rows: Any) -> Any:
         """The user's batch of rows held (what a warning describes)."""
@@ -144,9 +148,9 @@ class Carry:
 
     def trained_before(self, seq: int, size: int) -> int:
         """The first rows of batch ``seq`` (of ``size`` rows) trained before this fit
-        call (a resume), passed over: ``skip`` of the first batch, what ``then`` says
-        of a later one, all of a batch between two it names."""
-        marks = [(0, self.skip), *self.then]
+        call (a resume), passed over: ``resumed.rows`` of the first batch, what
+        ``resumed.then`` says of a later one, all of a batch between two it names."""
+        marks = [(0, self.resumed.rows), *self.resumed.then]
         if seq > marks[-1][0]:
             return 0
         return next((rows for at, rows in marks if at == seq), size)
@@ -156,9 +160,8 @@ class Carry:
         after the steps it queues again, before the batches not pulled yet) or to hand
         back: one item a shape, in the order of their first rows in the data."""
         items = [
-            Item(held.rows, held.spans[-1][0], first=seq, offset=lo, spans=tuple(held.spans))
+            Item(held.rows, held.spans[-1][0], spans=tuple(held.spans))
             for held in self.held.values()
-            for seq, lo, _ in held.spans[:1]
         ]
         self.held.clear()
         return sorted(items, key=lambda item: (item.first, item.offset))
@@ -168,10 +171,12 @@ class Carry:
         empty: none."""
         return sorted(span for held in self.held.values() for span in held.spans)
 
-    def finish(self) -> list[Span]:
-        """The data ended: the rows still carried (of each shape, fewer than a step
-        needs) let go, in a warning, as the spans to list in ``History.left_over``
-        (batches counted from the data's first), in the data's order."""
+    def finish(self, cut_short: bool = False) -> list[Span]:
+        """The data ended, or the call's count of steps (``cut_short``: ``num_steps``,
+        ``until_step``): the rows still carried (of each shape) let go, in a warning, as
+        the spans to list in ``History.left_over`` (batches counted from the data's
+        first), in the data's order. Cut short, the data has batches left: the warning
+        says so, and that a resume from the call's final checkpoint trains them."""
         if not self.held:
             return []
         listed = [(self.start + seq, lo, hi) for seq, lo, hi in self.left()]
@@ -179,6 +184,11 @@ class Carry:
         self.held.clear()
         counts = [sum(hi - lo for _, lo, hi in held.spans) for held in helds]
         why = f"the data ended with fewer than the {self.unit} a step needs"
+        if cut_short:
+            why = (
+                "the call's count of steps (num_steps, until_step) ran out while they "
+                "were carried; a resume from its final checkpoint trains them"
+            )
         if len(helds) > 1:  # each shape's rows waited for batches of their own shape
             kinds = describe([self.user_rows(held.rows) for held in helds])
             each = "; ".join(f"{n} with {kind}" for n, kind in zip(counts, kinds, strict=True))
@@ -237,3 +247,61 @@ def _split(spans: list[Span], rows: int) -> tuple[list[Span], list[Span]]:
             tail.append((seq, lo + take, hi))
         rows -= take
     return head, tail
+
+
+def starts(item: Item) -> list[tuple[int, int]]:
+    """``(seq, first row)`` of each stretch of ``item``'s rows in the data."""
+    if item.spans is not None:
+        return [(seq, lo) for seq, lo, _ in item.spans]
+    return [(item.seq, 0)]
+
+
+def untrained_at(untrained: Iterable[tuple[int, int]], pulled: int) -> Cursor:
+    """The data position of the rows not trained: ``untrained`` gives ``(seq, first
+    row)`` of each stretch of them among the ``pulled`` batches pulled (a batch's rows
+    are trained in order, so the rest of its rows are not trained either); the batches
+    not pulled yet are whole. A batch pulled with no stretch listed was trained whole.
+
+    The :class:`Cursor` names the first row not trained, then (``then``) each later
+    batch that holds some, as long as a trained batch comes between: once every batch
+    after one of them is untrained whole, it says nothing more."""
+    first: dict[int, int] = {}
+    for seq, row in untrained:
+        if seq < pulled:
+            first[seq] = min(row, first.get(seq, row))
+    pairs = [*sorted(first.items()), (pulled, 0)]
+    # a whole batch right after the last one named is implied: "every batch after it"
+    while len(pairs) > 1 and pairs[-1][1] == 0 and pairs[-2][0] == pairs[-1][0] - 1:
+        pairs.pop()
+    (batch, rows), *then = pairs
+    return Cursor(batch, rows, tuple(then))
+
+
+def placed_in_data(
+    item: Item,
+    carried: Sequence[Span],
+    queue: Iterable[Item],
+    pulled: int,
+    hold: Callable[[int], None],
+) -> Item:
+    """``item`` (taken from the carry) with where the rows not trained are in the data
+    before it runs (``Item.at``, a checkpoint's data position): its rows, the rows
+    ``carried`` of every shape (the carry's :meth:`Carry.left`), the batches ``queue`` d
+    and those not pulled yet (of the ``pulled`` batches pulled). ``hold(batch)``: the
+    source keeps a checkpointable iterator's state from there on."""
+    spans = [*starts(item), *((seq, lo) for seq, lo, _ in carried)]
+    spans += [start for queued in queue for start in starts(queued)]
+    at = untrained_at(spans, pulled)
+    hold(at.batch)
+    return item._replace(at=at)
+
+
+def end_position(carried: Sequence[Span], cut_short: bool, pulled: int) -> Cursor | None:
+    """Where the data not trained begins at the end of a fit call: None (after every
+    batch pulled) unless the call's count of batches cut it short (``cut_short``) while
+    rows were ``carried`` (of every shape, :meth:`Carry.left`), which a resume then
+    trains."""
+    left = carried if cut_short else ()
+    if not left:
+        return None
+    return untrained_at([(seq, lo) for seq, lo, _ in left], pulled)

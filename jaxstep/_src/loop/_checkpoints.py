@@ -50,9 +50,7 @@ class FitCheckpoints(Action):
         check = self.every is not None and self.store is not None and number % self.every == 0
         if not check or self.saver.holds(number):
             return check
-        at = item.at
-        if at is None:
-            at = Cursor(item.seq if item.first is None else item.first, item.offset)
+        at = item.start if item.at is None else item.at
         self.saver.take(number, state, self.source.position(at))
         return True
 

@@ -25,6 +25,8 @@ from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
 from jaxstep._src.loop._actions import actions
 from jaxstep._src.loop._carry import Carry
+from jaxstep._src.loop._carry import end_position
+from jaxstep._src.loop._carry import placed_in_data
 from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._exits import Exits
 from jaxstep._src.loop._failure import failure_error
@@ -38,8 +40,6 @@ from jaxstep._src.loop._peers import Peers
 from jaxstep._src.loop._pending import Item
 from jaxstep._src.loop._pending import Pending
 from jaxstep._src.loop._pending import Placed
-from jaxstep._src.loop._position import end_position
-from jaxstep._src.loop._position import placed_in_data
 from jaxstep._src.loop._recorder import Recorder
 from jaxstep._src.loop._records import Recovery
 from jaxstep._src.loop._resplit import Resplit
@@ -91,10 +91,9 @@ class Loop:
         self.carry: Carry | Resplit | None = carry_for(
             runtime,
             source.start,
-            source.skip_rows,
+            source.resumed,
             options.presplit,
             source.carrying,
-            then=source.then,
             ready=self._ready,
         )
         self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
@@ -107,6 +106,8 @@ class Loop:
         self.waited = 0.0  # seconds waited for data since the last dispatch
         self.interrupted = False  # a first Ctrl-C: stop after the step in flight
         self.pulled = 0  # batches pulled from the source (advance's calls)
+        #: the call's count of batches ran out before the data did
+        self.cut_short = False
 
     @property
     def number(self) -> int:
@@ -145,9 +146,29 @@ class Loop:
         """Advances on each batch of the data, in order, up to ``num_steps``: handed over
         by the feeder (pulled here in turn, or by the prefetch thread ahead), the wait
         for each timed (``History.data_wait``)."""
-        batches = itertools.islice(self.source, self.limit)
-        for batch, placed, wait in self.actions.feeder.feed(batches, lambda: self.interrupted):
-            self.advance(batch, placed, wait)
+        count = self.limit
+        while True:
+            before = self.pulled
+            batches = itertools.islice(self.source, count)
+            for batch, placed, wait in self.actions.feeder.feed(batches, lambda: self.interrupted):
+                self.advance(batch, placed, wait)
+            self.cut_short = count is not None and self.pulled - before >= count
+            count = self._short() if self.cut_short else 0
+            if not count:
+                return
+
+    def _short(self) -> int:
+        """The batches still to pull once the call's count ran out: ``until_step``
+        counts steps, and while rows are carried a batch may train none (its rows, fewer
+        than a step needs, carried on: a resume inside a batch), so the steps short of
+        it (within ``num_steps``, which counts batches)."""
+        options = self.options
+        if options.until_step is None or self.carry is None:
+            return 0
+        short = options.until_step - self.number
+        if options.num_steps is not None:
+            short = min(short, options.num_steps - self.pulled)
+        return max(short, 0)
 
     def advance(self, batch: Any, placed: Placed | None = None, wait: float = 0.0) -> None:
         """Dispatches ``batch``, then settles the step before it (finished by now: the
@@ -187,7 +208,7 @@ class Loop:
                 flight.in_hand = None
                 return
             queue, pulled = self.flight.queue, self.pulled
-            item = placed_in_data(taken, self.carry, queue, pulled, self.source.hold)
+            item = placed_in_data(taken, self.carry.left(), queue, pulled, self.source.hold)
             flight.in_hand = item
         presplit = self.presplit and item.first is None  # carried rows come joined
         number = self.number
@@ -377,10 +398,10 @@ class Loop:
         finish (the final state saved with checkpoints on, the recoveries made), waits
         for the writes, calls the callbacks' ``on_fit_end`` and returns the final
         state."""
-        cut_short = self.limit is not None and self.pulled >= self.limit
-        first = end_position(self.carry, cut_short, self.pulled)
+        carried = [] if self.carry is None else self.carry.left()
+        first = end_position(carried, self.cut_short, self.pulled)
         if self.carry is not None:
-            self.record.left_over(self.carry.finish())
+            self.record.left_over(self.carry.finish(self.cut_short))
         self.actions.finish(self.state, first)
         self.actions.close()
         self.actions.on_fit_end(self.history)

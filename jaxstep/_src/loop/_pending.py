@@ -21,12 +21,8 @@ class Item(NamedTuple):
     batch: Any
     seq: int  # batches pulled by this fit before it (its data position, less the start)
     drop: bool = False  # run with the failing chunks left out of the mean (a data recovery)
-    # rows carried (loop._carry): the seq of the batch its first row came from, and the
-    # rows of that batch trained before it (the data position of a checkpoint before it)
-    first: int | None = None
-    offset: int = 0
-    # rows carried: where each stretch of its rows is in the data, ``(seq, start, stop)``
-    # in order (None: the whole batch ``seq``, as pulled)
+    # rows carried (loop._carry): where each stretch of its rows is in the data,
+    # ``(seq, start, stop)`` in order (None: the whole batch ``seq``, as pulled)
     spans: tuple[tuple[int, int, int], ...] | None = None
     # several processes, rows re-split (loop._resplit): every process's rows of the
     # step, of which ``batch`` holds this process's devices' chunks (None: not re-split)
@@ -36,6 +32,23 @@ class Item(NamedTuple):
     # rows carried: where the rows not trained by the state it is dispatched on are in
     # the data (that state's checkpoint position; None: from this batch's first row)
     at: Cursor | None = None
+
+    @property
+    def first(self) -> int | None:
+        """Rows carried: the seq of the batch its first row came from (None: the whole
+        batch ``seq``, as pulled)."""
+        return None if self.spans is None else self.spans[0][0]
+
+    @property
+    def offset(self) -> int:
+        """Rows carried: the rows of batch :attr:`first` trained before its first row."""
+        return 0 if self.spans is None else self.spans[0][1]
+
+    @property
+    def start(self) -> Cursor:
+        """Where its first row is in the data (the data position of a checkpoint of the
+        state before it, when no rows are carried)."""
+        return Cursor(self.seq if self.spans is None else self.spans[0][0], self.offset)
 
 
 class Shared(NamedTuple):

@@ -97,10 +97,12 @@ class Prefetch(Feeder):
         self._late: LateBatch | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._seq = 0  # batches the thread pulled (a later feed goes on counting)
 
     def feed(self, batches: Iterator[Any], interrupted: Callable[[], bool]) -> Iterator[Fed]:
         """The batches of ``batches``, in order, as ``(batch, placed, wait)``: the
-        thread (started here) pulls them ahead; ``wait`` is how long the loop waited for
+        thread (started here, again for each call once the one before ended) pulls them
+        ahead; ``wait`` is how long the loop waited for
         each. Raises what the data raised, in its place; ``KeyboardInterrupt`` when a
         first Ctrl-C (``interrupted()``) comes while the loop waits for data."""
         self._thread = threading.Thread(
@@ -134,7 +136,7 @@ class Prefetch(Feeder):
     def _pull(self, batches: Iterator[Any]) -> None:
         """The thread: pulls a batch whenever there is room, places it, queues it."""
         stop, room, put, lock = self._stop, self._room.get, self._queue.put, self._lock
-        seq = 0
+        seq = self._seq
         while True:
             while True:
                 try:
@@ -154,7 +156,10 @@ class Prefetch(Feeder):
                     if self._late is not None:  # fit left meanwhile: nothing comes
                         self._late.cancel()
                         return
-                # the data ended, or what it raised goes to the loop in its place
+                # the data ended, or what it raised goes to the loop in its place; its
+                # room is free again (the loop may feed the thread more: :meth:`feed`)
+                self._seq = seq
+                self._room.put(None)
                 put(_END if isinstance(err, StopIteration) else _Raised(err))
                 return
             with lock:

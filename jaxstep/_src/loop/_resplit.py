@@ -51,8 +51,10 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from jaxstep._src.checkpoint import Cursor
 from jaxstep._src.core import processes
 from jaxstep._src.core import validate
+from jaxstep._src.loop._carry import AT_START
 from jaxstep._src.loop._carry import Carry
 from jaxstep._src.loop._carry import Span
 from jaxstep._src.loop._carry import unit_of
@@ -65,25 +67,26 @@ from jaxstep._src.step import join_presplit
 def carry_for(
     runtime: Runtime,
     start: int,
-    skip: int,
+    resumed: Cursor,
     presplit: bool,
     carried: bool = False,
-    then: Sequence[tuple[int, int]] = (),
     ready: Callable[[jax.Array], None] = jax.block_until_ready,
 ) -> Carry | Resplit | None:
     """The carry a fit call starts with (None: none needed): for a resume inside a batch
-    (``skip`` rows of the first batch trained already; ``then``: later batches' rows not
-    trained) or from a checkpoint of a run that carried rows (``carried``), or for a step
-    that lost devices in an earlier fit call (:class:`Resplit` on several processes,
-    else :class:`~jaxstep._src.loop._carry.Carry`). ``start``: the data's count of the first
+    (``resumed``: rows of the first batch trained already, later batches' rows not
+    trained: ``Source.resumed``) or from a checkpoint of a run that carried rows
+    (``carried``), or for a step that lost devices in an earlier fit call
+    (:class:`Resplit` on several processes, else
+    :class:`~jaxstep._src.loop._carry.Carry`). ``start``: the data's count of the first
     batch pulled; ``ready``: a :class:`Resplit`'s wait for the rows it gathers."""
     origin = runtime.origin or runtime.devices
     many = processes.spans_processes(origin)
-    if not (skip or then or runtime.origin is not None or (carried and not many)):
+    inside = bool(resumed.rows or resumed.then)
+    if not (inside or runtime.origin is not None or (carried and not many)):
         return None  # (several processes at a batch's start: every batch divides)
     if many:
-        return Resplit(origin, runtime, start, presplit, skip, then, ready)
-    return Carry(unit_of(runtime), skip, presplit, start=start, then=then)
+        return Resplit(origin, runtime, start, presplit, resumed, ready)
+    return Carry(unit_of(runtime), presplit, start=start, resumed=resumed)
 
 
 def after_leaving(
@@ -121,9 +124,8 @@ class Resplit:
       start: the data's count of the first batch fit pulled.
       presplit: batches come ``(n_devices, per_device, ...)`` (``n_devices``: this
         process's devices of ``origin``).
-      skip: rows of the first batch (every process's together) trained before this fit
-        call (a resume inside it): passed over.
-      then: a resume's later batches holding rows not trained (``Position.then``).
+      resumed: where a resume starts (:class:`~jaxstep._src.loop._carry.Carry`'s;
+        rows of a batch counted every process's together).
       ready: returns once gathered rows can be read (:func:`exchange`).
     """
 
@@ -133,8 +135,7 @@ class Resplit:
         runtime: Runtime,
         start: int,
         presplit: bool,
-        skip: int = 0,
-        then: Sequence[tuple[int, int]] = (),
+        resumed: Cursor = AT_START,
         ready: Callable[[jax.Array], None] = jax.block_until_ready,
     ):
         self.origin = list(origin)
@@ -143,7 +144,7 @@ class Resplit:
         self.ready = ready
         self.devices = list(runtime.devices)
         self.presplit = presplit
-        self.carry = Tagged(unit_of(runtime), skip, start=start, then=then)
+        self.carry = Tagged(unit_of(runtime), start=start, resumed=resumed)
 
     def now_on(self, runtime: Runtime) -> None:
         """Devices left the run: the steps train on ``runtime``'s."""
@@ -188,10 +189,10 @@ class Resplit:
         process's together)."""
         return self.carry.left()
 
-    def finish(self) -> list[Span]:
-        """The data ended: the rows still carried (fewer than a step needs, of each
-        shape), listed (:meth:`Carry.finish`)."""
-        return self.carry.finish()
+    def finish(self, cut_short: bool = False) -> list[Span]:
+        """The data ended (or the call's count of steps): the rows still carried,
+        listed (:meth:`Carry.finish`)."""
+        return self.carry.finish(cut_short)
 
 
 class Tagged(Carry):

@@ -18,10 +18,10 @@ from typing import Any
 from jaxstep._src.checkpoint import Cursor
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import validate
+from jaxstep._src.loop._carry import starts
+from jaxstep._src.loop._carry import untrained_at
 from jaxstep._src.loop._pending import Item
 from jaxstep._src.loop._pending import Pending
-from jaxstep._src.loop._position import starts
-from jaxstep._src.loop._position import untrained_at
 from jaxstep._src.step import Runtime
 
 
@@ -103,7 +103,7 @@ def untrained_batches(
     carried), in the order they were pulled, and where their rows are in the data
     (``pulled``: the batches the loop was handed; None: unknown, or none left): the
     first, and with rows of several shapes carried the later batches holding some
-    (:func:`~jaxstep._src.loop._position.untrained_at`)."""
+    (:func:`~jaxstep._src.loop._carry.untrained_at`)."""
     known = [u for u in left if u is not None]
     order = [u.item if isinstance(u, Pending) else u for u in known]
     items = [item for item in order if item is not None]
