@@ -78,7 +78,7 @@ def _phases(step: Any, clock: dict[str, float]) -> Iterator[None]:
     variants = runtime.programs.variants
     saved = (Source.__next__, Runtime.dispatch, Runtime.raw_table)
     hooks = (jaxstep.Progress, jaxstep.JsonlWriter)  # the callbacks breakdown attaches
-    saved += (Recorder.settled, dict(variants)) + tuple(c.on_step_end for c in hooks)
+    saved += (Recorder.settled, dict(variants), *(c.on_step_end for c in hooks))
     try:
         Source.__next__ = _timed("pull", Source.__next__, clock)  # type: ignore[method-assign]
         Runtime.dispatch = _timed("step", Runtime.dispatch, clock)  # type: ignore[method-assign]
@@ -94,7 +94,7 @@ def _phases(step: Any, clock: dict[str, float]) -> Iterator[None]:
     finally:
         Source.__next__, Runtime.dispatch, Runtime.raw_table = saved[:3]  # type: ignore[method-assign]
         Recorder.settled = saved[3]  # type: ignore[method-assign]
-        for c, fn in zip(hooks, saved[5:]):
+        for c, fn in zip(hooks, saved[5:], strict=True):
             c.on_step_end = fn  # type: ignore[method-assign]
         variants.clear()
         variants.update(saved[4])

@@ -153,6 +153,28 @@ def test_a_rule_of_the_users_says_where_each_parameter_is_split():
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
 
 
+def test_shard_min_size_keeps_small_leaves_whole_under_a_rule_of_the_users_too():
+    """A user's rule (and jaxstep.flax.shard_rule) that names every leaf leaves those
+    under shard_min_size whole, as the default rule does (issue 45, item 9): a small
+    leaf is neither split nor refused for a size that does not divide."""
+    every = lambda path, shape: 0  # noqa: E731  (dense1's kernel: 3 rows, 24 elements)
+    step = jaxstep.make_train_step(
+        loss_fn, optax.adam(1e-2), shard_state="params", shard_rule=every, shard_min_size=25
+    )
+    with pytest.warns(UserWarning, match=r"shards no leaf.*shard_min_size=25"):
+        state = step.init(init_params())  # every leaf is under 25 elements
+    assert state.params["dense1"]["kernel"].sharding.is_fully_replicated  # 3 rows: whole
+    with pytest.raises(ValueError, match=r"does not divide by the 8 devices"):
+        _step("params", 1, shard_rule=every, shard_min_size=24).init(init_params())
+    columns = lambda path, shape: 1 if shape == (3, 8) else 0  # noqa: E731
+    state = _step("params", 1, shard_rule=columns, shard_min_size=9).init(init_params())
+    assert state.params["dense1"]["kernel"].sharding.spec == P(None, "devices")  # 24 elements
+    assert state.opt_state[0].mu["dense1"]["kernel"].sharding.spec == P(None, "devices")
+    for small in (("dense1", "bias"), ("dense2", "kernel"), ("dense2", "bias")):  # 8, 8, 1
+        assert state.params[small[0]][small[1]].sharding.is_fully_replicated
+        assert state.opt_state[0].mu[small[0]][small[1]].sharding.is_fully_replicated
+
+
 def test_a_rule_whose_axis_does_not_divide_the_group_is_refused_naming_the_leaf():
     params = init_params()
     step = _step("params", 1, shard_rule=lambda path, shape: 0)  # dense1's kernel: 3 rows

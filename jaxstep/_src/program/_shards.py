@@ -5,9 +5,10 @@ with ``replicas``), and along which axis.
 By default a leaf is sharded along its largest axis whose size divides by the group's
 device count (the first such axis on ties); a leaf with no such axis, or with fewer
 than ``shard_min_size`` elements, stays replicated. A ``shard_rule`` of the user's
-(``fn(path, shape) -> axis | None``) replaces that rule: it is asked for each
-parameter, and each optimizer-state leaf that mirrors a parameter (Adam's moments: the
-same path at the end, the same shape) takes its parameter's axis; any other
+(``fn(path, shape) -> axis | None``) replaces that rule (``shard_min_size`` still
+keeps the smaller leaves whole): it is asked for each parameter, and each
+optimizer-state leaf that mirrors a parameter (Adam's moments: the same path at the
+end, the same shape) takes its parameter's axis; any other
 optimizer-state leaf (a count, a factored moment) stays whole. Under ``"optimizer"``
 the default rule is applied to each optimizer-state leaf's own shape (Adam's moments
 get their parameter's axis; a factored or scalar leaf gets what fits it) and the
@@ -135,7 +136,8 @@ class Plan(NamedTuple):
         else:
             names = keystrs(state.params)
             asked = zip(names, params, strict=True)
-            grads = tuple(_asked(rule.shard_rule, name, s, m) for name, s in asked)
+            size = rule.shard_min_size
+            grads = tuple(_asked(rule.shard_rule, name, s, m, size) for name, s in asked)
             mirrors = dict(zip(names, zip(params, grads, strict=True), strict=True))
             opt_axes = tuple(
                 _mirrored(name, shape, mirrors)
@@ -286,8 +288,10 @@ def _map_pads(plan: Plan, state: Any, fn: Callable[[Any, int, Pad], Any]) -> Any
     return jax.tree.unflatten(treedef, out)
 
 
-def _asked(rule: ShardRule, name: str, shape: tuple[int, ...], m: int) -> int | None:
-    """The user's rule's axis for one leaf, checked against its shape and the group."""
+def _asked(rule: ShardRule, name: str, shape: tuple[int, ...], m: int, min_size: int) -> int | None:
+    """The user's rule's axis for one leaf, checked against its shape and the group;
+    None (whole) for a leaf under ``min_size`` elements whatever the rule says, as
+    under the default rule (a LayerNorm scale split 8 ways costs more than it saves)."""
     axis = rule(name, shape)
     if axis is None:
         return None
@@ -301,6 +305,8 @@ def _asked(rule: ShardRule, name: str, shape: tuple[int, ...], m: int) -> int | 
             f"{shape} does not have: return one of 0..{len(shape) - 1} (or None)"
         )
     axis = int(axis) % len(shape)
+    if math.prod(shape) < min_size:
+        return None
     if shape[axis] % m:
         raise ValueError(
             f"shard_rule puts leaf {name} (shape {shape}) on axis {axis}, of size "

@@ -128,7 +128,8 @@ def make_train_step(
         the axis each parameter is split along over a group (``path`` as
         ``jax.tree_util.keystr`` writes it; None: whole); an optimizer-state leaf that
         mirrors a parameter takes its axis (``jaxstep.flax.shard_rule`` makes one from
-        flax's partitioning metadata). ``shard_min_size`` does not apply to it.
+        flax's partitioning metadata). ``shard_min_size`` applies to it too: a smaller
+        leaf stays whole whatever the rule says.
 
     Returns:
       A :class:`TrainStep`: ``state = step.init(params)``, ``state, out = step(state, batch)``.
