@@ -52,8 +52,10 @@ def shard_rule(
     :func:`linen_split` does not matter; for an optimizer-state leaf (``"opt_state..."``)
     it gives the axis of the parameter it mirrors (its path ends with the
     parameter's, its shape is the parameter's), and None for the others (Adam's
-    count). An axis that does not divide by the step's group of devices is refused
-    by the step, naming the leaf.
+    count). A leaf whose named dimension does not divide by the step's group of
+    devices (2 heads over 8) is split anyway, held padded with zeros to the next
+    multiple, and the step's log says so at ``step.init``, naming the leaf; a leaf
+    under the step's ``shard_min_size`` stays whole.
 
     Args:
       variables: what ``model.init(key, x)`` returns, boxes kept (also its

@@ -29,6 +29,7 @@ from jaxstep._src.program._shards import DEFAULT_SHARD_MIN_SIZE as DEFAULT_SHARD
 from jaxstep._src.program._shards import Plan as Plan
 from jaxstep._src.program._shards import ShardRule as ShardRule
 from jaxstep._src.program._shards import nbytes_per_device as nbytes_per_device
+from jaxstep._src.program._shards import padding_of as padding_of
 from jaxstep._src.program._shards import shard_axis as shard_axis
 from jaxstep._src.program._shards import shard_spec as shard_spec
 
@@ -57,6 +58,7 @@ __all__ = [
     "minority",
     "nbytes_per_device",
     "pad_to",
+    "padding_of",
     "shard_axis",
     "shard_mask",
     "shard_spec",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -59,6 +60,8 @@ class Rule(Protocol):
     def group_size(self) -> int: ...
     @property
     def kept(self) -> Kept | None: ...
+    @property
+    def optimizer(self) -> Any: ...
 
 
 #: The default ``shard_min_size``, in elements (256 KiB of float32). Below it the two
@@ -134,17 +137,41 @@ class Plan(NamedTuple):
             grads = tuple(shard_axis(s, m, rule.shard_min_size) for s in params)
             opt_axes = tuple(shard_axis(s, m, rule.shard_min_size) for s in opt)
         else:
+            held = _PADDED.get(rule.shard_rule, {}).get(_key(rule, params))
+            if held is not None:  # a state this rule pads, seen before (either shape)
+                return cls.padded(held, m)
             names = keystrs(state.params)
-            asked = zip(names, params, strict=True)
             size = rule.shard_min_size
+            asked = zip(names, params, strict=True)
             grads = tuple(_asked(rule.shard_rule, name, s, m, size) for name, s in asked)
             mirrors = dict(zip(names, zip(params, grads, strict=True), strict=True))
             opt_axes = tuple(
                 _mirrored(name, shape, mirrors)
                 for name, shape in zip(keystrs(state.opt_state, "opt_state"), opt, strict=True)
             )
-        kept = grads if rule.shard_state == "params" else (None,) * len(grads)
-        return cls(grads, kept, opt_axes)
+            if any(a is not None and s[a] % m for a, s in zip(grads, params, strict=True)):
+                return cls._padding(rule, state, cls(grads, _held(rule, grads), opt_axes))
+        return cls(grads, _held(rule, grads), opt_axes)
+
+    @classmethod
+    def _padding(cls, rule: Rule, state: Any, plan: Plan) -> Plan:
+        """``plan`` (a user's rule's, some axis of which does not divide by the group)
+        with those leaves held padded to the next multiple, as after an exclusion
+        (:meth:`keep`): a model whose sizes the user did not choose (lm1b's 2 heads
+        over 8 devices) is sharded, not refused. Remembered for the rule, under both
+        the logical parameter shapes (``state``'s) and the padded ones, so a placed
+        state finds the same plan."""
+        m = rule.group_size
+        kept = plan.keep(state, rule.optimizer, m)
+        padded = cls.padded(kept, m)
+        memo = _PADDED.setdefault(rule.shard_rule, {})
+        memo[_key(rule, kept.param_shapes)] = kept
+        held = tuple(
+            s if p is None else with_size(s, p[0], p[1][1])
+            for s, p in zip(kept.param_shapes, padded.param_pads, strict=True)
+        )
+        memo[_key(rule, held)] = kept
+        return padded
 
     @classmethod
     def padded(cls, kept: Kept, m: int) -> Plan:
@@ -305,16 +332,35 @@ def _asked(rule: ShardRule, name: str, shape: tuple[int, ...], m: int, min_size:
             f"{shape} does not have: return one of 0..{len(shape) - 1} (or None)"
         )
     axis = int(axis) % len(shape)
-    if math.prod(shape) < min_size:
-        return None
-    if shape[axis] % m:
-        raise ValueError(
-            f"shard_rule puts leaf {name} (shape {shape}) on axis {axis}, of size "
-            f"{shape[axis]}, which does not divide by the {m} devices it is split over: "
-            f"return another axis (or None) for it, or build the step on a device count "
-            f"(or replicas) whose group size divides {shape[axis]}"
-        )
-    return axis
+    return None if math.prod(shape) < min_size else axis
+
+
+#: per user's rule, the padded layouts it was seen to need (:meth:`Plan._padding`),
+#: by (layout, group size, parameter shapes): a cache of what the rule, the optimizer
+#: and the logical shapes decide, so a placed (padded) state finds its plan again
+_PADDED: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Kept]] = weakref.WeakKeyDictionary()
+
+
+def padding_of(rule: Rule) -> Kept | None:
+    """The layout that holds leaves padded under ``rule`` (a step's options): the one
+    an exclusion kept, else the one the user's rule was seen to need (one model per
+    rule: None when it needed none, or several); what cuts a tree read from the
+    devices (a state, its parameters or its optimizer state) to its logical shapes."""
+    if rule.kept is not None or rule.shard_rule is None:
+        return rule.kept
+    own = _key(rule, ())[:-1]
+    seen = {id(k): k for key, k in _PADDED.get(rule.shard_rule, {}).items() if key[:-1] == own}
+    return next(iter(seen.values())) if len(seen) == 1 else None
+
+
+def _key(rule: Rule, params: Sequence[tuple[int, ...]]) -> tuple[Any, ...]:
+    return (rule.shard_state, rule.group_size, rule.shard_min_size, tuple(params))
+
+
+def _held(rule: Rule, grads: tuple[int | None, ...]) -> tuple[int | None, ...]:
+    """The parameters' axes: their gradients' under ``"params"``, whole under
+    ``"optimizer"``."""
+    return grads if rule.shard_state == "params" else (None,) * len(grads)
 
 
 def _mirrored(

@@ -40,6 +40,7 @@ from jaxstep._src.program import Options
 from jaxstep._src.program import Pads
 from jaxstep._src.program import Plan
 from jaxstep._src.program import Step
+from jaxstep._src.program import padding_of
 from jaxstep._src.program import shard_spec
 from jaxstep._src.step._placement import BatchPlacement
 
@@ -242,9 +243,10 @@ class ShardMapBackend:
         """A state, its parameters or its optimizer state read from the devices, with
         the leaves the layout holds padded (after an exclusion) cut to their logical
         shapes (any other tree as it is)."""
-        if self.shard_state is None or self.options.kept is None:
+        kept = padding_of(self.options)
+        if self.shard_state is None or kept is None:
             return tree
-        return Plan.of(self.options, tree).logical(tree)
+        return Plan.padded(kept, self.options.group_size).logical(tree)
 
 
 def owned(given: PyTree, placed: PyTree) -> PyTree:

@@ -18,6 +18,7 @@ from jaxstep._src.core import validate
 from jaxstep._src.core.names import keystrs
 from jaxstep._src.program import Options
 from jaxstep._src.program import drop_memory
+from jaxstep._src.program import padding_of
 from jaxstep._src.step._backends import Backend
 
 
@@ -52,6 +53,42 @@ def shards_nothing(options: Options, backend: Backend, state: TrainState) -> str
         "stays whole on every device and the step runs the replicated program. To shard "
         f"the larger leaves, lower shard_min_size (e.g. make_train_step(..., "
         f"shard_min_size={min(size, options.shard_min_size) // 2})); or leave shard_state out"
+    )
+
+
+def padded_leaves(options: Options, backend: Backend, state: TrainState) -> str | None:
+    """What to tell a user whose ``shard_rule`` puts a parameter on an axis that does
+    not divide by a group's devices (lm1b's 2 heads over 8 devices under MaxText's
+    rules): such a leaf is held padded with zeros to the next multiple, as after an
+    exclusion, not refused. None: no leaf is (or the padding is an exclusion's, which
+    says so itself)."""
+    plan = backend.plan(state)
+    if plan is None or options.kept is not None or not plan.pads:
+        return None
+    host = padding_of(options)
+    assert host is not None  # plan.pads under a user's rule: the padding it needed
+    names = keystrs(state.params, "params")
+    rows = [
+        f"{name} (shape {shape}, axis {a}: {pad[0]} -> {pad[1]})"
+        for name, shape, a, pad in zip(
+            names, host.param_shapes, plan.grads, plan.grad_pads, strict=True
+        )
+        if pad is not None and a is not None
+    ]
+    shown = "; ".join(rows[:4]) + (f"; and {len(rows) - 4} more" if len(rows) > 4 else "")
+    over = (
+        f"the {options.n} devices"
+        if options.replicas == 1
+        else f"a group's {options.group_size} devices"
+    )
+    return (
+        f"shard_rule puts {len(rows)} parameter(s) on an axis that does not divide by "
+        f"{over}: each is held padded with zeros to the next multiple along that axis, "
+        f"as after an exclusion ({shown}). The padding never reaches the loss, a "
+        "checkpoint or host_state, and an elementwise optimizer's update is exact "
+        "(Adam, SGD, a global-norm clip); a factored second moment or a mean over a leaf "
+        "sees the zeros. To avoid it, return an axis that divides (or None) for these "
+        "leaves, or build the step on a device count whose group size divides them"
     )
 
 

@@ -19,6 +19,7 @@ from jaxstep._src.core.names import keystrs as keystrs
 from jaxstep._src.program import Options
 from jaxstep._src.program import Plan
 from jaxstep._src.program import float_leaves
+from jaxstep._src.program import padding_of
 
 
 def join_presplit(batch: Batch, n: int) -> Batch:
@@ -273,7 +274,7 @@ class Inputs:
             ),
             state.params,
         )
-        if self.options.kept is not None:  # after an exclusion: as the optimizer sees them
+        if padding_of(self.options) is not None:  # padded leaves: as the optimizer sees them
             params = Plan.of(self.options, state).grad_view(params)
         try:
             want = jax.eval_shape(self.options.optimizer.init, params)

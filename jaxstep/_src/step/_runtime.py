@@ -29,6 +29,7 @@ from jaxstep._src.core import StepOutput
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import failures_from_table
 from jaxstep._src.core import from_host
+from jaxstep._src.core import log
 from jaxstep._src.core import processes
 from jaxstep._src.core import validate
 from jaxstep._src.core import warn
@@ -43,6 +44,7 @@ from jaxstep._src.step._backends import owned
 from jaxstep._src.step._dropping import Dropping
 from jaxstep._src.step._extras import Extras
 from jaxstep._src.step._first_state import first_state
+from jaxstep._src.step._first_state import padded_leaves
 from jaxstep._src.step._first_state import shards_nothing
 from jaxstep._src.step._inputs import Inputs
 from jaxstep._src.step._inputs import join_presplit
@@ -92,7 +94,7 @@ class Runtime:
         self._last_state: TrainState | None = None  # the state dispatched last returned
         self._next_number = 0  # its step number
         self._info: StepInfo | None = None
-        self._told_unsharded = False  # a shard_state that shards nothing: said once
+        self._said: set[str] = set()  # what init said of the layout: each said once
         #: the drop-policy rerun (fit's quarantine), its runtime sharing this one's
         #: fault bookkeeping and heartbeats
         self.dropping = Dropping(
@@ -117,11 +119,14 @@ class Runtime:
         """``TrainStep.init``: the first state, placed (the caller's arrays are copied:
         the step donates its state)."""
         state = first_state(self.options, self.backend, params, model_state, rng)
-        if not self._told_unsharded:
-            told = shards_nothing(self.options, self.backend, state)
-            if told is not None:
-                self._told_unsharded = True
-                warn(told)
+        unsharded = shards_nothing(self.options, self.backend, state)
+        if unsharded is not None and unsharded not in self._said:
+            self._said.add(unsharded)
+            warn(unsharded)
+        padded = padded_leaves(self.options, self.backend, state)
+        if padded is not None and padded not in self._said:
+            self._said.add(padded)
+            log.warning(padded)
         # A new run: the batch's layout is learned from the next batch (not held to an
         # earlier run's, e.g. a pre-split batch first passed without presplit=True)
         self.inputs.forget()
