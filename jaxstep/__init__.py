@@ -38,6 +38,7 @@ from jaxstep._src.core import TrainState
 from jaxstep._src.core import WeightedLoss
 from jaxstep._src.loop import Callback
 from jaxstep._src.loop import Diagnosis
+from jaxstep._src.loop import Goodput
 from jaxstep._src.loop import History
 from jaxstep._src.loop import Recover
 from jaxstep._src.loop import Recovery
@@ -69,6 +70,7 @@ __all__ = [
     "DynamicLossScale",
     "Failure",
     "HealthTable",
+    "Goodput",
     "History",
     "JsonlWriter",
     "LossSpike",

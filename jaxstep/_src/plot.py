@@ -1,6 +1,7 @@
 """Pictures of a run from its :class:`jaxstep.History` (matplotlib): a device x step
 heatmap of gradient norms with failures, skipped steps and overflows marked, and the
-loss curve of every device with the recoveries of ``fit(..., recover=...)`` marked.
+loss curve of every device with the recoveries of ``fit(..., recover=...)`` marked,
+and where the job's time went (:func:`goodput`).
 
     fig = jaxstep.plot.overview(history, "run.png")
 """
@@ -16,6 +17,7 @@ import numpy as np
 
 from jaxstep._src.core import Status
 from jaxstep._src.loop import History
+from jaxstep._src.loop import timeline
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -26,8 +28,10 @@ if TYPE_CHECKING:
 __all__ = [
     "COLORBAR_LABEL",
     "FAILURE_COLOR",
+    "GOODPUT_COLORS",
     "OVERFLOW_COLOR",
     "RECOVERY_COLOR",
+    "goodput",
     "grad_norm_heatmap",
     "loss_curves",
     "marks",
@@ -413,4 +417,76 @@ def overview(
     top.set_xlabel("")
     if path is not None:
         fig.savefig(os.fspath(path), dpi=dpi)
+    return fig
+
+
+#: the colour of each bucket of :func:`goodput` (``"productive"`` and the badput ones)
+GOODPUT_COLORS = {
+    "productive": "#4daf4a",
+    "startup": "#999999",
+    "data": "#a6cee3",
+    "checkpoint": "#377eb8",
+    "diagnosis": "#984ea3",
+    "recovery": "#ff7f00",
+    "wasted": "#e41a1c",
+    "other": "#dddddd",
+}
+
+
+def goodput(history: History, path: str | os.PathLike[str] | None = None) -> Figure:
+    """Where the job's time went, over the run: the seconds each bucket of
+    :meth:`jaxstep.History.goodput` has taken so far, stacked, against the job's wall
+    time in fit (every fit call, every process before a restart), with the goodput in
+    the title.
+
+    Args:
+      history: a run's :class:`jaxstep.History` (also that of a fit that raised).
+      path: where to save the figure (a PNG), or None.
+
+    Returns:
+      The matplotlib figure.
+
+    Raises:
+      ValueError: no fit call filled the history yet.
+      ImportError: matplotlib is missing (``pip install 'jaxstep[demo]'``).
+
+    Example:
+      >>> import jaxstep
+      >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
+      >>> history = jaxstep.History()
+      >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(4), history=history)
+      >>> fig = jaxstep.plot.goodput(history)
+      >>> [t.get_text() for t in fig.axes[0].get_legend().get_texts()][:2]
+      ['productive', 'startup']
+    """
+    spans = timeline(history)
+    if not spans:
+        raise ValueError("the history holds no fit call yet: pass one fit filled")
+    plt = _pyplot()
+    report = history.goodput()
+    names = list(GOODPUT_COLORS)
+    wall = np.concatenate([[0.0], np.cumsum([seconds for _, seconds, _, _ in spans])])
+    shares = np.zeros((len(names), len(spans) + 1))
+    for i, (bucket, seconds, _, _) in enumerate(spans):
+        shares[:, i + 1] = shares[:, i]
+        shares[names.index(bucket), i + 1] += seconds
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    shown = [k for k, name in enumerate(names) if shares[k, -1] > 0]
+    ax.stackplot(
+        wall,
+        shares[shown],
+        labels=[names[k] for k in shown],
+        colors=[GOODPUT_COLORS[names[k]] for k in shown],
+    )  # each bucket rises while its spans run: the top edge is the wall time itself
+    ax.set_xlim(0.0, wall[-1])
+    ax.set_xlabel("wall time in fit (s)")
+    ax.set_ylabel("seconds so far")
+    ax.set_title(
+        f"goodput {100 * report.goodput:.1f}%: {report.steps['productive']} steps kept "
+        f"of {report.wall_s:.1f} s"
+    )
+    ax.legend(loc="upper left", fontsize="small", frameon=False)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
     return fig

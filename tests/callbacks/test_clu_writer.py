@@ -125,6 +125,8 @@ def skipped(request):
         callbacks=[jaxstep.CluWriter(writer)],
     )
     written = _snapshot(recorder)  # at once: what fit's flush left written
+    # the run's goodput, written when it ended (after the last step), apart
+    *written["scalars"], written["goodput"] = written["scalars"]
     return {"history": history, "batches": batches, "bad": bad, **written}
 
 
@@ -138,6 +140,16 @@ def test_each_step_s_scalars_reach_the_writer_at_their_step(skipped):
         assert scalars["dropped"] == 0.0
         assert scalars["examples_per_sec"] > 0
         assert all(isinstance(v, float) for v in scalars.values())
+
+
+def test_the_run_s_goodput_reaches_the_writer_when_it_ended(skipped):
+    at, scalars = skipped["goodput"]
+    report = skipped["history"].goodput()
+    assert at == STEPS  # after the last step's
+    assert scalars["goodput"] == pytest.approx(report.goodput)
+    assert scalars["goodput/steps/productive"] == STEPS - 1  # step 3 skipped
+    assert scalars["goodput/steps/skipped"] == 1.0
+    assert {f"goodput/badput/{b}" for b in report.badput} <= set(scalars)
 
 
 def test_the_per_device_columns_name_the_device_that_failed_and_no_other(skipped):

@@ -126,6 +126,8 @@ def test_history_decoded_when_read_matches_every_table_in_order(backend):
 def test_jsonl_has_one_line_per_step_with_every_device_and_the_aux_metrics(run):
     path, history, batches, bad = run["jsonl"], run["history"], run["batches"], run["bad"]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines, ended = lines[:-1], lines[-1]  # the run's goodput, when it ended
+    assert ended == {"event": "goodput", **history.goodput().to_dict()}
     assert [r["step"] for r in lines] == list(range(STEPS))
     ids = [d.id for d in jax.devices()]
     for record, batch in zip(lines, batches, strict=True):

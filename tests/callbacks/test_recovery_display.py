@@ -170,6 +170,7 @@ def test_jsonl_has_a_recovery_line_before_the_step_it_recovered(tmp_path):
         "recovery",
         "step",
         "step",
+        "goodput",  # when the run ended
     ]
     steps = [r for r in lines if "event" not in r]
     assert [r["step"] for r in steps] == list(range(STEPS))

@@ -19,16 +19,34 @@ PER_DEVICE = 16  # the demo's default
 
 def test_demo_trains_on_digits_and_writes_its_metrics(tmp_path, capsys):
     jsonl, png = tmp_path / "run.jsonl", tmp_path / "run.png"
-    code = cli.main(["demo", "--steps", "8", "--jsonl", str(jsonl), "--plot", str(png)])
+    goodput = tmp_path / "goodput.png"
+    code = cli.main(
+        [
+            "demo",
+            "--steps",
+            "8",
+            "--jsonl",
+            str(jsonl),
+            "--plot",
+            str(png),
+            "--goodput",
+            str(goodput),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == cli.EXIT_OK
     assert "finished 8 steps" in out and "test accuracy" in out
     for d in jax.devices():  # the per-device summary table has a row per device
         assert any(line.split("│")[1:2] == [f" {d.id:<6} "] for line in out.splitlines())
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    records, ended = records[:-1], records[-1]  # the run's goodput, when it ended
     assert [r["step"] for r in records] == list(range(8))
     assert 0.0 <= records[-1]["metrics"]["accuracy"] <= 1.0
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the demo ends with where its time went: the table, the plot, the JSONL's line
+    assert ended["event"] == "goodput" and ended["steps"]["productive"] == 8
+    assert "jaxstep goodput: " in out and "(8 steps kept)" in out
+    assert goodput.read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("shard", [[], ["--shard-state", "params"]], ids=["replicated", "params"])

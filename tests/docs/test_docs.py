@@ -74,3 +74,9 @@ def test_the_site_builds_with_warnings_as_errors_and_runs_every_notebook(tmp_pat
         missing = [words for words in PRINTED[path.name] if words not in printed]
         assert not missing, f"{path.name} did not print {missing}:\n{printed[-4000:]}"
         assert any("image/png" in o.get("data", {}) for o in outputs), f"{path.name}: no picture"
+    # docs/goodput.md runs the demo with a fault and --recover: its table and its plot
+    page = nbformat.read(tmp_path / "jupyter_execute" / "goodput.ipynb", as_version=4)
+    outputs = [o for c in page.cells for o in c.get("outputs", [])]
+    printed = "".join(o.get("text", "") for o in outputs)
+    assert "jaxstep goodput:" in printed and "(1 failed)" in printed, printed[-4000:]
+    assert any("image/png" in o.get("data", {}) for o in outputs)

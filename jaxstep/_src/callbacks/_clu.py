@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from jaxstep._src.callbacks._metrics import _Writer
+from jaxstep._src.callbacks._step_records import goodput_scalars
 from jaxstep._src.callbacks._step_records import step_scalars
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import TrainingWorkerError
@@ -85,8 +86,10 @@ class CluWriter(_Writer):
       >>> tiny = jaxstep.testing.tiny_step(divergence_every=None)
       >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(2),
       ...                     callbacks=[jaxstep.CluWriter(writer)])
-      >>> sorted(writer.scalars)  # the steps
-      [0, 1]
+      >>> sorted(writer.scalars)  # the steps, and the run's goodput after the last
+      [0, 1, 2]
+      >>> "goodput" in writer.scalars[2]
+      True
       >>> "loss" in writer.scalars[1], "device_3/grad_norm" in writer.scalars[1]
       (True, True)
     """
@@ -155,6 +158,8 @@ class CluWriter(_Writer):
         Args:
           history: the run's :class:`jaxstep.History`.
         """
+        if self.writes:
+            self.writer.write_scalars(*goodput_scalars(history))
         self.flush()
 
     def flush(self) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 
 from jaxstep._src.callbacks._step_records import failure_record
+from jaxstep._src.callbacks._step_records import goodput_record
+from jaxstep._src.callbacks._step_records import goodput_scalars
 from jaxstep._src.callbacks._step_records import recovery_record
 from jaxstep._src.callbacks._step_records import step_scalars
 from jaxstep._src.callbacks._step_records import table_record
@@ -75,7 +77,9 @@ class _Writer(Callback):
 class JsonlWriter(_Writer):
     """Writes one JSON line per finished step, one ``{"event": "recovery", ...}`` line
     per recovery action under ``fit(..., recover=...)``, where it happened among the
-    steps, and one ``{"event": "failure", ...}`` line if the run fails.
+    steps, one ``{"event": "failure", ...}`` line if the run fails (its last), and one
+    ``{"event": "goodput", ...}`` line when ``fit`` returns (its last:
+    :meth:`jaxstep.Goodput.to_dict`; after a failure ``err``'s history has it).
 
     A step's line has no ``event`` key; its keys are ``step``, ``loss`` (the mean over
     devices), ``skipped``, ``dropped`` and ``repaired`` (device ids, under
@@ -105,8 +109,10 @@ class JsonlWriter(_Writer):
       >>> path = os.path.join(tempfile.mkdtemp(), "run.jsonl")
       >>> state = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3),
       ...                     callbacks=[jaxstep.JsonlWriter(path)])
-      >>> [json.loads(line)["step"] for line in open(path)]
-      [0, 1, 2]
+      >>> [json.loads(line).get("step", "end") for line in open(path)]
+      [0, 1, 2, 'end']
+      >>> sorted(json.loads(open(path).readlines()[-1]))  # the run's goodput
+      ['badput', 'event', 'goodput', 'productive_s', 'steps', 'wall_s']
     """
 
     def __init__(self, path: str | os.PathLike[str], *, all_processes: bool = False):
@@ -182,6 +188,8 @@ class JsonlWriter(_Writer):
         Args:
           history: the run's :class:`jaxstep.History`.
         """
+        if self.writes:
+            self._write(goodput_record(history))
         self.close()
 
     def close(self) -> None:
@@ -286,6 +294,9 @@ class TensorBoardWriter(_Writer):
           history: the run's :class:`jaxstep.History`.
         """
         if self.writer is not None:
+            at, scalars = goodput_scalars(history)
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, at)
             self.writer.flush()
 
     def close(self) -> None:

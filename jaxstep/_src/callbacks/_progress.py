@@ -267,7 +267,7 @@ class Progress(Callback):
 
     def on_fit_end(self, history: History) -> None:
         """Called by ``fit`` when it returns: prints the recoveries' summary, if any,
-        and stops the bar.
+        and stops the bar (its last line shows the run's goodput: :meth:`close`).
 
         Args:
           history: the run's :class:`jaxstep.History`.
@@ -278,9 +278,12 @@ class Progress(Callback):
         self.close()
 
     def close(self) -> None:
-        """Stops the live bar, showing the last step's line (``fit`` calls it)."""
+        """Stops the live bar, showing the last step's line and the run's goodput
+        (``history.goodput()``: the share of the time in fit that trained steps kept;
+        ``fit`` calls it)."""
         if self._bar is not None:
             if self._task is not None and self.history is not None and len(self.history):
-                self._bar.update(self._task, text=self.describe())  # the last step's
+                text = f"{self.describe()}  goodput {self.history.goodput().goodput:.0%}"
+                self._bar.update(self._task, text=text)  # the last step's
             self._bar.stop()
             self._bar = None

@@ -203,3 +203,24 @@ def recovery_record(record: Recovery) -> dict[str, Any]:
     """A recovery action as JSON-ready Python (``event: "recovery"``): the fields of
     :meth:`Recovery.to_json` and the ``message`` a person reads."""
     return {"event": "recovery", **record.to_json(), "message": str(record)}
+
+
+def goodput_record(history: History) -> dict[str, Any]:
+    """The ``{"event": "goodput", ...}`` line of a run that ended:
+    :meth:`jaxstep.Goodput.to_dict` of ``history.goodput()``."""
+    return {"event": "goodput", **history.goodput().to_dict()}
+
+
+def goodput_scalars(history: History) -> tuple[int, dict[str, float]]:
+    """The goodput figures of a run that ended as scalars (``goodput``,
+    ``goodput/wall_s``, ``goodput/productive_s``, ``goodput/badput/<bucket>``,
+    ``goodput/steps/<count>``), and the step to write them at (the last one's)."""
+    report = history.goodput()
+    scalars = {
+        "goodput": report.goodput,
+        "goodput/wall_s": report.wall_s,
+        "goodput/productive_s": report.productive_s,
+    }
+    scalars |= {f"goodput/badput/{k}": v for k, v in report.badput.items()}
+    scalars |= {f"goodput/steps/{k}": float(v) for k, v in report.steps.items()}
+    return (history.step[-1] + 1 if len(history) else 0), scalars

@@ -143,6 +143,8 @@ class Source(Iterator[Any]):
         #: that saved ``start``): the positions saved say so
         self.carrying = start.carried
         self.count = 0  # batches pulled through this source
+        #: ``start`` comes from a checkpoint (a resumed run)
+        self.resuming = resuming
         self._resuming = resuming and start.index > 0
         self._marks: dict[int, Any] = {}
         #: the oldest batch a position may still name (rows carried: :meth:`hold`)

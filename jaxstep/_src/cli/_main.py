@@ -147,6 +147,9 @@ def _demo_arguments(demo: argparse.ArgumentParser) -> None:
         "replica repaired; each recovery is printed",
     )
     demo.add_argument("--plot", metavar="PNG", help="save the gradient-norm heatmap and losses")
+    demo.add_argument(
+        "--goodput", metavar="PNG", help="save where the run's time went (jaxstep.plot.goodput)"
+    )
     demo.add_argument("--jsonl", metavar="PATH", help="write per-step metrics as JSON lines")
     demo.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard event files")
     demo.add_argument(

@@ -33,11 +33,12 @@ def report(
     options: dict[str, Any],
 ) -> None:
     """After training: the per-device summary, what was recovered (the quarantine file,
-    the devices left), the test accuracy (when there is a state to test), the plot if
-    asked."""
+    the devices left), the test accuracy (when there is a state to test), where the
+    run's time went (``history.goodput()``), the plots if asked."""
     import jax
     import numpy as np
 
+    from jaxstep._src.plot import goodput
     from jaxstep._src.plot import overview
 
     usable = error is None or error.state is not None
@@ -52,9 +53,13 @@ def report(
         logits = jax.jit(model.apply)({"params": params}, test.image)
         accuracy = float(np.mean(np.asarray(logits).argmax(-1) == test.label))
         print(f"test accuracy {accuracy:.3f} after {trained} steps")
+    print(history.goodput())
     if args.plot and len(history):
         overview(history, args.plot)
         print(f"plot saved to {args.plot}")
+    if getattr(args, "goodput", None) and history.ledger.calls:
+        goodput(history, args.goodput)
+        print(f"goodput plot saved to {args.goodput}")
     if error is None:
         print(f"finished {trained} steps")
 

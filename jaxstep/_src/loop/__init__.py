@@ -10,6 +10,8 @@ from jaxstep._src.loop._diagnose import diagnose as diagnose
 from jaxstep._src.loop._driver import Loop as Loop
 from jaxstep._src.loop._failure import replica_state as replica_state
 from jaxstep._src.loop._fit import fit as fit
+from jaxstep._src.loop._goodput import Goodput as Goodput
+from jaxstep._src.loop._goodput import timeline as timeline
 from jaxstep._src.loop._history import Entry as Entry
 from jaxstep._src.loop._history import History as History
 from jaxstep._src.loop._options import FitOptions as FitOptions
@@ -23,6 +25,7 @@ __all__ = [
     "Diagnosis",
     "Entry",
     "FitOptions",
+    "Goodput",
     "History",
     "Item",
     "Loop",
@@ -32,4 +35,5 @@ __all__ = [
     "diagnose",
     "fit",
     "replica_state",
+    "timeline",
 ]

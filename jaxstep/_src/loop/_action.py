@@ -78,6 +78,10 @@ class Action(Callback):
     saved and the writes waited for (``finish``, ``close``) before ``on_fit_end``.
     """
 
+    #: where the time spent in this action's hooks goes in the run's goodput (a
+    #: bucket of :attr:`jaxstep.Goodput.badput`; None: the step's own time)
+    bucket: str | None = None
+
     def pulled(self, batch: Any) -> None:
         """A batch was pulled from the data, before the step takes it."""
 

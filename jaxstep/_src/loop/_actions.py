@@ -28,6 +28,7 @@ from jaxstep._src.loop._callbacks import overrides
 from jaxstep._src.loop._checkpoints import FitCheckpoints
 from jaxstep._src.loop._diagnose import Replay
 from jaxstep._src.loop._history import History
+from jaxstep._src.loop._ledger import Ledger
 from jaxstep._src.loop._options import FitOptions
 from jaxstep._src.loop._outcome import Resume
 from jaxstep._src.loop._pending import Item
@@ -67,6 +68,7 @@ def actions(
     options: FitOptions,
     checkpoints: FitCheckpoints,
     carried: bool,
+    ledger: Ledger | None = None,
 ) -> Actions:
     """The listeners of one fit call, in the order their hooks run: the feeder stops
     placing when a step fails (before a recovery takes a device out), the checkpoints
@@ -74,7 +76,7 @@ def actions(
     order given; a plain object adapted here, once) hear of a step before a recovery
     acts on it, and a recovery acts on a failure before its replay is asked for.
     ``carried``: the fit call starts with rows carried (the step places its batches
-    itself)."""
+    itself); ``ledger``: where the actions' time goes (the run's goodput)."""
     callbacks = [listener(callback) for callback in options.callbacks]
     # a callback shows each recovery: the loop then logs them at INFO, not WARNING
     shown = any(overrides(c, "on_recovery", Callback.on_recovery) for c in callbacks)
@@ -94,6 +96,7 @@ def actions(
             presplit=options.presplit,
             step_timeout=options.step_timeout,
             shown=shown,
+            ledger=ledger,
         )
     replay = None
     if options.diagnose is not False:
@@ -107,7 +110,7 @@ def actions(
         replay,
     )
     parts: list[Callback] = [part for part in found if part is not None]
-    return Actions(parts, runner, feeder, shows_recoveries=shown)
+    return Actions(parts, runner, feeder, shows_recoveries=shown, ledger=ledger)
 
 
 Hooks = tuple[Callable[..., Any], ...]
@@ -121,10 +124,17 @@ class Actions:
     ``settled``) are tuples the loop runs itself; the others are methods here.
     ``runner`` and ``feeder``: the explicit dispatch and data (each also one of
     ``parts``, for its other hooks); ``shows_recoveries``: a callback shows each
-    recovery (the loop then logs them at INFO, not WARNING)."""
+    recovery (the loop then logs them at INFO, not WARNING); ``ledger``: where the
+    time of an action with a :attr:`~Action.bucket` goes (its hooks timed)."""
 
     def __init__(
-        self, parts: list[Callback], runner: Runner, feeder: Feeder, *, shows_recoveries: bool
+        self,
+        parts: list[Callback],
+        runner: Runner,
+        feeder: Feeder,
+        *,
+        shows_recoveries: bool,
+        ledger: Ledger | None = None,
     ):
         self.parts = parts
         self.runner = runner
@@ -133,7 +143,12 @@ class Actions:
 
         def bind(hook: str) -> Hooks:
             default = getattr(Action, hook)
-            return tuple(getattr(p, hook) for p in parts if overrides(p, hook, default))
+            return tuple(timed(p, hook) for p in parts if overrides(p, hook, default))
+
+        def timed(part: Callback, hook: str) -> Callable[..., Any]:
+            bucket = getattr(part, "bucket", None)  # (a user's Callback is the step's)
+            fn = getattr(part, hook)
+            return fn if bucket is None or ledger is None else ledger.timed(bucket, fn)
 
         self._on_fit_start = bind("on_fit_start")
         self.pulled = bind("pulled")

@@ -27,6 +27,8 @@ class FitCheckpoints(Action):
     The step number of a state is the loop's one counter (``state.step``), handed to
     :meth:`before` and :meth:`resumed`: nothing here counts steps."""
 
+    bucket = "checkpoint"
+
     def __init__(self, saver: Saver):
         self.saver = saver
         self.store = saver.store

@@ -374,6 +374,8 @@ class Replay(Action):
     pre-split (joined for the replay). The replays are watched as the steps are
     (``step_timeout``), on the step the failing one ran on (``Pending.step``)."""
 
+    bucket = "diagnosis"
+
     def __init__(
         self,
         every: bool | None = True,

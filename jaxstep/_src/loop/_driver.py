@@ -32,6 +32,7 @@ from jaxstep._src.loop._exits import Exits
 from jaxstep._src.loop._failure import failure_error
 from jaxstep._src.loop._flight import InFlight
 from jaxstep._src.loop._history import History
+from jaxstep._src.loop._ledger import open_record
 from jaxstep._src.loop._options import FitOptions
 from jaxstep._src.loop._options import limit
 from jaxstep._src.loop._outcome import Resume
@@ -72,10 +73,19 @@ class Loop:
         state: TrainState,
         checkpoints: FitCheckpoints,
         options: FitOptions | None = None,
+        *,
+        began: float | None = None,
         **keywords: Any,
     ):
         options = FitOptions(**keywords) if options is None else options
         history = History() if options.history is None else options.history
+        #: where the call's time goes (``history.goodput()``); ``began``: when fit was
+        #: called (the restore and the checks before the loop are its startup)
+        self.ledger = ledger = history.ledger
+        ledger.begin(time.perf_counter() if began is None else began)
+        open_record(ledger, checkpoints)
+        #: the next dispatch is the call's first (its compiling ends the startup)
+        self.compiling = True
         #: the step fit was given: moved onto the run's step when a device leaves
         #: (``step.devices`` shrinks, as documented); the loop never reads it
         self.given = step
@@ -96,7 +106,9 @@ class Loop:
             source.carrying,
             ready=self._ready,
         )
-        self.actions = actions(runtime, options, checkpoints, carried=self.carry is not None)
+        self.actions = actions(
+            runtime, options, checkpoints, carried=self.carry is not None, ledger=ledger
+        )
         self.flight = InFlight()
         self.peers = Peers()  # how it waits on devices shared with other processes
         self.exits = Exits(self.flight, self.actions, self.peers, self.record)
@@ -186,6 +198,7 @@ class Loop:
         # queued first: a batch an action refuses (Recover(example_id=...) names no
         # leaf of it) is handed back on the error with the others (err.batches)
         self.waited += wait
+        self.ledger.data += wait
         item = Item(batch, self.pulled, placed=placed)
         self.flight.queue.append(item)
         self.pulled += 1
@@ -220,6 +233,8 @@ class Loop:
                 self.runtime, self.state, item, number, check, presplit
             )
             self.last = out
+            if self.compiling:
+                self._compiled()
         except (ValueError, TypeError) as err:
             if self._refused(err, item) is Settled.RECOVERED:
                 return  # the step before it failed and was recovered: it is queued again
@@ -245,12 +260,20 @@ class Loop:
         if self.interrupted:  # a first Ctrl-C, deferred to here: nothing is half done
             raise KeyboardInterrupt("fit stopped by Ctrl-C after the step in flight")
 
+    def _compiled(self) -> None:
+        """The fit call's first dispatch returned (it compiled): its startup ends."""
+        self.ledger.mark("startup", time.perf_counter())
+        self.compiling = False
+
     # -- the ways out (the loop's Exits, handed what changes during the run) ----------
 
     def abandon(self, err: BaseException) -> None:
         """An exception (``err``) leaves fit: :meth:`Exits.abandon` (``err.state``,
         ``err.batches``, the save; the actions closed)."""
-        self.exits.abandon(err, self.runtime, self.state, self.last, self.carry, self.pulled)
+        try:
+            self.exits.abandon(err, self.runtime, self.state, self.last, self.carry, self.pulled)
+        finally:
+            self.ledger.close(time.perf_counter())
 
     def _lost(self, err: Exception, number: int, untrained: list[Any]) -> NoReturn:
         """:meth:`Exits.lost`: ``err`` raised while waiting for step ``number``."""
@@ -331,7 +354,10 @@ class Loop:
     def _failed(self, pending: Pending, after: Item | None, table: HealthTable) -> Settled:
         """``pending`` failed: recovered (the loop reset to go on with the recovery's
         ``Resume``) or raised (fit stops)."""
-        error = failure_error(self.runtime, table, pending.rows, self.state, self.history)
+        ledger = self.ledger
+        ledger.failed.add(len(self.history) - 1)  # settled just now: its update lost
+        attribute = ledger.timed("diagnosis", failure_error)  # who failed, and the state
+        error = attribute(self.runtime, table, pending.rows, self.state, self.history)
         assert error.state is not None
         self.state = error.state  # the halted state was donated to it
         try:
@@ -352,12 +378,14 @@ class Loop:
         recovery."""
         if resume.step is not None:  # a device left the run
             self._swap(resume.step)
+            self.ledger.compiles_to = "recovery"  # compiling the smaller step
         carried = [] if self.carry is None else self.carry.release()
         self.flight.restart(resume.items, pending.number, carried)
         self.state = resume.state
         self.record.now_on([d.id for d in self.runtime.devices])
         self.actions.resumed(resume, self.number)
         self._recovered(resume.record)
+        self.ledger.mark("recovery", time.perf_counter())  # since the failing step settled
 
     def _swap(self, step: TrainStep) -> None:
         """The run trains on ``step`` from now on (a step on fewer devices): the loop
@@ -404,5 +432,6 @@ class Loop:
             self.record.left_over(self.carry.finish(self.cut_short))
         self.actions.finish(self.state, first)
         self.actions.close()
+        self.ledger.close(time.perf_counter())  # before on_fit_end: the writers report it
         self.actions.on_fit_end(self.history)
         return self.state

@@ -4,6 +4,7 @@ step t-1. The device queue never drains and at most two steps are in flight."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
@@ -103,6 +104,7 @@ def fit(
       >>> int(state.step), round(float(state.params["w"]), 3)
       (5, 1.345)
     """
+    began = time.perf_counter()  # the call's startup: the restore and checks below
     options = FitOptions(
         num_steps=num_steps,
         until_step=until_step,
@@ -120,7 +122,7 @@ def fit(
         runtime_of(step), state, batches, options.checkpoints, lookahead=options.prefetch
     )
     check_until_step(options, saver.first)
-    loop = Loop(step, state, FitCheckpoints(saver), options)
+    loop = Loop(step, state, FitCheckpoints(saver), options, began=began)
     try:
         loop.start()
         with deferred_interrupts(loop.interrupt):

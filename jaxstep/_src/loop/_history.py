@@ -14,6 +14,8 @@ import numpy as np
 from jaxstep._src.core import COL
 from jaxstep._src.core import HealthTable
 from jaxstep._src.core import health
+from jaxstep._src.loop._goodput import Goodput
+from jaxstep._src.loop._ledger import Ledger
 from jaxstep._src.loop._records import ACTIONS
 from jaxstep._src.loop._records import Recovery
 
@@ -106,6 +108,8 @@ class History:
         it, or with ``fit(prefetch=...)`` taking it from the prefetched ones): a slow
         input pipeline shows here, a slow step does not.
       recoveries: ``fit(..., recover=...)``: each recovery action, in the order taken.
+      ledger: where each fit call's time went, in spans (fit writes it; read it
+        through :meth:`goodput`).
       left_over: rows never trained because the data ended while they were carried (a
         run that lost a device carries the rows that do not divide by the devices left
         into the next step, each shape's until a batch of its shape comes):
@@ -170,6 +174,7 @@ class History:
             setattr(self, "_" + name, list(fields.get(name, ())))
         self.recoveries: list[Recovery] = list(recoveries)
         self.left_over: list[tuple[int, int, int]] = list(left_over)
+        self.ledger = Ledger()  # (the ledger attribute, above)
 
     def __repr__(self) -> str:
         return f"History({len(self)} steps, device_ids={self.device_ids})"
@@ -296,6 +301,26 @@ class History:
         self._metrics += metrics
         self._examples_per_sec += rates
         self._data_wait += waits
+
+    def goodput(self) -> Goodput:
+        """Where the job's time went: the share of it that trained steps whose update
+        was kept (every fit call that filled this history, and with ``checkpoint_dir``
+        every process before a restart), and the rest by bucket. Also after ``fit``
+        raised: the history it filled holds the time up to the failure.
+
+        Returns:
+          A :class:`jaxstep.Goodput` (``print`` it for a table).
+
+        Example:
+          >>> import jaxstep
+          >>> tiny = jaxstep.testing.tiny_step()
+          >>> history = jaxstep.History()
+          >>> _ = jaxstep.fit(tiny.step, tiny.state(), tiny.batches(3), history=history)
+          >>> report = history.goodput()
+          >>> report.steps["productive"], sorted(report.badput)[:3]
+          (3, ['checkpoint', 'data', 'diagnosis'])
+        """
+        return Goodput.of(self)
 
     def recovery_summary(self) -> str:
         """``recoveries`` in words, for the end of a run.

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstep._src.core import COL
 from jaxstep._src.core import log
 from jaxstep._src.loop._history import History
 from jaxstep._src.loop._pending import Pending
@@ -24,10 +25,11 @@ class Recorder:
     """Writes each step one fit call settles into ``history`` (one ``append`` of the
     raw table and three numbers: no decoding, no allocation beyond the block's)."""
 
-    __slots__ = ("_aux", "columns", "devices", "history", "since")
+    __slots__ = ("_aux", "columns", "devices", "history", "ledger", "since")
 
     def __init__(self, history: History):
         self.history = history
+        self.ledger = history.ledger  # where the step's time goes
         self.devices = 0  # devices of the step
         self.columns: Any = None  # their positions in history.device_ids (None: all, in order)
         self.since = 0.0  # when the step before was settled (or the run started)
@@ -70,8 +72,13 @@ class Recorder:
         aux = pending.out.aux
         metrics = None if aux is None else self.scalar_aux(aux)
         rate = self.devices * pending.rows / max(now - self.since, 1e-9)
-        self.history.append(raw, metrics, rate, pending.rows, self.columns, pending.wait)
+        history, ledger = self.history, self.ledger
+        history.append(raw, metrics, rate, pending.rows, self.columns, pending.wait)
         self.since = now
+        data = ledger.data
+        seconds = ledger.step(len(history) - 1, now)
+        if ledger.record is not None:  # beside the checkpoints: carried across a restart
+            ledger.record.put(step_line(pending.number, seconds, data, raw))
 
     def add(self, pending: Pending, raw: np.ndarray) -> None:
         """``pending``'s step (read, not settled: its rate unknown), recorded."""
@@ -88,6 +95,18 @@ class Recorder:
         if self._aux is None or self._aux[0] != (treedef, self.devices):
             self._aux = ((treedef, self.devices), _scalars(aux, self.devices))
         return {name: float(np.mean(np.asarray(leaves[i], np.float64))) for i, name in self._aux[1]}
+
+
+def step_line(number: int, seconds: float, data: float, raw: np.ndarray) -> dict[str, Any]:
+    """A settled step's line of the record beside the checkpoints: its number, time,
+    outcome (its update kept, skipped or failed), dropped chunks and data wait."""
+    outcome = "ok"
+    if raw.item(0, COL["failed"]) and raw.item(0, COL["halted"]):
+        outcome = "failed"
+    elif raw.item(0, COL["skipped"]):
+        outcome = "skipped"
+    dropped = int(np.count_nonzero(raw[:, COL["dropped"]]))
+    return {"n": number, "s": seconds, "o": outcome, "d": dropped, "w": data}
 
 
 def _scalars(aux: Any, n: int) -> list[tuple[int, str]]:

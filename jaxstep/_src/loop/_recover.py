@@ -48,6 +48,7 @@ from jaxstep._src.loop._diagnose import Diagnosis
 from jaxstep._src.loop._diagnose import diagnose_on
 from jaxstep._src.loop._failure import majority_position
 from jaxstep._src.loop._history import History
+from jaxstep._src.loop._ledger import Ledger
 from jaxstep._src.loop._options import Recover
 from jaxstep._src.loop._outcome import Resume
 from jaxstep._src.loop._outcome import ids_of
@@ -84,7 +85,11 @@ class SelfHealing(Action):
       presplit: batches come pre-split.
       step_timeout: the replays are watched as the steps are.
       shown: a callback shows the recoveries (the summary is then logged at INFO).
+      ledger: where the replays' time goes (``"diagnosis"``; the rest of this
+        action's is ``"recovery"``), or None.
     """
+
+    bucket = "recovery"
 
     def __init__(
         self,
@@ -95,8 +100,10 @@ class SelfHealing(Action):
         presplit: bool,
         step_timeout: float | None = None,
         shown: bool = False,
+        ledger: Ledger | None = None,
     ):
         self.options = options
+        self.diagnose = diagnose_on if ledger is None else ledger.timed("diagnosis", diagnose_on)
         self.checkpoints = checkpoints
         self.presplit = presplit
         self.step_timeout = step_timeout
@@ -222,7 +229,7 @@ class SelfHealing(Action):
         batch = pending.batch
         if self.presplit and item_of(pending).first is None:
             batch = runtime.join(batch)  # the replay takes the global batch
-        return diagnose_on(runtime, error, batch, step_timeout=self.step_timeout)
+        return self.diagnose(runtime, error, batch, step_timeout=self.step_timeout)
 
     def _retry(self, pending: Pending, error: TrainingWorkerError) -> TrainingWorkerError | Resume:
         item = item_of(pending)
