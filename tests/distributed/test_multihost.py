@@ -254,7 +254,10 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
         np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     # fit's verified checkpoints, written once with both processes' data positions.
     where = jobs["base"] / "ckpt-train"
-    assert sorted(p.name for p in where.iterdir()) == ["0", "2", "4"]  # 4: the run's end
+    # 4: the run's end; goodput.jsonl: the run's time, written by process 0 alone
+    assert sorted(p.name for p in where.iterdir()) == ["0", "2", "4", "goodput.jsonl"]
+    record = [json.loads(x) for x in (where / "goodput.jsonl").read_text().splitlines()]
+    assert [r["n"] for r in record if "n" in r] == [0, 1, 2, 3]  # each step once
     for number in (2, 4):
         meta = json.loads((where / str(number) / "meta" / "metadata").read_text())
         assert meta["verified"] and sorted(meta["data_by_process"]) == ["0", "1"]
@@ -292,7 +295,10 @@ def test_checkpoints_of_two_processes_hold_every_position_and_restore_on_one(job
     where = jobs["base"] / "ckpt-nan"
     res = job.results()
     # Verified checkpoints at 0 and 2, each written once (by process 0), complete.
-    assert sorted(p.name for p in where.iterdir()) == ["0", "2", "emergency"], job.tail()
+    names = sorted(p.name for p in where.iterdir())
+    assert names == ["0", "2", "emergency", "goodput.jsonl"], job.tail()
+    record = [json.loads(x) for x in (where / "goodput.jsonl").read_text().splitlines()]
+    assert [(r["n"], r["o"]) for r in record if "n" in r][-1] == (3, "failed")
     meta = json.loads((where / "2" / "meta" / "metadata").read_text())
     assert meta["verified"] and meta["process_count"] == 2 and meta["step"] == 2
     assert {p: d["index"] for p, d in meta["data_by_process"].items()} == {"0": 2, "1": 2}

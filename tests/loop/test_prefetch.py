@@ -351,7 +351,10 @@ def test_the_time_waited_for_data_is_in_the_history_the_progress_line_and_the_js
     steps = [line for line in shown.getvalue().splitlines() if line.startswith("step")]
     assert "data " in steps[-1]  # the time waited for data, beside the step's
     lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    lines, ended = lines[:-1], lines[-1]  # the run's goodput, when it ended
     assert [line["data_wait"] >= 0.05 for line in lines] == [True] * 5
+    assert ended["event"] == "goodput"  # the waits are its "data" badput
+    assert ended["badput"]["data"] == pytest.approx(sum(history.data_wait), rel=0.05)
     assert history.as_arrays()["data_wait"].shape == (5,)
 
 

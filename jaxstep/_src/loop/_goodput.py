@@ -114,7 +114,7 @@ class Goodput:
         return "\n".join(lines)
 
     @classmethod
-    def of(cls, history: Steps) -> Goodput:
+    def of(cls, history: Any) -> Goodput:
         """The report of ``history`` (what ``history.goodput()`` returns).
 
         Args:
