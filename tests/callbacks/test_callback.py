@@ -110,3 +110,32 @@ def test_the_emergency_save_is_done_before_on_failure(tmp_path):
             tiny.step, tiny.state(), tiny.batches(3), checkpoint_dir=tmp_path, callbacks=Look()
         )
     assert seen["checkpoint"] is not None and seen["checkpoint"] == info.value.checkpoint
+
+
+def test_a_callback_s_own_methods_named_like_the_loop_s_hooks_are_never_called():
+    """A Callback hears the five Callback hooks alone: its methods that share a name
+    with a hook of the loop's (a writer's close, a read, a finish) are its own."""
+    heard = []
+
+    class Writer(jaxstep.Callback):
+        def on_step_end(self, table):
+            heard.append("on_step_end")
+
+        def on_fit_end(self, history):
+            heard.append("on_fit_end")
+
+        def close(self):
+            heard.append("close")
+
+        def read(self, *args):
+            heard.append("read")
+
+        def finish(self, *args):
+            heard.append("finish")
+
+        def before(self, *args):
+            heard.append("before")
+
+    tiny = tiny_step(divergence_every=None)
+    jaxstep.fit(tiny.step, tiny.state(), tiny.batches(2), callbacks=[Writer()])
+    assert heard == ["on_step_end", "on_step_end", "on_fit_end"]

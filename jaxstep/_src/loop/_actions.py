@@ -22,6 +22,7 @@ from jaxstep._src.core import TrainState
 from jaxstep._src.loop._action import Action
 from jaxstep._src.loop._action import Feeder
 from jaxstep._src.loop._action import Runner
+from jaxstep._src.loop._callbacks import HOOKS
 from jaxstep._src.loop._callbacks import Callback
 from jaxstep._src.loop._callbacks import listener
 from jaxstep._src.loop._callbacks import overrides
@@ -143,7 +144,13 @@ class Actions:
 
         def bind(hook: str) -> Hooks:
             default = getattr(Action, hook)
-            return tuple(timed(p, hook) for p in parts if overrides(p, hook, default))
+            return tuple(timed(p, hook) for p in parts if has(p, hook, default))
+
+        def has(part: Callback, hook: str, default: object) -> bool:
+            # a Callback that is not an Action listens to the five Callback hooks only:
+            # its own methods of the loop's hook names (a writer's close) are its own
+            own = hook in HOOKS or isinstance(part, Action)
+            return own and overrides(part, hook, default)
 
         def timed(part: Callback, hook: str) -> Callable[..., Any]:
             bucket = getattr(part, "bucket", None)  # (a user's Callback is the step's)
