@@ -20,7 +20,9 @@ checkpoints in ``DIR/presplit``). Then ``buckets``: ``device`` on bucketed lengt
 Then ``stop``: ``device`` stopped by a callback at
 step 3 (each process's rows not trained), and ``resume``: ``device`` cut short after 4
 batches (``DIR/cut``), resumed at its position inside batch 3 on all 8 devices with
-pre-split batches. Each run prints one line ``RESULT {json}`` with what
+pre-split batches, and ``until``: ``device`` stopped after 5 batches with
+``until_step=10`` (``DIR/until``), resumed on all 8 devices to step 10 exactly, then
+once more (nothing trained). Each run prints one line ``RESULT {json}`` with what
 this process saw; last, ``keys``: the keys left in the coordination service's store.
 """
 
@@ -58,6 +60,7 @@ AT = 2
 SPIKE_STEPS, SPIKE_AT, SPIKE_EVERY = 8, 6, 4  # back to 4, batches 5 and 6 skipped
 CORRUPT_AT = 3
 MOVED_AT, ROLLBACK_EVERY = 4, 2
+UNTIL = 10  # the run's total of the until_step run
 RESPLIT_AT = (
     4  # a bad example after the exclusion  # seen at step 5, back to the checkpoint of step 4
 )
@@ -346,6 +349,19 @@ def main(base: str) -> None:
     tail = child.local_batches([b for b in resplit(later, 8) if len(b["x"])], devices)
     reference = jaxstep.fit(eight, eight.place_state(copy), tail)
     seen("resume", *out, reference=params_of(eight, reference))
+
+    # until_step across a restart (issue 45, item 1): the device run stopped after 5
+    # batches (num_steps) while rows were carried, its checkpoint inside a batch; the
+    # restarted job, on all 8 devices, reaches the run's total exactly, and one more
+    # restart trains nothing
+    many = child.local_batches(make_batches(UNTIL * 2), devices)
+    command = {"checkpoint_dir": f"{base}/until", "checkpoint_every": 2, "until_step": UNTIL}
+    faults = [Fault("loss", target.id, step=t, mode="device") for t in range(AT, 4 * UNTIL)]
+    run(faults, many, recover=recover, num_steps=5, **command)
+    out = train(eight, eight.init(init_params()), many, resume=True, **command)
+    seen("until", *out)
+    out = train(eight, eight.init(init_params()), many, resume=True, **command)
+    seen("until again", *out)
 
     # Every key a run set in the coordination service's store is gone once read
     store = processes.client()

@@ -60,7 +60,7 @@ def job(tmp_path_factory):
         if rest.startswith("RESULT "):
             got = json.loads(rest[len("RESULT ") :])
             results[got["run"], int(head[2:])] = got
-    assert len(results) == 26, output[-6000:]
+    assert len(results) == 30, output[-6000:]
     return results, base
 
 
@@ -204,6 +204,19 @@ def test_a_position_inside_a_batch_resumes_on_every_device_with_the_rows_re_spli
         assert seen["step"] == 6 and seen["left_over"] == [[5, 31, 32]]
     assert p0["params"] == p1["params"]
     _assert_close(p0["params"], p0["reference"])
+
+
+def test_a_restart_told_until_step_reaches_it_exactly_from_rows_carried(job):
+    """Issue 45, item 1, on two processes: the checkpoint was written while rows were
+    carried (a device of process 1 had left); the restarted job reaches step 10."""
+    results, _ = job
+    p0, p1 = _both(results, "until")
+    for seen in (p0, p1):
+        assert seen["step"] == 10 and seen["history_step"] == list(range(5, 10))
+        assert not [w for w in seen["warnings"] if "data ended" in w], seen["warnings"]
+    assert p0["params"] == p1["params"]
+    for seen in _both(results, "until again"):
+        assert seen["step"] == 10 and seen["history_step"] == []
 
 
 def test_a_loss_spike_on_process_1_rolls_both_processes_back_to_the_same_checkpoint(job):
