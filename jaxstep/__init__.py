@@ -45,6 +45,7 @@ from jaxstep._src.loop import Recovery
 from jaxstep._src.loop import diagnose
 from jaxstep._src.loop import fit
 from jaxstep._src.loop import replica_state
+from jaxstep._src.program import MODEL_AXIS
 from jaxstep._src.program import DynamicLossScale
 from jaxstep._src.program import LossSpike
 from jaxstep._src.step import TrainStep
@@ -74,6 +75,7 @@ __all__ = [
     "History",
     "JsonlWriter",
     "LossSpike",
+    "MODEL_AXIS",
     "Progress",
     "RESTART_EXIT_CODE",
     "Recover",

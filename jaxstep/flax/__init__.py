@@ -31,12 +31,20 @@ Sharded state laid out as the model's ``nn.with_partitioning`` boxes say::
     step = jaxstep.make_train_step(
         loss_fn, tx, shard_state="params", shard_rule=jaxstep.flax.shard_rule(variables)
     )
+
+The same boxes as a model axis (tensor parallelism; MaxText's logical rules)::
+
+    step = jaxstep.make_train_step(
+        loss_fn, tx, model_parallel=2,
+        model_rule=jaxstep.flax.model_rule(variables, rules=[("mlp", "tensor"), ...]),
+    )
 """
 
 from jaxstep._src.flax import NNXGraph as NNXGraph
 from jaxstep._src.flax import linen_apply as linen_apply
 from jaxstep._src.flax import linen_merge as linen_merge
 from jaxstep._src.flax import linen_split as linen_split
+from jaxstep._src.flax import model_rule as model_rule
 from jaxstep._src.flax import nnx_loss_fn as nnx_loss_fn
 from jaxstep._src.flax import nnx_merge as nnx_merge
 from jaxstep._src.flax import nnx_split as nnx_split
@@ -47,6 +55,7 @@ __all__ = [
     "linen_apply",
     "linen_merge",
     "linen_split",
+    "model_rule",
     "nnx_loss_fn",
     "nnx_merge",
     "nnx_split",

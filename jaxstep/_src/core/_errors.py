@@ -38,6 +38,9 @@ class TrainingWorkerError(RuntimeError):
 
     Attributes:
       device_id: the ``jax.Device.id`` of the root-cause device (not its position).
+      group: the ids of every device of the root-cause unit: its model group under
+        ``make_train_step(model_parallel=m)`` (``device_id`` is the first), else
+        ``(device_id,)``.
       process_index: the process holding that device.
       step: the ``state.step`` the failed step started from.
       status: the device's :class:`jaxstep.Status` flags.
@@ -102,6 +105,7 @@ class TrainingWorkerError(RuntimeError):
         self.failures = tuple(failures)
         first = self.failures[0]
         self.device_id = first.device_id
+        self.group = first.group
         self.process_index = first.process_index
         self.step = first.step
         self.status = first.status
@@ -343,6 +347,9 @@ class TrainingWorkerError(RuntimeError):
 
 def _where(failure: Failure) -> str:
     host = f", host {failure.host}" if failure.host else ""
+    group = failure.group
+    if len(group) > 1:  # model_parallel: the unit that failed is a model group
+        host += f", model group: devices {', '.join(str(d) for d in group)}"
     return f"process {failure.process_index}{host}"
 
 

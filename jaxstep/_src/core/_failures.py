@@ -35,6 +35,9 @@ class Failure:
       microbatch: the first failing micro-batch (``microbatches > 1``), else None.
       host: the host name of the process holding the device (runs on several
         hosts), else None.
+      group: the ids of every device of the failing unit: under
+        ``make_train_step(model_parallel=m)`` its model group (``device_id`` is the
+        group's first), else ``(device_id,)``.
 
     Example:
       >>> import jaxstep
@@ -55,6 +58,11 @@ class Failure:
     rows: tuple[int, int] | None = None
     microbatch: int | None = None
     host: str | None = None
+    group: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.group:
+            object.__setattr__(self, "group", (self.device_id,))
 
 
 def failures_from_table(
@@ -64,12 +72,14 @@ def failures_from_table(
     rows_per_device: int | None,
     microbatches: int = 1,
     hosts: Callable[[int], str | None] | None = None,
+    groups: Callable[[int], tuple[int, ...]] | None = None,
 ) -> list[Failure]:
     """Turns a decoded health table into Failures, root cause first: the device whose
     failure came earliest in the chain input -> loss -> gradient -> parameters leads
     (a NaN input on one device outranks the non-finite losses a collective in the
     model spread from it), then device order. ``hosts`` maps a process index to its
-    host name (runs over many hosts)."""
+    host name (runs over many hosts); ``groups`` a device id to its model group's ids
+    (``model_parallel``)."""
     out = []
     for i, dev in enumerate(devices):
         status = Status(int(table.status[i]))
@@ -106,6 +116,7 @@ def failures_from_table(
                 rows=rows,
                 microbatch=micro,
                 host=None if hosts is None else hosts(dev.process_index),
+                group=() if groups is None else groups(int(dev.id)),
             )
         )
     return sorted(out, key=lambda f: rank(f.status))  # stable: device order within a rank

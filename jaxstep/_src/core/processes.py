@@ -175,10 +175,13 @@ def place_local_batch(
     devices: Sequence[jax.Device],
     sharding: Any,
     positions: Sequence[int] | None = None,
+    per_chunk: int = 1,
 ) -> Any:
     """The global batch array built from this process's rows (see :func:`local_rows`):
     chunk j of the local rows goes to the j-th local device in the step's order. One
-    transfer per local device, no communication between processes.
+    transfer per local device, no communication between processes. ``per_chunk``:
+    devices that hold each chunk (a model group's, under ``model_parallel``; the
+    devices then in the mesh's order, a group after another).
 
     Args:
       batch: this process's rows, a pytree of host arrays (a leaf already placed with
@@ -188,6 +191,8 @@ def place_local_batch(
         ``devices``).
       positions: :func:`local_positions` of ``devices``, when the caller keeps it (it
         costs O(local devices) a call).
+      per_chunk: devices that hold each chunk (``model_parallel``: a model group's
+        ``m``; ``devices`` then every device of the mesh, a group after another).
 
     Returns:
       The same pytree of global ``jax.Array`` s.
@@ -210,12 +215,13 @@ def place_local_batch(
         if isinstance(x, jax.Array) and x.sharding == sharding:
             return x  # placed already
         x = np.asarray(x)
-        size = x.shape[0] // n_local
-        shards = [
-            jax.device_put(x[j * size : (j + 1) * size], devices[p])
+        size = x.shape[0] * per_chunk // n_local
+        shards = [  # the j-th local device holds local chunk j // per_chunk
+            jax.device_put(x[j // per_chunk * size : (j // per_chunk + 1) * size], devices[p])
             for j, p in enumerate(positions)
         ]
-        return jax.make_array_from_single_device_arrays((size * n, *x.shape[1:]), sharding, shards)
+        shape = (size * n // per_chunk, *x.shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
     return jax.tree.map(one, batch)
 

@@ -7,6 +7,7 @@ from jaxstep._src.flax._nnx import NNXGraph as NNXGraph
 from jaxstep._src.flax._nnx import nnx_loss_fn as nnx_loss_fn
 from jaxstep._src.flax._nnx import nnx_merge as nnx_merge
 from jaxstep._src.flax._nnx import nnx_split as nnx_split
+from jaxstep._src.flax._partitioning import model_rule as model_rule
 from jaxstep._src.flax._partitioning import shard_rule as shard_rule
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "linen_apply",
     "linen_merge",
     "linen_split",
+    "model_rule",
     "nnx_loss_fn",
     "nnx_merge",
     "nnx_split",

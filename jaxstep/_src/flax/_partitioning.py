@@ -92,12 +92,65 @@ def shard_rule(
       >>> rule("['kernel']", (8, 16)), rule("['bias']", (16,))
       (1, None)
     """
-    wanted = _axes(axes)
+    return _read(variables, _axes(axes), rules, "shard_rule")
+
+
+def model_rule(
+    variables: Mapping[str, Any],
+    *,
+    axes: str | Sequence[str] = ("tensor", "model"),
+    rules: Sequence[tuple[str, Any]] | None = None,
+) -> Callable[[str, tuple[int, ...]], int | None]:
+    """A ``make_train_step(model_rule=...)`` from flax's partitioning metadata: what
+    :func:`shard_rule` reads, for the model axis. Each leaf is split over a model group
+    along its dimension whose mesh axis is one of ``axes`` (MaxText's ``"tensor"``,
+    levanter's ``"model"``; with logical names, those ``rules`` map there: MaxText's
+    ``("mlp", "tensor")``, ``("heads", "tensor")``, ``("vocab", "tensor")``), and held
+    whole on every device of the group when none is. An optimizer-state leaf that
+    mirrors a parameter gets its dimension. Unlike ``shard_rule`` nothing is padded: a
+    named dimension the group's ``model_parallel`` does not divide is refused at
+    ``step.init``, naming the leaf.
+
+    Args:
+      variables: what ``model.init(key, x)`` returns, boxes kept (or its ``["params"]``,
+        or ``jax.eval_shape(model.init, key, x)``).
+      axes: the mesh axis name(s) that mean "the model group".
+      rules: ``(logical_name, mesh_axes)`` pairs for logical boxes, as
+        ``nn.logical_axis_rules`` takes them.
+
+    Returns:
+      ``rule(path, shape) -> dim | None``; its ``repr`` lists the leaves it splits.
+
+    Raises:
+      ValueError, TypeError: as :func:`shard_rule`, naming ``model_rule``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import linen as nn
+      >>> init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+      >>> variables = nn.Dense(16, kernel_init=init).init(jax.random.key(0), jnp.ones((1, 8)))
+      >>> rule = model_rule(variables, rules=[("embed", None), ("mlp", "tensor")])
+      >>> rule("['kernel']", (8, 16)), rule("['bias']", (16,))
+      (1, None)
+    """
+    return _read(variables, _axes(axes), rules, "model_rule")
+
+
+def _read(
+    variables: Mapping[str, Any],
+    wanted: tuple[str, ...],
+    rules: Sequence[tuple[str, Any]] | None,
+    kind: str,
+) -> _Rule:
+    """The rule ``kind`` (``"shard_rule"`` or ``"model_rule"``) over the mesh axes
+    ``wanted``, read from ``variables``' boxes."""
     given = None if rules is None else _rules(rules)
     leaves: dict[str, _Leaf] = {}
     several: list[str] = []
     seen: set[str] = set()
-    paths = jax.tree_util.tree_leaves_with_path(_params(variables), is_leaf=meta.is_axis_metadata)
+    paths = jax.tree_util.tree_leaves_with_path(
+        _params(variables, kind), is_leaf=meta.is_axis_metadata
+    )
     for path, x in paths:
         name = leaf_name(path)
         shape = tuple(np.shape(x.value if isinstance(x, meta.Partitioned) else meta.unbox(x)))
@@ -113,13 +166,13 @@ def shard_rule(
         leaves[name] = _Leaf(shape, dims[0] if dims else None)
     if several:
         raise ValueError(
-            f"jaxstep shards a leaf along one dimension over its one group of devices, and "
+            f"jaxstep splits a leaf along one dimension over each axis ({kind}), and "
             f"these are partitioned over {wanted} along several: {', '.join(several)}; "
             "partition only one of their dimensions over those axes, or narrow axes="
         )
     if all(leaf.axis is None for leaf in leaves.values()):
-        raise ValueError(_nothing_sharded(wanted, seen, len(leaves)))
-    return _Rule(wanted, leaves)
+        raise ValueError(_nothing_sharded(wanted, seen, len(leaves), kind))
+    return _Rule(wanted, leaves, kind)
 
 
 class _Leaf(NamedTuple):
@@ -130,10 +183,13 @@ class _Leaf(NamedTuple):
 class _Rule:
     """The rule :func:`shard_rule` returns: a look-up in what it read."""
 
-    def __init__(self, axes: tuple[str, ...], leaves: dict[str, _Leaf]) -> None:
+    def __init__(
+        self, axes: tuple[str, ...], leaves: dict[str, _Leaf], kind: str = "shard_rule"
+    ) -> None:
         self.axes = axes
         self.leaves = leaves
-        self.__name__ = "jaxstep.flax.shard_rule"  # what a step's repr shows
+        self.kind = kind
+        self.__name__ = f"jaxstep.flax.{kind}"  # what a step's repr shows
 
     def __call__(self, path: str, shape: tuple[int, ...]) -> int | None:
         shape = tuple(shape)
@@ -144,7 +200,7 @@ class _Rule:
             known = self.leaves[name]
             if known.shape != shape:
                 raise ValueError(
-                    f"shard_rule was asked about {path} of shape {shape}, but the variables it "
+                    f"{self.kind} was asked about {path} of shape {shape}, but the variables it "
                     f"was built from hold it with shape {known.shape}: build it from the "
                     "variables of the model being trained"
                 )
@@ -157,7 +213,7 @@ class _Rule:
                     return self.leaves[param].axis
             return None
         raise ValueError(
-            f"shard_rule was asked about {path}, which the variables it was built from do "
+            f"{self.kind} was asked about {path}, which the variables it was built from do "
             f"not hold (they hold {_listed(list(self.leaves))}): build it from what "
             "model.init returns for the model being trained"
         )
@@ -165,8 +221,8 @@ class _Rule:
     def __repr__(self) -> str:
         sharded = [f"{n}: {leaf.axis}" for n, leaf in self.leaves.items() if leaf.axis is not None]
         return (
-            f"jaxstep.flax.shard_rule(axes={self.axes}): {len(sharded)} of {len(self.leaves)} "
-            f"leaves sharded ({_listed(sharded)})"
+            f"jaxstep.flax.{self.kind}(axes={self.axes}): {len(sharded)} of {len(self.leaves)} "
+            f"leaves {'split' if self.kind == 'model_rule' else 'sharded'} ({_listed(sharded)})"
         )
 
 
@@ -195,12 +251,12 @@ def _rules(rules: Rules) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def _params(variables: Mapping[str, Any]) -> Any:
+def _params(variables: Mapping[str, Any], kind: str = "shard_rule") -> Any:
     if isinstance(variables, nnx.Module | nnx.State) or not isinstance(variables, Mapping):
         raise TypeError(
-            f"jaxstep.flax.shard_rule reads linen variables (what model.init returns, boxes "
+            f"jaxstep.flax.{kind} reads linen variables (what model.init returns, boxes "
             f"kept), not a {type(variables).__name__}; for an NNX model write "
-            "shard_rule=fn(path, shape) -> axis | None yourself"
+            f"{kind}=fn(path, shape) -> axis | None yourself"
         )
     return variables.get("params", variables)
 
@@ -233,7 +289,10 @@ def _names(entry: Any) -> set[str]:
     return set()  # None, PartitionSpec.UNCONSTRAINED
 
 
-def _nothing_sharded(wanted: tuple[str, ...], seen: set[str], count: int) -> str:
+def _nothing_sharded(
+    wanted: tuple[str, ...], seen: set[str], count: int, kind: str = "shard_rule"
+) -> str:
+    group = "the model group" if kind == "model_rule" else "the data-parallel group"
     if not seen:
         return (
             f"none of the {count} leaves has a partitioning box naming a mesh axis, so "
@@ -243,7 +302,7 @@ def _nothing_sharded(wanted: tuple[str, ...], seen: set[str], count: int) -> str
         )
     return (
         f"no leaf is partitioned over {wanted}: the boxes name the mesh axes "
-        f"{sorted(seen)}; pass axes= the one(s) of the data-parallel group"
+        f"{sorted(seen)}; pass axes= the one(s) of {group}"
     )
 
 

@@ -326,6 +326,12 @@ class SelfHealing(Action):
                 self.restart = self._restart_point()
             return error.with_note(f"not recovered: {err}")
         detail = f"training goes on on the other {len(smaller.devices)} device(s)"
+        if step.options.model_parallel > 1:  # a model group goes whole
+            gone = ", ".join(str(d) for i in ids for d in step.options.group_ids(i))
+            detail = (
+                f"model group(s) of devices {gone} excluded; training goes on on the other "
+                f"{len(smaller.devices)} model group(s)"
+            )
         if many:  # a process's rows may go to another's devices
             detail += (
                 "; each batch's rows, every process's, are re-split over them (the rows "

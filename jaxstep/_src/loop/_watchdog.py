@@ -135,13 +135,26 @@ def hung(
         # Each process saw only its own devices' heartbeats: pool them, so every
         # process names the same devices.
         done, _ = distributed.share_heartbeats(expected, sorted(done), wait_s=min(timeout, 10.0))
-    late = [i for i in range(len(runtime.devices)) if i not in done]
+    # a beat a device, by its place in the mesh's order (model_parallel: m a unit)
+    m = runtime.options.model_parallel
+    every = range(len(runtime.devices) * m)
+    chips = [i for i in every if i not in done]
     where = "before reaching the first collective"
-    if not late:  # every device reached the collective: the hang is in or after it
-        late = list(range(len(runtime.devices)))
+    if not chips:  # every device reached the collective: the hang is in or after it
+        chips = list(every)
         where = "after reaching the first collective (all devices did)"
     if during is not None:
         where += f", in {during}"
+    mesh_ids = [d.id for d in runtime.options.mesh_devices]
+    late = sorted({i // m for i in chips})
+
+    def reason(unit: int) -> str:
+        said = f"did not finish its part of the step within {timeout:g} s, {where}"
+        own = [mesh_ids[i] for i in chips if i // m == unit]
+        if m == 1 or len(own) == m:
+            return said
+        return f"device(s) {', '.join(map(str, own))} of its model group {said}"
+
     failures = [
         Failure(
             device_id=runtime.devices[i].id,
@@ -149,8 +162,9 @@ def hung(
             host=processes.host_name(runtime.devices[i].process_index) if many else None,
             step=expected,
             status=Status.HUNG,
-            reason=f"did not finish its part of the step within {timeout:g} s, {where}",
+            reason=reason(i),
             leaf=None,
+            group=runtime.options.group_ids(runtime.devices[i].id),
         )
         for i in late
     ]

@@ -17,7 +17,13 @@ from jaxstep._src.program._faults import Fault as Fault
 from jaxstep._src.program._faults import Injector as Injector
 from jaxstep._src.program._faults import float_leaves as float_leaves
 from jaxstep._src.program._grid import Grid as Grid
+from jaxstep._src.program._model import model_dims as model_dims
+from jaxstep._src.program._model import model_shardings as model_shardings
+from jaxstep._src.program._model import model_specs as model_specs
+from jaxstep._src.program._model import unit_fingerprint as unit_fingerprint
 from jaxstep._src.program._options import AXIS as AXIS
+from jaxstep._src.program._options import MODEL_AXIS as MODEL_AXIS
+from jaxstep._src.program._options import ModelRule as ModelRule
 from jaxstep._src.program._options import Options as Options
 from jaxstep._src.program._padding import Kept as Kept
 from jaxstep._src.program._padding import Pads as Pads
@@ -43,6 +49,8 @@ __all__ = [
     "Injector",
     "Kept",
     "LossSpike",
+    "MODEL_AXIS",
+    "ModelRule",
     "Options",
     "Pads",
     "Plan",
@@ -56,10 +64,14 @@ __all__ = [
     "float_leaves",
     "grad_leaves_finite",
     "minority",
+    "model_dims",
+    "model_shardings",
+    "model_specs",
     "nbytes_per_device",
     "pad_to",
     "padding_of",
     "shard_axis",
     "shard_mask",
     "shard_spec",
+    "unit_fingerprint",
 ]

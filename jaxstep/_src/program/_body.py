@@ -33,6 +33,7 @@ from jaxstep._src.program._layouts import Result
 from jaxstep._src.program._layouts import StateLayout
 from jaxstep._src.program._local import Beat
 from jaxstep._src.program._local import here
+from jaxstep._src.program._model import chip_prints
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._policies import OnFailure
 from jaxstep._src.program._policies import policy_of
@@ -62,7 +63,7 @@ def body(
     at = here(options, state, batch, extras)
     sharded, grid = layout.replica_view(state)
     # drop: a diverged replica is repaired first
-    state, repair = policy.repair(state, at.position, sharded, grid, check_replicas=check_replicas)
+    state, repair = policy.repair(state, at, sharded, grid, check_replicas=check_replicas)
     # 1. input, 2. loss and gradients, 3. local health: all before any collective.
     part, rerun = layout.local_part(
         policy, state, batch, at, beat=beat, check_replicas=check_replicas
@@ -153,6 +154,10 @@ class Step:
         batch: Batch,
         extras: dict[str, Any],
     ) -> Result:
+        if self.check_replicas and self.options.model_parallel > 1:
+            # each device's own copies, read before the body reslices them (chip_prints)
+            extras = {**extras, "unit_prints": chip_prints(self.options, state)}
+            extra_specs = {**extra_specs, "unit_prints": P(self.options.axis_name)}
         layout = layout_of(self.options, mesh, extra_specs, state)
         repairs = self.policy.repairs(self.check_replicas)
         return layout.run(self._body(layout), self._finish, state, batch, extras, repairs=repairs)

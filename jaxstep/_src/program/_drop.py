@@ -19,6 +19,7 @@ from jaxstep._src.core import Status
 from jaxstep._src.core import TrainState
 from jaxstep._src.program import _cross_checks as cross_checks
 from jaxstep._src.program._grid import Grid
+from jaxstep._src.program._model import unit_fingerprint
 from jaxstep._src.program._options import Options
 
 
@@ -52,6 +53,7 @@ def repair_replicas(
     index: jax.Array,
     sharded: Sequence[bool] | None = None,
     grid: Grid | None = None,
+    given: jax.Array | None = None,
 ) -> tuple[TrainState, Repair]:
     """Compares every device's fingerprints of its params, optimizer state and model
     state (a small all-reduce, in the every-``divergence_every``-th program only) and,
@@ -64,11 +66,14 @@ def repair_replicas(
     sharded layout). With one group (``grid``) a shard has no second copy: it is
     neither compared nor copied. With several, a shard is compared among its twins and
     copied from one of their majority; with two groups a pair of twins that differ has
-    no majority, and both stay ``DIVERGED``."""
+    no majority, and both stay ``DIVERGED``. ``given``: under ``model_parallel``, this
+    model group's devices' fingerprints, read before the body (``chip_prints``)."""
     n = options.n
     trees = (state.params, state.opt_state, state.model_state)
     twinned = grid is not None and grid.grouped and sharded is not None
-    if sharded is None or twinned:
+    if sharded is None:  # under model_parallel its model group's (every device's data)
+        prints = unit_fingerprint(options, state, jax.tree.leaves(trees), given)
+    elif twinned:
         prints = cross_checks.fingerprint(jax.tree.leaves(trees))
     else:
         copies = cross_checks.without_shards(jax.tree.leaves(trees), sharded)

@@ -35,6 +35,7 @@ from jaxstep._src.core import FaultMode
 from jaxstep._src.core import PyTree
 from jaxstep._src.core.names import leaf_name
 from jaxstep._src.core.names import without_root
+from jaxstep._src.program._chips import each_chip
 
 KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 MODES: tuple[FaultMode, ...] = get_args(FaultMode)
@@ -111,15 +112,27 @@ class Context(NamedTuple):
 class Injector:
     """The faults of one step, resolved against its devices."""
 
-    def __init__(self, faults: Sequence[Fault], devices: Sequence[jax.Device]):
+    def __init__(
+        self,
+        faults: Sequence[Fault],
+        devices: Sequence[jax.Device],
+        groups: Sequence[Sequence[jax.Device]] | None = None,
+    ):
+        """``devices``: the step's units (each model group's first device, under
+        ``model_parallel``); ``groups``: every device of each (None: one each). A fault
+        on any device of a group fires in that group."""
         self.faults = tuple(faults)
-        ids = [d.id for d in devices]
+        groups = [[d] for d in devices] if groups is None else groups
+        #: each device id -> the position of the unit holding it
+        self._position = {d.id: i for i, g in enumerate(groups) for d in g}
+        ids = [d.id for g in groups for d in g]
         for f in self.faults:
-            if f.device_id not in ids:
+            if f.device_id not in self._position:
                 raise ValueError(
                     f"fault on device {f.device_id}, which is not among the step's devices {ids}"
                 )
-        self._position = {d: i for i, d in enumerate(ids)}
+        self._unit = {d: devices[i].id for d, i in self._position.items()}
+        self.model_parallel = len(groups[0]) if groups else 1
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -168,7 +181,7 @@ class Injector:
         if f.mode == "data":
             on &= (ctx.chunk == self._position[f.device_id]) & jnp.any(ctx.rows == f.example)
         else:
-            on &= ctx.device_id == f.device_id
+            on &= ctx.device_id == self._unit[f.device_id]
         if f.mode == "transient":
             on &= ~ctx.fired[k]
         return on
@@ -185,13 +198,13 @@ class Injector:
     def stall(self, ctx: Context, token: jax.Array) -> jax.Array:
         """Blocks this device for ``seconds`` where a stall fault fires."""
         for k, f in self._each("stall"):
-            token = io_callback(
-                _sleep_if,
-                jax.ShapeDtypeStruct((), jnp.int32),
-                self._active(k, ctx),
-                f.seconds,
-                token,
-            )
+
+            def sleep(chip: jax.Array, on: jax.Array, token: jax.Array, f: Fault = f) -> jax.Array:
+                # every device of a model group sleeps: the fault is the group's
+                shape = jax.ShapeDtypeStruct((), jnp.int32)
+                return io_callback(_sleep_if, shape, on, f.seconds, token)
+
+            token = each_chip(self.model_parallel, sleep, self._active(k, ctx), token)
         return token
 
     def input(self, batch: Batch, ctx: Context) -> Batch:

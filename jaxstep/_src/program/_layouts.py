@@ -42,6 +42,10 @@ from jaxstep._src.program._reduce import all_reduce
 from jaxstep._src.program._verdict import InPlace
 from jaxstep._src.program._verdict import View
 
+#: the extras a step reads and never changes (its chunk; under ``model_parallel`` at a
+#: replica-check step, each device's fingerprints): they do not go out
+INPUT_ONLY = ("chunk", "unit_prints")
+
 #: ``rerun(left_out) -> (grads, model_state)``: a device's work again, its cotangents
 #: zeroed when ``left_out`` (a sharded layout's ``drop``); None where no layout needs it
 Rerun = Callable[[jax.Array], tuple[PyTree, PyTree]]
@@ -182,7 +186,7 @@ class Replicated:
             assert parted.at is not None  # inside the shard_map
             new_state, out = finish(start, parted, InPlace(self.options, parted.at))
             # only the extras a step changes go out (``fired``): an output chunk cost a copy
-            return new_state, out, {k: v for k, v in parted.extras.items() if k != "chunk"}
+            return new_state, out, {k: v for k, v in parted.extras.items() if k not in INPUT_ONLY}
 
         return step
 
@@ -197,16 +201,13 @@ class Replicated:
         repairs: bool,
     ) -> Result:
         assert self.mesh is not None and self.extra_specs is not None
-        mapped = map_body(
-            self.per_device(body, finish), self.mesh, self.options.axis_name, self.extra_specs
-        )
+        mapped = map_body(self.per_device(body, finish), self.options, self.extra_specs)
         return mapped(state, batch, extras)
 
 
 def map_body(
     body_fn: Callable[..., Result],
-    mesh: Mesh,
-    axis: str,
+    options: Options,
     extra_specs: Mapping[str, P],
 ) -> Callable[..., Result]:
     """``body_fn(state, batch, extras)`` (a device's step) mapped over ``mesh``'s
@@ -225,13 +226,12 @@ def map_body(
         new_state, out, changed = body_fn(state, batch, extras)
         return new_state, out._replace(aux=jax.tree.map(lambda x: x[None], out.aux)), changed
 
-    changed_specs = {k: s for k, s in extra_specs.items() if k != "chunk"}  # body's out
-    return jax.shard_map(
+    changed_specs = {k: s for k, s in extra_specs.items() if k not in INPUT_ONLY}  # body's out
+    axis = options.axis_name
+    return options.on_devices(
         stacked_aux,
-        mesh=mesh,
         in_specs=(P(), P(axis), dict(extra_specs)),
         out_specs=(P(), StepOutput._make((P(), P(), P(axis), P())), changed_specs),
-        check_vma=False,
     )
 
 

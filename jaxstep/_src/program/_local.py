@@ -20,10 +20,12 @@ from jaxstep._src.core import Status
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import health
 from jaxstep._src.program import _cross_checks as cross_checks
+from jaxstep._src.program._chips import each_chip
 from jaxstep._src.program._device import DeviceWork
 from jaxstep._src.program._device import WorkFn
 from jaxstep._src.program._device import microbatched_work
 from jaxstep._src.program._faults import Armed
+from jaxstep._src.program._model import unit_fingerprint
 from jaxstep._src.program._options import Options
 
 #: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
@@ -40,6 +42,9 @@ class Here(NamedTuple):
     chunk: jax.Array
     faults: Armed  # its faults at this step, the step's one seam to them (or NO_FAULTS)
     token: jax.Array  # an injected stall's mark (negative when one stalled it)
+    #: under ``model_parallel``, at a replica-check step: each device of this model
+    #: group's fingerprints, ``(m, leaves)``, read before the body (``chip_prints``)
+    prints: jax.Array | None = None
 
 
 def here(options: Options, state: TrainState, batch: Batch, extras: dict[str, Any]) -> Here:
@@ -50,7 +55,8 @@ def here(options: Options, state: TrainState, batch: Batch, extras: dict[str, An
     faults = options.arm(state.step, chunk, rows, extras.get("fired"), position=index)
     faults.check_rows(rows)
     token = faults.stall(jnp.zeros((), jnp.int32))
-    return Here(index, chunk, faults, token)
+    given = extras.get("unit_prints")
+    return Here(index, chunk, faults, token, None if given is None else given[0])
 
 
 class LocalPart(NamedTuple):
@@ -104,15 +110,20 @@ def local_part(
     row = row_of(work, grad_leaf, squares, microbatch)
     prints = None
     if check_replicas:
-        prints, param_leaf = replica_check(state, sharded)
+        prints, param_leaf = replica_check(state, sharded, options, at.prints)
         row["param_leaf"] = param_leaf
         status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
     if beat is not None:
         # Tell the host this device finished its local part. The gradients take a
         # (zero) term from the callback's result, so it runs before the collective.
-        done = io_callback(
-            beat, jax.ShapeDtypeStruct((), jnp.int32), at.position, state.step, status
-        )
+        m = options.model_parallel
+
+        def tell(chip: jax.Array, position: jax.Array, number: jax.Array) -> jax.Array:
+            # each device of a model group beats by its place in the mesh's order
+            shape = jax.ShapeDtypeStruct((), jnp.int32)
+            return io_callback(beat, shape, position * m + chip, number, status)
+
+        done = each_chip(m, tell, at.position, state.step)
         zero = jnp.minimum(done, 0)  # the callback returns status >= 0
         grads = jax.tree.map(lambda g: g + zero.astype(g.dtype), grads)
         status |= zero
@@ -145,15 +156,25 @@ def row_of(
 
 
 def replica_check(
-    state: TrainState, sharded: Sequence[bool] | None = None
+    state: TrainState,
+    sharded: Sequence[bool] | None = None,
+    options: Options | None = None,
+    given: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """This device's fingerprint of its own copy of params, optimizer state and model
     state, and its first non-finite parameter leaf (or -1). In the every-k-steps
     program only. ``sharded``: the leaves held as shards (fingerprint 0: a shard has
-    no second copy to compare)."""
+    no second copy to compare); ``options``: the step's (under ``model_parallel`` the
+    fingerprint is its model group's, every device's own data in it, ``given`` as
+    :func:`~jaxstep._src.program._model.chip_prints` read it)."""
     leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
     n_params = len(jax.tree.leaves(state.params))
     if sharded is None:
-        return cross_checks.fingerprint(leaves), health.first_nonfinite(leaves[:n_params])[1]
+        prints = (
+            cross_checks.fingerprint(leaves)
+            if options is None
+            else unit_fingerprint(options, state, leaves, given)
+        )
+        return prints, health.first_nonfinite(leaves[:n_params])[1]
     copies = cross_checks.without_shards(leaves, sharded)
     return cross_checks.fingerprint(copies), health.first_nonfinite(leaves[:n_params])[1]

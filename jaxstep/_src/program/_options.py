@@ -5,13 +5,16 @@ the host driver, its inputs)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from jaxstep._src.core import BACKEND_NAMES
 from jaxstep._src.core import POLICIES
@@ -21,6 +24,7 @@ from jaxstep._src.core import Policy
 from jaxstep._src.core import ShardState
 from jaxstep._src.core import processes
 from jaxstep._src.core import validate
+from jaxstep._src.program._chips import MODEL_AXIS
 from jaxstep._src.program._cross_checks import DEFAULT_DIVERGENCE_EVERY
 from jaxstep._src.program._cross_checks import LossSpike
 from jaxstep._src.program._faults import NO_FAULTS
@@ -34,6 +38,9 @@ from jaxstep._src.program._shards import DEFAULT_SHARD_MIN_SIZE
 from jaxstep._src.program._shards import ShardRule
 
 AXIS = "devices"  # the default collective axis name (make_train_step(axis_name=...))
+#: ``model_rule(path, shape) -> dim | None``: the dimension of a parameter split over the
+#: model axis (None: whole on every device of a model group)
+ModelRule = Callable[[str, tuple[int, ...]], "int | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,11 @@ class Options:
     importable without reaching up a layer, and the host driver above reads it as is.
     Besides the options it holds what follows from them alone: ``injector`` (the
     faults resolved against the devices) and ``device_ids``.
+
+    With ``model_parallel = m > 1`` the devices the user passes form model groups of
+    ``m`` consecutive devices; ``devices`` then holds each group's first device (the
+    unit the host speaks of: chunk ``i`` runs on group ``i``, row ``i`` of the health
+    table is it, ``device_ids[i]`` names it) and ``groups`` every device of each.
 
     Raises:
       ValueError, TypeError: an option is invalid; the message names it and the fix.
@@ -75,6 +87,12 @@ class Options:
     shard_min_size: int = DEFAULT_SHARD_MIN_SIZE
     replicas: int = 1
     shard_rule: ShardRule | None = None
+    model_parallel: int = 1
+    model_rule: ModelRule | None = None
+    #: the model groups, each a tuple of ``model_parallel`` devices, in order (internal:
+    #: set from ``devices`` when empty; a step rebuilt after an exclusion passes them
+    #: along with its ``devices``, each group's first device, and keeps those groups)
+    groups: tuple[tuple[jax.Device, ...], ...] = ()
     #: after ``TrainStep.exclude_devices`` under ``shard_state`` with one group: the
     #: layout kept from before (each leaf's axis; a leaf it no longer divides held
     #: padded), which replaces the rule; None otherwise (internal: not a keyword)
@@ -86,7 +104,8 @@ class Options:
 
     def __post_init__(self) -> None:
         _check(self)
-        devices = tuple(validate.devices(self.devices))
+        _check_model(self)
+        devices, groups = _groups(self)
         if self.backend == "pmap" and processes.spans_processes(devices):
             raise ValueError(
                 "backend='pmap' with devices of several processes is not supported: use "
@@ -95,8 +114,9 @@ class Options:
             )
         set_ = object.__setattr__  # frozen: normalized once, here
         set_(self, "devices", devices)
+        set_(self, "groups", groups)
         set_(self, "faults", tuple(self.faults))
-        set_(self, "injector", Injector(self.faults, devices))
+        set_(self, "injector", Injector(self.faults, devices, groups))
         set_(self, "device_ids", tuple(d.id for d in devices))
         if self.n % self.replicas:
             raise ValueError(
@@ -112,8 +132,42 @@ class Options:
 
     @property
     def n(self) -> int:
-        """The number of devices."""
+        """The number of devices (of model groups, under ``model_parallel``: the units
+        that each take a chunk of the batch and a row of the health table)."""
         return len(self.device_ids)
+
+    @property
+    def mesh_devices(self) -> tuple[jax.Device, ...]:
+        """Every device of the step, in order (``devices`` and the rest of each model
+        group)."""
+        return tuple(d for g in self.groups for d in g)
+
+    def group_ids(self, device_id: int) -> tuple[int, ...]:
+        """The ids of the model group holding device ``device_id`` (``(device_id,)``
+        without a model axis; ``()`` for a device not in the step)."""
+        return next(
+            (tuple(d.id for d in g) for g in self.groups if device_id in {d.id for d in g}), ()
+        )
+
+    @functools.cached_property
+    def mesh(self) -> Mesh:
+        """The step's mesh: one axis (``axis_name``) over the devices; under
+        ``model_parallel = m > 1``, ``(axis_name, MODEL_AXIS)`` of shape ``(n, m)``,
+        a model group a row."""
+        devices = np.array(self.mesh_devices, dtype=object)
+        if self.model_parallel == 1:
+            return Mesh(devices, (self.axis_name,))
+        return Mesh(devices.reshape(self.n, self.model_parallel), (self.axis_name, MODEL_AXIS))
+
+    def on_devices(self, fn: Callable[..., Any], in_specs: Any, out_specs: Any) -> Any:
+        """``fn`` mapped over the step's mesh with ``jax.shard_map``: manual over the
+        data axis (``axis_name``); under ``model_parallel`` the model axis is left to
+        XLA, so ``fn`` sees each leaf with its global shape and the model group
+        partitions it."""
+        manual = {} if self.model_parallel == 1 else {"axis_names": frozenset({self.axis_name})}
+        return jax.shard_map(
+            fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **manual
+        )
 
     def summary(self) -> str:
         """The loss's name and the options that differ from the defaults, for a step's
@@ -135,6 +189,8 @@ class Options:
             "shard_state": self.shard_state,
             "replicas": self.replicas if self.replicas != 1 else None,
             "shard_rule": getattr(self.shard_rule, "__name__", "rule") if self.shard_rule else None,
+            "model_parallel": self.model_parallel if self.model_parallel != 1 else None,
+            "model_rule": getattr(self.model_rule, "__name__", "rule") if self.model_rule else None,
             "faults": len(self.faults) or None,
             "max_consecutive_skips": (
                 self.max_consecutive_skips if self.on_failure == "skip" else None
@@ -261,6 +317,64 @@ def _check_sharding(o: Options) -> None:
             "shard_rule needs shard_state: the rule says where the sharded state's leaves "
             "are split; pass shard_state='params' or 'optimizer'"
         )
+
+
+def _check_model(o: Options) -> None:
+    """``model_parallel`` and ``model_rule`` (the devices are checked with the groups)."""
+    m = o.model_parallel
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise TypeError(f"model_parallel must be an int >= 1 (devices per model group), got {m!r}")
+    if o.model_rule is not None and not callable(o.model_rule):
+        raise TypeError(
+            f"model_rule must be a function (path, shape) -> dim | None, got {o.model_rule!r}"
+        )
+    if m == 1:
+        return
+    if o.backend == "pmap":
+        raise ValueError(
+            f"model_parallel={m} needs backend='shard_map': pmap maps one device per "
+            "chunk and cannot split a parameter over a model group; build the step with "
+            "backend='shard_map' (the default)"
+        )
+    if o.shard_state is not None:
+        raise ValueError(
+            f"model_parallel={m} with shard_state={o.shard_state!r} is not supported yet: "
+            "the model axis splits the parameters by model_rule, the data axis holds them "
+            "whole; pass shard_state=None with model_parallel, or model_parallel=1"
+        )
+    if o.axis_name == MODEL_AXIS:
+        raise ValueError(
+            f"axis_name={o.axis_name!r} is the model axis's name (jaxstep.MODEL_AXIS) under "
+            "model_parallel: pass another axis_name (the default 'devices')"
+        )
+
+
+def _groups(o: Options) -> tuple[tuple[jax.Device, ...], tuple[tuple[jax.Device, ...], ...]]:
+    """The step's units (each model group's first device) and its model groups."""
+    if o.groups:  # rebuilt (an exclusion): the groups whose first device stays
+        leads = {g[0].id: g for g in o.groups}
+        given = [d for d in o.devices]
+        if all(d.id in leads for d in given):
+            groups = tuple(leads[d.id] for d in given)
+            return tuple(g[0] for g in groups), groups
+    every = validate.devices(o.devices)
+    m = o.model_parallel
+    if len(every) % m:
+        raise ValueError(
+            f"model_parallel={m} does not divide the {len(every)} devices: the devices form "
+            f"model groups of {m} consecutive devices; pass a model_parallel of "
+            f"{_divisors(len(every))}, or devices=jax.devices()[:{len(every) // m * m}]"
+        )
+    groups = tuple(tuple(every[i : i + m]) for i in range(0, len(every), m))
+    for g in groups:
+        if len({d.process_index for d in g}) > 1:
+            raise ValueError(
+                f"model group of devices {[d.id for d in g]} spans processes "
+                f"{sorted({d.process_index for d in g})}: a model group's collectives run "
+                "on one host's fast interconnect; pass a model_parallel that divides each "
+                "process's device count (order devices process by process)"
+            )
+    return tuple(g[0] for g in groups), groups
 
 
 def _divisors(n: int) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 
 import jax
@@ -33,6 +34,9 @@ from jaxstep._src.program._gathered import Reduced
 from jaxstep._src.program._gathered import Seen
 from jaxstep._src.program._grid import Grid
 from jaxstep._src.program._options import Options
+
+if TYPE_CHECKING:
+    from jaxstep._src.program._local import Here
 
 _SKIPS, _DROPS = COL["consecutive_skips"], COL["consecutive_drops"]  # counters, gathered
 
@@ -70,7 +74,7 @@ class OnFailure:
     def repair(
         self,
         state: TrainState,
-        index: jax.Array,
+        at: Here,
         sharded: Sequence[bool] | None,
         grid: Grid | None,
         *,
@@ -189,7 +193,7 @@ class Drop(Skip):
     def repair(
         self,
         state: TrainState,
-        index: jax.Array,
+        at: Here,
         sharded: Sequence[bool] | None,
         grid: Grid | None,
         *,
@@ -197,7 +201,7 @@ class Drop(Skip):
     ) -> tuple[TrainState, drop.Repair | None]:
         if not check_replicas:
             return state, None
-        return drop.repair_replicas(self.options, state, index, sharded, grid)
+        return drop.repair_replicas(self.options, state, at.position, sharded, grid, at.prints)
 
     def forward_keep(self, forward_failed: jax.Array) -> jax.Array:
         return jnp.where(forward_failed, 0.0, 1.0)

@@ -40,6 +40,7 @@ from jaxstep._src.program import Options
 from jaxstep._src.program import Pads
 from jaxstep._src.program import Plan
 from jaxstep._src.program import Step
+from jaxstep._src.program import model_shardings
 from jaxstep._src.program import padding_of
 from jaxstep._src.program import shard_spec
 from jaxstep._src.step._placement import BatchPlacement
@@ -54,6 +55,7 @@ class Backend(Protocol):
     stacked: bool  # state leaves carry a leading device axis
     devices: list[jax.Device]
     grid: Grid  # the devices as replica groups (one group but under replicas)
+    mesh: Mesh  # the step's devices (under model_parallel, with their model groups)
 
     def __init__(self, options: Options) -> None: ...
     def compile(self, step: Step, donate: bool, split: Mapping[str, bool]) -> Compiled: ...
@@ -87,7 +89,8 @@ class ShardMapBackend:
         self.devices = list(options.devices)
         self.shard_state = options.shard_state
         self.axis = axis_name = options.axis_name
-        self.mesh = Mesh(np.array(self.devices, dtype=object), (axis_name,))
+        # one axis; under model_parallel (axis_name, MODEL_AXIS), a model group a row
+        self.mesh = options.mesh
         self.grid = Grid(self.mesh, options.replicas)
         self.replicated = NamedSharding(self.mesh, P())
         self.split = NamedSharding(self.mesh, P(axis_name))
@@ -97,9 +100,14 @@ class ShardMapBackend:
         """``step`` on the global arrays, jitted: its ``shard_map`` is its own (the
         update after it under a sharded layout)."""
         extra_specs = {k: P(self.axis) if s else P() for k, s in split.items()}
+        model = self.options.model_parallel > 1
 
         def run(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
-            return step(self.mesh, extra_specs, state, batch, extras)
+            new_state, out, changed = step(self.mesh, extra_specs, state, batch, extras)
+            if model:  # the new state split over the model axis as the old one is
+                shardings = model_shardings(self.options, new_state)
+                new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+            return new_state, out, changed
 
         return jax.jit(run, donate_argnums=(0,) if donate else ())
 
@@ -110,9 +118,7 @@ class ShardMapBackend:
         shards; ``out_specs``: of a result other than the state)."""
         if self.shard_state is None:
             out = P() if out_specs is None else out_specs
-            return jax.jit(
-                jax.shard_map(fn, mesh=self.mesh, in_specs=P(), out_specs=out, check_vma=False)
-            )
+            return jax.jit(self.options.on_devices(fn, P(), out))
 
         grid = self.grid
 
@@ -145,6 +151,8 @@ class ShardMapBackend:
         """``state`` on the devices (a layout's leaves split; a leaf it holds padded,
         after an exclusion, padded first: :class:`jaxstep._src.program.Kept`)."""
         plan = self.plan(state)
+        if plan is None and self.options.model_parallel > 1 and isinstance(state, TrainState):
+            return jax.device_put(state, model_shardings(self.options, state))
         if plan is None:
             return jax.device_put(state, self.replicated)
         state = plan.physical(state)

@@ -19,6 +19,7 @@ from jaxstep._src.program import DEFAULT_SHARD_MIN_SIZE
 from jaxstep._src.program import DynamicLossScale
 from jaxstep._src.program import Fault
 from jaxstep._src.program import LossSpike
+from jaxstep._src.program import ModelRule
 from jaxstep._src.program import Options
 from jaxstep._src.program import ShardRule
 from jaxstep._src.step._train_step import TrainStep
@@ -47,6 +48,8 @@ def make_train_step(
     shard_min_size: int = DEFAULT_SHARD_MIN_SIZE,
     replicas: int = 1,
     shard_rule: ShardRule | None = None,
+    model_parallel: int = 1,
+    model_rule: ModelRule | None = None,
 ) -> TrainStep:
     """Builds a checked data-parallel training step.
 
@@ -130,6 +133,23 @@ def make_train_step(
         mirrors a parameter takes its axis (``jaxstep.flax.shard_rule`` makes one from
         flax's partitioning metadata). ``shard_min_size`` applies to it too: a smaller
         leaf stays whole whatever the rule says.
+      model_parallel: devices per model group (tensor parallelism; default 1). The
+        mesh is ``(data, model)`` over ``devices`` in order, the model axis fastest:
+        ``devices[g * m : (g + 1) * m]`` is group ``g``, which takes chunk ``g`` of
+        every batch. ``loss_fn`` is written as for one device (it sees its chunk and
+        every parameter's global shape); XLA partitions the model axis
+        (:data:`jaxstep.MODEL_AXIS`; constrain an activation with
+        ``jax.lax.with_sharding_constraint(x, P(None, jaxstep.MODEL_AXIS))``). A group
+        is the unit that checks itself: its gradient is checked before anything
+        crosses the data axis, and a failure names its first device (``device_id``)
+        and all of them (``err.group``). ``step.devices`` holds each group's first
+        device. A group stays inside a process. ``backend="shard_map"``,
+        ``shard_state=None`` (docs/model-parallel.md).
+      model_rule: ``fn(path, shape) -> dim | None``: the dimension of a parameter
+        split over a model group (None: whole on each of its devices); an
+        optimizer-state leaf that mirrors a parameter takes its dimension
+        (``jaxstep.flax.model_rule`` makes one from flax's partitioning metadata).
+        None: every leaf whole (the model axis then only splits what XLA chooses to).
 
     Returns:
       A :class:`TrainStep`: ``state = step.init(params)``, ``state, out = step(state, batch)``.
@@ -169,5 +189,7 @@ def make_train_step(
         shard_min_size=shard_min_size,
         replicas=replicas,
         shard_rule=shard_rule,
+        model_parallel=model_parallel,
+        model_rule=model_rule,
     )
     return TrainStep(options)

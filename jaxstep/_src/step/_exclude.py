@@ -71,12 +71,14 @@ def kept_positions(options: Options, device_ids: Sequence[int]) -> list[int]:
     for d in device_ids:
         if isinstance(d, bool) or not isinstance(d, int | np.integer):
             raise TypeError(f"device_ids must hold jax.Device.id ints, got {d!r}")
-        if d not in ids:
+        if not options.group_ids(int(d)):
+            every = [x.id for x in options.mesh_devices]
             raise ValueError(
-                f"device {d} is not one of this step's devices {list(ids)}: pass ids "
+                f"device {d} is not one of this step's devices {every}: pass ids "
                 "from [d.id for d in step.devices]"
             )
-    gone = {int(d) for d in device_ids}
+    # under model_parallel a device goes with its model group (the group's first names it)
+    gone = {options.group_ids(int(d))[0] for d in device_ids}
     keep = [i for i, d in enumerate(ids) if d not in gone]
     if options.replicas > 1:  # a group goes whole: its shards have no home without it
         m = options.group_size
@@ -108,7 +110,7 @@ def smaller_options(options: Options, keep: Sequence[int]) -> tuple[Options, lis
     go: :func:`kept_positions`); with one group the layout is kept by
     :func:`keep_layout`."""
     devices = [options.devices[i] for i in keep]
-    ids = {d.id for d in devices}
+    ids = {d.id for i in keep for d in options.groups[i]}
     kept_faults = [k for k, f in enumerate(options.faults) if f.device_id in ids]
     max_dropped = options.max_dropped
     if max_dropped is not None:

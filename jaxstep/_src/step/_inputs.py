@@ -259,7 +259,7 @@ class Inputs:
             )
         if isinstance(number, jax.Array):
             held = {int(d.id) for d in number.sharding.device_set}  # type: ignore[attr-defined]
-            want_ids = {d.id for d in self.options.devices}
+            want_ids = {d.id for d in self.options.mesh_devices}
             if held != want_ids:
                 raise ValueError(
                     f"this state does not fit this step: it lives on devices {sorted(held)}, "

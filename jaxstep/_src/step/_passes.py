@@ -49,8 +49,9 @@ class Passes:
         self.options, self.backend = options, backend
         self.devices = list(backend.devices)
         self.n = len(self.devices)
-        # the step's devices in its order, on its axis: the placement the state has
-        self.mesh = Mesh(np.array(self.devices, dtype=object), (options.axis_name,))
+        # the step's devices in its order, on its axis (under model_parallel its model
+        # groups too): the placement the state has
+        self.mesh: Mesh = backend.mesh
         self._examples: Any = None
         self._grad_leaves: Any = None
 
@@ -158,12 +159,15 @@ class Passes:
                 skip = lambda: jnp.zeros(shape.shape, shape.dtype)  # noqa: E731
                 return jax.lax.cond(want[0], work, skip)[None]
 
+            # manual over the data axis (a model group one unit, as the step's own body)
+            manual = {} if options.model_parallel == 1 else {"axis_names": frozenset({axis})}
             mapped = jax.shard_map(
                 local,
                 mesh=mesh,
                 in_specs=(specs, P(axis), P(axis), P(axis)),
                 out_specs=P(axis),
                 check_vma=False,  # as the step's own programs
+                **manual,
             )
             return mapped(state, batch, want, step)
 
@@ -181,12 +185,14 @@ class Passes:
         extras = self.backend.place_extras(given, {"want": True, "step": True})
         placed = self.backend.place_batch(batch)
         out = program(state, placed, extras["want"], extras["step"])
-        position = {d: i for i, d in enumerate(self.devices)}
+        # each device by the position of its unit (model_parallel: every device of a
+        # group holds the group's result; the first read is kept)
+        position = {d: i for i, g in enumerate(self.options.groups) for d in g}
         mine = set(local_positions(self.devices)) & {int(c) for c in chunks}
         found = {}
         for shard in out.addressable_shards:
             p = position[shard.device]
-            if p in mine:
+            if p in mine and p not in found:
                 found[p] = np.asarray(shard.data)[0]
         return found
 

@@ -38,6 +38,8 @@ class BatchPlacement:
     def __init__(self, mesh: Mesh, axis: str):
         self.devices: list[jax.Device] = list(mesh.devices.flat)
         self.split = NamedSharding(mesh, P(axis))
+        #: devices per chunk: a model group (``model_parallel``) takes one chunk whole
+        self._per_chunk = len(self.devices) // mesh.shape[axis]
         # Across processes each one passes its own rows: where its devices sit, once.
         self._local = (
             processes.local_positions(self.devices)
@@ -60,7 +62,9 @@ class BatchPlacement:
         else:
             return batch  # already where it belongs: no device_put
         if self._local is not None:
-            return processes.place_local_batch(batch, self.devices, self.split, self._local)
+            return processes.place_local_batch(
+                batch, self.devices, self.split, self._local, self._per_chunk
+            )
         return jax.device_put(batch, self.split)
 
     def _transfer(self, batch: Batch, leaves: Sequence[np.ndarray]) -> Batch:
@@ -84,8 +88,11 @@ class BatchPlacement:
             plan = None
             want = jax.dtypes.canonicalize_dtype(x.dtype)
             if _batched_device_put is not None and x.ndim and np.dtype(want) == x.dtype:
-                size = x.shape[0] // len(self.devices)
-                ranges = [(i * size, (i + 1) * size) for i in range(len(self.devices))]
+                per = self._per_chunk
+                size = x.shape[0] * per // len(self.devices)
+                ranges = [
+                    (i // per * size, (i // per + 1) * size) for i in range(len(self.devices))
+                ]
                 plan = (jax.core.ShapedArray(x.shape, x.dtype), ranges)
             self._plans[key] = plan
         return self._plans[key]

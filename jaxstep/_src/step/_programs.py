@@ -21,6 +21,7 @@ from jaxstep._src.program import Options
 from jaxstep._src.program import Step
 from jaxstep._src.program import fingerprint
 from jaxstep._src.program import shard_mask
+from jaxstep._src.program import unit_fingerprint
 from jaxstep._src.step._backends import Backend
 
 #: ``beat(position, step_number, status) -> status``: the heartbeat callback
@@ -132,6 +133,8 @@ class Programs:
                         jnp.zeros((), x.dtype) if held else x
                         for x, held in zip(leaves, sharded, strict=True)
                     ]
+                if sharded is None:  # under model_parallel: each model group's, every device in
+                    return jax.lax.all_gather(unit_fingerprint(self.options, s, leaves), axis)
                 return jax.lax.all_gather(fingerprint(leaves), axis)
 
             self._prints = self.backend.compile_state_fn(prints, P())

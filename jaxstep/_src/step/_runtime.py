@@ -307,8 +307,15 @@ class Runtime:
         """The failing devices of a step, in device order."""
         # One host needs no host name in every message; many do.
         hosts = processes.host_name if processes.spans_processes(self.devices) else None
+        groups = self.options.group_ids if self.options.model_parallel > 1 else None
         return failures_from_table(
-            table, self.devices, self.names, rows_per_device, self.options.microbatches, hosts
+            table,
+            self.devices,
+            self.names,
+            rows_per_device,
+            self.options.microbatches,
+            hosts,
+            groups,
         )
 
     def _beat(self, index: np.ndarray, step_number: np.ndarray, status: np.ndarray) -> np.ndarray:

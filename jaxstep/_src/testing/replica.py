@@ -22,7 +22,9 @@ def corrupt_replica(
     Args:
       step: the step that owns ``state``.
       state: a state from ``step``; not modified.
-      device_id: the ``jax.Device.id`` whose replica is corrupted.
+      device_id: the ``jax.Device.id`` whose replica is corrupted (under
+        ``model_parallel`` any device of a group: its block of a leaf split over the
+        model axis, or its own copy of a whole one).
       leaf: a name from ``step.names["state"]``: a parameter
         (``"params['Dense_0']['kernel']"``, or as ``Fault`` and ``err.leaf`` write it,
         ``"['Dense_0']['kernel']"``), an optimizer state leaf (``"opt_state[0].mu['w']"``)
@@ -49,10 +51,11 @@ def corrupt_replica(
     """
     names = step.names["state"]
     k = state_leaf_index(names, leaf)
-    ids = [d.id for d in step.devices]
+    every = list(step.options.mesh_devices)  # under model_parallel, any device of a group
+    ids = [d.id for d in every]
     if device_id not in ids:
         raise ValueError(f"device {device_id} is not among the step's devices {ids}")
-    target = step.devices[ids.index(device_id)]
+    target = every[ids.index(device_id)]
     # the order of step.names["state"]
     leaves, treedef = jax.tree.flatten((state.params, state.opt_state, state.model_state))
     x = leaves[k]
@@ -61,7 +64,7 @@ def corrupt_replica(
     if (
         isinstance(x, jax.Array)
         and not x.sharding.is_fully_replicated
-        and step.options.backend != "pmap"
+        and step.options.shard_state is not None  # model_parallel: a block has twins
         and step.options.replicas == 1
     ):
         whole = [n for n, y in zip(names, leaves, strict=True) if y.sharding.is_fully_replicated]

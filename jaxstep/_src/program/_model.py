@@ -1,0 +1,196 @@
+"""The model axis (``make_train_step(model_parallel=m, model_rule=...)``): which
+dimension of each parameter is split over a model group's ``m`` devices.
+
+The step's mesh is ``(axis_name, MODEL_AXIS)`` of shape ``(n, m)``: the data axis
+across model groups (each takes a chunk of the batch and holds the state whole along
+it), the model axis inside a group. The body is manual over the data axis and leaves
+the model axis to XLA (``jax.shard_map(..., axis_names={axis_name})``): ``loss_fn``
+sees every parameter with its global shape, and XLA partitions the matrices over the
+group as the leaves' shardings (``P(..., MODEL_AXIS, ...)`` along the rule's
+dimension) and the user's ``with_sharding_constraint`` s say. Each group's own
+gradient is checked before anything crosses the data axis: the group is the unit that
+checks itself.
+
+The rule is asked once for each parameter (``path`` as ``jax.tree_util.keystr``
+writes it, its global shape); an optimizer-state leaf that mirrors a parameter (Adam's
+moments: the same path at the end, the same shape) takes its dimension, any other
+leaf (counts, the model state, keys, the monitor) is whole on every device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxstep._src.core import PyTree
+from jaxstep._src.core.names import keystrs
+from jaxstep._src.program import _cross_checks as cross_checks
+from jaxstep._src.program._options import MODEL_AXIS
+from jaxstep._src.program._options import Options
+from jaxstep._src.program._shards import _mirrored
+from jaxstep._src.program._shards import shard_spec
+
+
+def model_dims(options: Options, params: PyTree) -> tuple[int | None, ...]:
+    """Each parameter's dimension over the model axis (tree order; None: whole), the
+    rule's answers checked against the shapes and the group.
+
+    Raises:
+      TypeError: the rule returned something other than an int or None.
+      ValueError: a dimension the leaf does not have, or one whose size the group's
+        ``model_parallel`` devices do not divide (naming the leaf, its shape and the
+        fix).
+    """
+    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
+    if options.model_parallel == 1 or options.model_rule is None:
+        return (None,) * len(shapes)
+    m = options.model_parallel
+    dims: list[int | None] = []
+    for name, shape in zip(keystrs(params), shapes, strict=True):
+        dim = options.model_rule(name, shape)
+        if dim is None:
+            dims.append(None)
+            continue
+        if isinstance(dim, bool) or not isinstance(dim, int | np.integer):
+            raise TypeError(
+                f"model_rule({name!r}, {shape}) returned {dim!r}; return a dimension (an "
+                "int) or None (whole on every device of a model group)"
+            )
+        if not -len(shape) <= dim < len(shape):
+            raise ValueError(
+                f"model_rule({name!r}, {shape}) returned dimension {dim}, which a leaf of "
+                f"shape {shape} does not have: return one of 0..{len(shape) - 1} (or None)"
+            )
+        dim = int(dim) % len(shape)
+        if shape[dim] % m:
+            raise ValueError(
+                f"model_rule({name!r}, {shape}) splits dimension {dim} (size {shape[dim]}) "
+                f"over model_parallel={m} devices, which does not divide it: return a "
+                f"dimension whose size divides by {m} (or None: whole), or pass a "
+                f"model_parallel that divides {shape[dim]}"
+            )
+        dims.append(dim)
+    return tuple(dims)
+
+
+def model_specs(options: Options, state: Any) -> Any:
+    """``state``'s ``PartitionSpec`` s on the step's mesh (a tree like it): each
+    parameter split over :data:`MODEL_AXIS` along its rule's dimension, each optimizer
+    leaf that mirrors one likewise, everything else whole (``P()``)."""
+    whole = jax.tree.map(lambda _: P(), state)
+    if options.model_parallel == 1 or options.model_rule is None:
+        return whole
+    dims = model_dims(options, state.params)
+    names = keystrs(state.params)
+    params = jax.tree.leaves(state.params)
+    mirrors = {
+        name: (tuple(np.shape(x)), d) for name, x, d in zip(names, params, dims, strict=True)
+    }
+    opt = [
+        _mirrored(name, tuple(np.shape(x)), mirrors)
+        for name, x in zip(
+            keystrs(state.opt_state, "opt_state"), jax.tree.leaves(state.opt_state), strict=True
+        )
+    ]
+    as_specs = lambda tree, axes: jax.tree.unflatten(  # noqa: E731
+        jax.tree.structure(tree), [shard_spec(a, MODEL_AXIS) for a in axes]
+    )
+    return whole.replace(
+        params=as_specs(state.params, dims), opt_state=as_specs(state.opt_state, opt)
+    )
+
+
+def model_shardings(options: Options, state: Any) -> Any:
+    """:func:`model_specs` as ``NamedSharding`` s on the step's mesh."""
+    mesh = options.mesh
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        model_specs(options, state),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def split_leaves(options: Options, state: Any) -> bool:
+    """Whether the rule splits any parameter of ``state`` over the model axis."""
+    if options.model_parallel == 1 or options.model_rule is None:
+        return False
+    return any(d is not None for d in model_dims(options, state.params))
+
+
+def chip_prints(options: Options, state: Any) -> jax.Array:
+    """Every device's fingerprints of what it holds of ``state``'s params, optimizer
+    state and model state (its block of a split leaf, its own copy of a whole one),
+    ``(n, m, leaves)``, split over the data axis: made at the top of the replica-check
+    step, on the state as it came in, by a ``shard_map`` manual over both axes. Inside
+    the body the partitioner may take a whole leaf from one device's copy (sharding
+    propagation reslices it for the loss: measured, a corrupted copy on the group's
+    second device went unseen and was overwritten), so the copies are read before."""
+    specs = model_specs(options, state)
+    spec_leaves = jax.tree.leaves(
+        (specs.params, specs.opt_state, specs.model_state), is_leaf=lambda x: isinstance(x, P)
+    )
+    leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
+
+    def each(*held: jax.Array) -> jax.Array:
+        return cross_checks.fingerprint(list(held))[None, None]
+
+    return jax.shard_map(
+        each,
+        mesh=options.mesh,
+        in_specs=tuple(spec_leaves),
+        out_specs=P(options.axis_name, MODEL_AXIS),
+        check_vma=False,
+    )(*leaves)
+
+
+def unit_fingerprint(
+    options: Options, state: Any, leaves: list[jax.Array], given: jax.Array | None = None
+) -> jax.Array:
+    """:func:`~jaxstep._src.program._cross_checks.fingerprint` of ``leaves`` (those of
+    ``state``'s params, optimizer state and model state, in order) over every device
+    of this unit, inside the body. Without a model axis it is the device's own. Under
+    ``model_parallel`` each device of the group fingerprints what it holds (its block
+    of a split leaf, its own copy of a whole one: a shard_map nested over the model
+    axis, where XLA would read one copy of a whole leaf per group) and the group's
+    fingerprint of a leaf is their sum, each weighted by an odd constant of its model
+    position: a corrupted block, or one device's corrupted copy of a whole leaf,
+    changes it, and the groups compare theirs along the data axis as devices do.
+    ``given``: this group's ``(m, leaves)`` from :func:`chip_prints` (the step's own
+    check reads them there); None: read here (a program that only fingerprints)."""
+    if options.model_parallel == 1:
+        return cross_checks.fingerprint(leaves)
+    m = options.model_parallel
+    weights = np.asarray([(0x9E3779B1 * (2 * j + 1)) % 2**32 | 1 for j in range(m)], np.uint32)
+    if given is not None:
+        return jnp.sum(given * jnp.asarray(weights)[:, None], axis=0, dtype=jnp.uint32)
+    specs = model_specs(options, state)
+    spec_leaves = jax.tree.leaves(
+        (specs.params, specs.opt_state, specs.model_state), is_leaf=lambda x: isinstance(x, P)
+    )
+
+    def each(*held: jax.Array) -> jax.Array:
+        return cross_checks.fingerprint(list(held))[None]
+
+    prints = jax.shard_map(
+        each,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=tuple(spec_leaves),
+        out_specs=P(MODEL_AXIS),
+        axis_names=frozenset({MODEL_AXIS}),
+        check_vma=False,
+    )(*leaves)  # (m, leaves): each device's
+    return jnp.sum(prints * jnp.asarray(weights)[:, None], axis=0, dtype=jnp.uint32)
+
+
+__all__ = [
+    "chip_prints",
+    "model_shardings",
+    "model_specs",
+    "split_leaves",
+    "unit_fingerprint",
+]

@@ -1,0 +1,302 @@
+"""A model axis inside the checked step (``make_train_step(model_parallel=m,
+model_rule=...)``, issue 46): the parameters split over each model group as the rule
+says, the numbers a hand-written 2-D GSPMD step's, and the group the unit that checks
+itself: a fault on any of its devices names the group (``err.device_id`` its first,
+``err.group`` all), and no healthy group is blamed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxstep
+from jaxstep import Status
+from jaxstep.testing import Fault
+from jaxstep.testing import assert_fails
+from jaxstep.testing import corrupt_replica
+from tests.models import init_params
+from tests.models import loss_fn
+from tests.models import make_batches
+
+#: Megatron's MLP split: dense1's columns (and bias), dense2's rows, over a group
+DIMS = {
+    "['dense1']['kernel']": 1,
+    "['dense1']['bias']": 0,
+    "['dense2']['kernel']": 0,
+}
+
+
+def megatron(path, shape):
+    return DIMS.get(path)
+
+
+def _step(m=2, **kw):
+    kw.setdefault("divergence_every", None)
+    return jaxstep.make_train_step(
+        loss_fn, optax.adam(1e-2), model_parallel=m, model_rule=megatron, **kw
+    )
+
+
+def _host(step, state):
+    return [np.asarray(x) for x in jax.tree.leaves(step.host_state(state).params)]
+
+
+def test_the_state_is_split_over_each_model_group_as_the_rule_says():
+    step = _step()
+    assert [d.id for d in step.devices] == [0, 2, 4, 6]  # each group's first device
+    assert [tuple(d.id for d in g) for g in step.options.groups] == [
+        (0, 1),
+        (2, 3),
+        (4, 5),
+        (6, 7),
+    ]
+    state = step.init(init_params())
+    for _ in range(2):  # the update keeps the layout (the next step reuses its program)
+        assert state.params["dense1"]["kernel"].sharding.spec == P(None, jaxstep.MODEL_AXIS)
+        assert state.params["dense1"]["bias"].sharding.spec == P(jaxstep.MODEL_AXIS)
+        assert state.params["dense2"]["kernel"].sharding.spec == P(jaxstep.MODEL_AXIS)
+        assert state.params["dense2"]["bias"].sharding.spec == P()
+        mu = state.opt_state[0].mu  # Adam's moments mirror their parameters
+        assert mu["dense1"]["kernel"].sharding.spec == P(None, jaxstep.MODEL_AXIS)
+        assert mu["dense2"]["bias"].sharding.spec == P()
+        # a block a device: half of dense1's 8 columns
+        block = state.params["dense1"]["kernel"].addressable_shards[0].data
+        assert block.shape == (3, 4)
+        state, _ = step(state, make_batches(1)[0])
+
+
+def _hand_2d(batches, m):
+    """The hand-written 2-D GSPMD step: jit over Mesh((8/m, m), (data, model)), the
+    same rule as NamedShardings, the batch split over data."""
+    mesh = Mesh(np.array(jax.devices()).reshape(8 // m, m), ("data", "model"))
+    opt = optax.adam(1e-2)
+
+    def spec(path, _):
+        dim = DIMS.get(jax.tree_util.keystr(path))
+        return NamedSharding(mesh, P() if dim is None else P(*([None] * dim), "model"))
+
+    params = init_params()
+    shardings = jax.tree_util.tree_map_with_path(spec, params)
+    params = jax.device_put(params, shardings)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    data = NamedSharding(mesh, P("data"))
+    for b in batches:
+        params, opt_state = step(params, opt_state, jax.device_put(b, data))
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_ten_steps_match_a_hand_written_2d_gspmd_step_within_1e_5(m):
+    batches = make_batches(10)
+    step = _step(m)
+    state = jaxstep.fit(step, step.init(init_params()), batches)
+    for got, want in zip(_host(step, state), _hand_2d(batches, m), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_model_parallel_1_is_todays_step_bitwise():
+    batches = make_batches(3)
+    plain = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), divergence_every=None)
+    ones = _step(1)
+    a = jaxstep.fit(plain, plain.init(init_params()), batches)
+    b = jaxstep.fit(ones, ones.init(init_params()), batches)
+    for x, y in zip(_host(plain, a), _host(ones, b), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert [d.id for d in ones.devices] == list(range(8))
+
+
+@pytest.mark.parametrize("device_id", [4, 5])
+def test_a_gradient_fault_on_either_device_of_a_group_names_that_group(device_id):
+    step = _step(faults=[Fault("grad", device_id=device_id, step=2, leaf="['dense2']['kernel']")])
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), make_batches(4), diagnose=False)
+    err = assert_fails(
+        info, device_id=4, step=2, status=Status.GRAD_NONFINITE, leaf="['dense2']['kernel']"
+    )
+    assert err.group == (4, 5) and [f.group for f in err.failures] == [(4, 5)]
+    assert "(process 0, model group: devices 4, 5)" in str(err).splitlines()[0]
+    assert int(err.state.step) == 2  # the last good state, still split over the model axis
+    assert err.state.params["dense1"]["kernel"].sharding.spec == P(None, jaxstep.MODEL_AXIS)
+
+
+def test_bad_rows_on_one_group_are_named_with_their_rows():
+    batches = make_batches(3)
+    batches[1]["pos"][9, 0] = -1.0  # row 9: chunk 1 (rows 8..15), the group of devices 2, 3
+    step = _step()
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), batches, diagnose=False)
+    err = assert_fails(info, device_id=2, step=1, has_status=Status.LOSS_NONFINITE)
+    assert err.group == (2, 3) and err.failures[0].rows == (8, 16)
+
+
+def test_drop_leaves_a_failing_groups_chunk_out_of_the_mean():
+    fault = Fault("loss", device_id=7, step=1, mode="transient")
+    step = _step(on_failure="drop", faults=[fault])
+    history = jaxstep.History()
+    state = jaxstep.fit(step, step.init(init_params()), make_batches(4), history=history)
+    assert int(state.step) == 4
+    assert history.dropped == [(), (6,), (), ()]  # the group of devices 6, 7, by its first
+    assert all(np.isfinite(x).all() for x in _host(step, state))
+
+
+def test_recover_excludes_the_whole_group_and_keeps_the_state_split():
+    step = _step(faults=[Fault("grad", device_id=3, step=2, mode="device")])
+    history = jaxstep.History()
+    with pytest.warns(UserWarning, match="not trained"):  # 32 rows over 3 groups
+        state = jaxstep.fit(
+            step,
+            step.init(init_params()),
+            make_batches(6),
+            recover=jaxstep.Recover(),
+            history=history,
+        )
+    assert int(state.step) == 6
+    [recovery] = history.recoveries
+    assert (recovery.step, recovery.verdict, recovery.action) == (2, "device", "excluded")
+    assert recovery.device_ids == (2,)  # the group of devices 2, 3, by its first
+    assert [tuple(d.id for d in g) for g in step.options.groups] == [(0, 1), (4, 5), (6, 7)]
+    assert state.params["dense1"]["kernel"].sharding.spec == P(None, jaxstep.MODEL_AXIS)
+    held = {d.id for d in state.params["dense1"]["kernel"].sharding.device_set}
+    assert held == {0, 1, 4, 5, 6, 7}
+
+
+def test_exclude_devices_takes_any_device_of_a_group_and_drops_the_group():
+    step = _step()
+    state = step.init(init_params())
+    smaller, state = step.without_devices([7], state)
+    assert [d.id for d in smaller.devices] == [0, 2, 4]
+    batch = {k: v[:24] for k, v in make_batches(1)[0].items()}
+    state, out = smaller(state, batch)
+    assert smaller.table(out).status.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("device_id", "leaf", "group"),
+    [
+        (5, "['dense1']['kernel']", (4, 5)),  # a block of a split leaf
+        (3, "['dense2']['bias']", (2, 3)),  # one device's copy of a whole leaf
+    ],
+)
+def test_a_corrupted_device_is_named_by_its_group(device_id, leaf, group):
+    step = _step(divergence_every=2)
+    state, _ = step(step.init(init_params()), make_batches(1)[0])
+    state, _ = step(state, make_batches(1)[0])  # step 2 checks the copies
+    bad = corrupt_replica(step, state, device_id, leaf)
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, bad, make_batches(2))
+    err = assert_fails(info, device_id=group[0], step=2, status=Status.DIVERGED)
+    assert err.group == group and err.leaf == f"params{leaf}"
+
+
+def test_drop_repairs_a_corrupted_block_from_a_twin_group():
+    step = _step(on_failure="drop", divergence_every=2)
+    state, _ = step(step.init(init_params()), make_batches(1)[0])
+    state, _ = step(state, make_batches(1)[0])
+    bad = corrupt_replica(step, state, 5, "['dense1']['kernel']")
+    history = jaxstep.History()
+    state = jaxstep.fit(step, bad, make_batches(2), history=history)
+    assert history.repaired == [(4,), ()]  # the group of devices 4, 5, by its first
+    clean = _step(on_failure="drop", divergence_every=2)
+    want = jaxstep.fit(clean, clean.init(init_params()), make_batches(1) * 2 + make_batches(2))
+    for x, y in zip(_host(step, state), _host(clean, want), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_stalled_group_is_named_by_the_heartbeat():
+    step = _step(faults=[Fault("stall", device_id=3, step=1, seconds=3.0)])
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), make_batches(3), step_timeout=1.5)
+    err = assert_fails(info, device_id=2, step=1, status=Status.HUNG)
+    assert err.group == (2, 3)
+
+
+def test_diagnosis_tells_a_device_fault_of_a_group_from_bad_rows():
+    step = _step(faults=[Fault("grad", device_id=5, step=1, mode="device")])
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), make_batches(3), diagnose=True)
+    assert info.value.group == (4, 5)
+    assert info.value.diagnosis.verdict == "device"
+    step = _step(faults=[Fault("grad", device_id=5, step=1, mode="data", example=2)])
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, step.init(init_params()), make_batches(3), diagnose=True)
+    assert info.value.diagnosis.verdict == "data"
+
+
+def test_a_checkpoint_restores_bitwise_across_model_parallel_and_layouts(tmp_path):
+    batches = make_batches(2)
+    step = _step()
+    state = jaxstep.fit(step, step.init(init_params()), batches)
+    jaxstep.save(step, state, tmp_path / "m2")
+    want = _host(step, state)
+    others = [
+        _step(1),
+        _step(4),
+        jaxstep.make_train_step(loss_fn, optax.adam(1e-2), shard_state="params", shard_min_size=0),
+        jaxstep.make_train_step(loss_fn, optax.adam(1e-2), shard_state="optimizer"),
+    ]
+    for i, other in enumerate(others):
+        restored = jaxstep.restore(other, tmp_path / "m2")
+        for x, y in zip(_host(other, restored), want, strict=True):
+            np.testing.assert_array_equal(x, y)
+        jaxstep.save(other, restored, tmp_path / f"back{i}")
+        back = jaxstep.restore(step, tmp_path / f"back{i}")
+        assert back.params["dense1"]["kernel"].sharding.spec == P(None, jaxstep.MODEL_AXIS)
+        for x, y in zip(_host(step, back), want, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_loss_fn_may_constrain_an_activation_over_the_model_axis():
+    def constrained(params, batch):
+        h = batch["x"] @ params["dense1"]["kernel"]
+        h = jax.lax.with_sharding_constraint(h, P(None, jaxstep.MODEL_AXIS))
+        return loss_fn(params, batch) + 0.0 * jnp.sum(h)
+
+    step = jaxstep.make_train_step(
+        constrained, optax.adam(1e-2), model_parallel=2, model_rule=megatron
+    )
+    _, out = step(step.init(init_params()), make_batches(1)[0])
+    assert step.table(out).status.tolist() == [0, 0, 0, 0]
+
+
+# -- bad input, before anything runs --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "words"),
+    [
+        (dict(model_parallel=3), ValueError, "model_parallel=3 does not divide the 8 devices"),
+        (dict(model_parallel=0), TypeError, "model_parallel must be an int >= 1"),
+        (dict(model_parallel=2, backend="pmap"), ValueError, "needs backend='shard_map'"),
+        (dict(model_parallel=2, shard_state="params"), ValueError, "shard_state=None"),
+        (dict(model_parallel=2, axis_name="model"), ValueError, "pass another axis_name"),
+        (dict(model_parallel=2, model_rule=3), TypeError, "model_rule must be a function"),
+    ],
+)
+def test_a_bad_option_is_refused_naming_the_fix(kw, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        jaxstep.make_train_step(loss_fn, optax.sgd(0.1), **kw)
+
+
+@pytest.mark.parametrize(
+    ("rule", "error", "words"),
+    [
+        (lambda p, s: "columns", TypeError, "returned 'columns'; return a dimension"),
+        (lambda p, s: 5, ValueError, "which a leaf of shape"),
+        (lambda p, s: 0 if "dense2" in p else None, ValueError, "does not divide it"),
+    ],
+)
+def test_a_bad_rule_is_refused_at_init_naming_the_leaf(rule, error, words):
+    step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1), model_parallel=2, model_rule=rule)
+    with pytest.raises(error, match=words):
+        step.init(init_params())
