@@ -784,6 +784,11 @@ def main() -> None:
         help="also the sharded layouts, shard_state='optimizer' and 'params' (issue 30)",
     )
     parser.add_argument(
+        "--model",
+        action="store_true",
+        help="also the model axis, model_parallel=2, against a hand 2-D GSPMD step (issue 46)",
+    )
+    parser.add_argument(
         "--overlap",
         default="sleep,grain",
         help="data sources as slow as a step, for fit's prefetch: sleep, grain, or none",
@@ -841,6 +846,10 @@ def main() -> None:
         import bench_sharded
 
         report["sharded"] = bench_sharded.run(sys.modules[__name__], args)
+    if args.model:  # scripts/bench_model.py, beside this file
+        import bench_model
+
+        report["model"] = bench_model.run(sys.modules[__name__], args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

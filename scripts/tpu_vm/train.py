@@ -61,6 +61,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "sharded inside each and whole in each (on 2 hosts of 4 chips, --replicas 2: a group "
         "a host, every shard's twin on the other host); default 1",
     )
+    p.add_argument(
+        "--model-parallel",
+        type=int,
+        default=1,
+        metavar="M",
+        help="tensor parallelism inside each host: model groups of M chips split the dense "
+        "layers (Megatron: dense1's columns, dense2's rows) and each takes one chunk of the "
+        "batch; a group never spans hosts (default 1)",
+    )
     p.add_argument("--fault-step", type=int, default=-1, help="plant a NaN at this step (-1: no)")
     p.add_argument("--fault-device", type=int, default=-1, help="jax.Device.id for --fault-step")
     p.add_argument("--save-params", help="process 0 writes the final parameters here (.npz)")
@@ -98,6 +107,12 @@ def global_batch(step: int, size: int) -> dict[str, np.ndarray]:
     return {"image": image.astype(np.float32), "label": label.astype(np.int32)}
 
 
+def megatron(path: str, shape: tuple[int, ...]) -> int | None:
+    """The ``model_rule`` (``--model-parallel``): dense1's columns and bias, dense2's rows
+    over a model group (the hidden activation between them stays split); the head whole."""
+    return {"['dense1']['kernel']": 1, "['dense1']['bias']": 0, "['dense2']['kernel']": 0}.get(path)
+
+
 def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
     """The checked step on ``devices`` and its first state."""
     import jax
@@ -126,13 +141,17 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
         divergence_every=every,
         shard_state=getattr(args, "shard_state", None),
         replicas=getattr(args, "replicas", 1),
+        model_parallel=getattr(args, "model_parallel", 1),
+        model_rule=megatron,
     )
     params = model.init(jax.random.key(0), jnp.zeros((1, IMAGE)))["params"]
     return step, step.init(params)
 
 
 def batches(args: argparse.Namespace, devices: list[Any], start: int, stop: int):
-    """This process's rows of batches ``start .. stop-1``."""
+    """This process's rows of batches ``start .. stop-1``; ``devices``: the step's
+    (``step.devices``: under ``--model-parallel`` each model group's first chip, a
+    chunk each)."""
     from jaxstep import distributed
 
     size = args.per_device * len(devices)
@@ -174,7 +193,7 @@ def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[A
         step,
         state,
         # A callable source: batch i for step i, so a resumed run reads the same rows.
-        lambda first: batches(args, devices, first, args.steps),
+        lambda first: batches(args, list(step.devices), first, args.steps),
         callbacks=[Progress()],
         step_timeout=args.step_timeout,
         checkpoint_dir=args.checkpoint_dir,
@@ -224,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
 
         log(
             f"{jax.process_count()} processes, {len(jax.devices())} devices "
-            f"({len(jax.local_devices())} here), {args.per_device * len(jax.devices())} "
-            "examples per step"
+            f"({len(jax.local_devices())} here), "
+            f"{args.per_device * len(jax.devices()) // args.model_parallel} examples per step"
+            + (f", model groups of {args.model_parallel}" if args.model_parallel > 1 else "")
         )
         step, state = train(args)
         log(f"finished {args.steps} steps")

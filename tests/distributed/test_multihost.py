@@ -112,6 +112,14 @@ def jobs(tmp_path_factory):
         [str(CHILD), "sharded", str(base / "ckpt-sharded"), str(base / "sharded.npz")],
         base / "sharded",
     )
+    # tensor parallelism inside each process: model groups of 2 chips, a NaN on 2049
+    started["model"] = Job(
+        [
+            *(str(TRAIN), *TRAIN_ARGS, "--model-parallel", "2"),
+            *("--fault-step", "2", "--fault-device", str(2048 + 1)),
+        ],
+        base / "model",
+    )
     yield started
     for job in started.values():
         if isinstance(job, Job) and job.proc.poll() is None:
@@ -266,6 +274,22 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
     start = runtime_of(step).read_at(first.params, 0)
     pairs = zip(jax.tree.leaves(start), jax.tree.leaves(here), strict=True)
     assert not all(np.allclose(a, b) for a, b in pairs)
+
+
+def test_a_model_group_on_process_1_is_named_alike_by_both_processes(jobs):
+    job = jobs["model"].wait()
+    assert job.proc.returncode != 0, job.tail()
+    first = (
+        "training worker on device 2048 failed: non-finite input in ['image'] (with "
+        "non-finite loss, non-finite gradient in ['dense1']['kernel']) at step 2 (process 1, "
+    )
+    for p in (0, 1):
+        lines = [x for x in job.output.splitlines() if x.startswith(f"[p{p}] ") and first in x]
+        assert lines and lines[0].endswith("model group: devices 2048, 2049)"), job.tail()
+    assert "examples per step, model groups of 2" in job.output
+    report = json.loads((jobs["base"] / "model" / "error-p0.json").read_text())
+    assert report["device_id"] == 2048 and report["step"] == 2
+    assert report["failures"][0]["group"] == [2048, 2049]
 
 
 # ------------------------------------------------------------ checkpoints

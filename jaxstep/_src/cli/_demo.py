@@ -129,6 +129,17 @@ def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
             f"--replicas {replicas} does not divide the {len(device_ids)} devices into groups "
             "of equal size"
         )
+    m = getattr(args, "model_parallel", 1)
+    if m < 1 or len(device_ids) % m:
+        return (
+            f"--model-parallel {m} does not divide the {len(device_ids)} devices into model "
+            "groups of equal size"
+        )
+    if m > 1 and (args.backend != "shard_map" or layout is not None):
+        return (
+            f"--model-parallel {m} needs --backend shard_map and no --shard-state (the model "
+            "axis splits the dense layers, the data axis holds them whole)"
+        )
     inj = args.inject
     if inj is None:
         return None
@@ -167,7 +178,8 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     inj = args.inject
     train, test = data.digits(seed=args.seed)
     model = _model()
-    batch_size = args.per_device * len(devices)
+    m = getattr(args, "model_parallel", 1)
+    batch_size = args.per_device * (len(devices) // m)  # a chunk a model group
     step = make_train_step(
         _loss(model),
         optax.adam(3e-3),
@@ -181,7 +193,10 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         shard_state=getattr(args, "shard_state", None),
         shard_min_size=0,
         replicas=getattr(args, "replicas", 1),
+        model_parallel=m,
+        model_rule=megatron if m > 1 else None,
     )
+    units = list(step.devices)  # the history's columns: a model group a column
     # One compiled init, not one small compile per parameter.
     params = jax.jit(model.init)(jax.random.key(args.seed), train.image[:1])["params"]
     state = step.init(params)
@@ -190,10 +205,16 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         f"jaxstep demo: a CNN learns scikit-learn's digits ({len(train)} train / {len(test)} "
         f"test images) on {len(devices)} {devices[0].platform} devices, backend "
         f"{args.backend}, policy {args.policy!r}, {batch_size} examples a step "
-        f"({args.per_device} per device), {args.steps} steps"
+        f"({args.per_device} per {'model group' if m > 1 else 'device'}), {args.steps} steps"
     )
     if step.options.shard_state is not None:
         print(_bytes_held(step, state))
+    if m > 1:
+        groups = ", ".join(f"({', '.join(str(d.id) for d in g)})" for g in step.options.groups)
+        print(
+            f"model_parallel={m}: model groups {groups}, each splitting the dense layers "
+            f"(Megatron) and taking one chunk; {_bytes_held(step, state, 'model')}"
+        )
     if inj is not None:
         print(f"injected at step {inj.step} on device {inj.device_id}: {KINDS[inj.kind]}")
         if _recovers(args):
@@ -207,18 +228,29 @@ def run(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         return data.batches(train, batch_size, seed=args.seed, start=start)
 
     state, error = _train(args, step, state, batches, options)
-    report(args, devices, model, step, state, test, history, error, options)
+    report(args, units, model, step, state, test, history, error, options)
     return EXIT_OK if error is None else EXIT_WORKER_FAILED
 
 
-def _bytes_held(step: TrainStep, state: TrainState) -> str:
-    """How much of the state each device holds under ``shard_state``."""
+def megatron(path: str, shape: tuple[int, ...]) -> int | None:
+    """The demo's ``model_rule``: the first dense layer's columns (and bias) and the
+    second's rows split over a model group (Megatron's MLP); the convolutions whole."""
+    return {"['Dense_0']['kernel']": 1, "['Dense_0']['bias']": 0, "['Dense_1']['kernel']": 0}.get(
+        path
+    )
+
+
+def _bytes_held(step: TrainStep, state: TrainState, what: str = "shard") -> str:
+    """How much of the state each device holds under ``shard_state`` (``what``:
+    "model": under ``model_parallel``, said briefly)."""
     import jax
 
     first = step.devices[0]
     leaves = jax.tree.leaves(state)
     held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
     whole = sum(x.nbytes for x in leaves)
+    if what == "model":
+        return f"each device holds {held / 1024:.0f} KiB of the state's {whole / 1024:.0f} KiB"
     k = step.options.replicas
     groups = f", in {k} groups of {len(step.devices) // k} (replicas={k})" if k > 1 else ""
     return (
@@ -351,7 +383,7 @@ def _print_failure(err: TrainingWorkerError) -> None:
     print(f"\njaxstep.TrainingWorkerError: {err}")
     print(
         f"\nerr.device_id={err.device_id}  err.step={err.step}  err.status={err.status!r}  "
-        f"err.leaf={err.leaf!r}"
+        f"err.leaf={err.leaf!r}" + (f"  err.group={err.group}" if len(err.group) > 1 else "")
     )
     if err.diagnosis is not None:
         print(f"err.diagnosis.verdict={err.diagnosis.verdict!r}")

@@ -130,6 +130,15 @@ def _demo_arguments(demo: argparse.ArgumentParser) -> None:
         "inside each and whole in each (hybrid sharding); every shard's twins in the other "
         "groups are compared by the replica check (default 1)",
     )
+    demo.add_argument(
+        "--model-parallel",
+        type=int,
+        default=1,
+        metavar="M",
+        help="tensor parallelism: the devices form model groups of M, each splitting the "
+        "dense layers (Megatron: the first's columns, the second's rows) and taking one "
+        "chunk of the batch; a failure names the group (default 1)",
+    )
     demo.add_argument("--steps", type=int, default=150)
     demo.add_argument("--per-device", type=int, default=16, help="examples per device a step")
     demo.add_argument("--seed", type=int, default=0, help="data split, shuffle and init")
