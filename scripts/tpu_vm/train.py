@@ -162,7 +162,9 @@ def batches(args: argparse.Namespace, devices: list[Any], start: int, stop: int)
         yield batch
 
 
-def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[Any, Any]:
+def train(
+    args: argparse.Namespace, devices: list[Any] | None = None, history: Any = None
+) -> tuple[Any, Any]:
     """Trains to step ``args.steps`` and returns (step, final state).
 
     With ``--checkpoint-dir``, ``fit`` writes a verified checkpoint every
@@ -201,6 +203,7 @@ def train(args: argparse.Namespace, devices: list[Any] | None = None) -> tuple[A
         resume=args.resume,
         until_step=args.steps,  # the run's total: a restarted job never trains past it
         recover=jaxstep.Recover() if args.recover else None,
+        history=history,
     )
     return step, state
 
@@ -241,14 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         import jax
 
+        import jaxstep
+
         log(
             f"{jax.process_count()} processes, {len(jax.devices())} devices "
             f"({len(jax.local_devices())} here), "
             f"{args.per_device * len(jax.devices()) // args.model_parallel} examples per step"
             + (f", model groups of {args.model_parallel}" if args.model_parallel > 1 else "")
         )
-        step, state = train(args)
+        history = jaxstep.History()
+        step, state = train(args, history=history)
         log(f"finished {args.steps} steps")
+        # where the time went: the same figures on every process (process 0's clock)
+        report = history.goodput().to_dict()
+        log(f"goodput {report['goodput']:.4f} of {report['wall_s']:.3f} s: {report}")
         if args.save_params:
             # every process: with --shard-state the whole parameters are gathered from
             # every process's shards (a collective)

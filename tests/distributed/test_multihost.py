@@ -266,6 +266,14 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
     assert sorted(p.name for p in where.iterdir()) == ["0", "2", "4", "goodput.jsonl"]
     record = [json.loads(x) for x in (where / "goodput.jsonl").read_text().splitlines()]
     assert [r["n"] for r in record if "n" in r] == [0, 1, 2, 3]  # each step once
+    # every process reports the same figures (process 0's clock), steps counted alike
+    said = {
+        p: line.split("] goodput ", 1)[1]
+        for p in (0, 1)
+        for line in job.output.splitlines()
+        if line.startswith(f"[p{p}] ") and "] goodput " in line
+    }
+    assert said[0] == said[1] and "'productive': 4" in said[0], job.tail()
     for number in (2, 4):
         meta = json.loads((where / str(number) / "meta" / "metadata").read_text())
         assert meta["verified"] and sorted(meta["data_by_process"]) == ["0", "1"]

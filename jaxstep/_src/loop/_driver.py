@@ -23,6 +23,7 @@ from jaxstep._src.core import HealthTable
 from jaxstep._src.core import StepOutput
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
+from jaxstep._src.core import processes
 from jaxstep._src.loop._actions import actions
 from jaxstep._src.loop._carry import Carry
 from jaxstep._src.loop._carry import end_position
@@ -433,5 +434,7 @@ class Loop:
         self.actions.finish(self.state, first)
         self.actions.close()
         self.ledger.close(time.perf_counter())  # before on_fit_end: the writers report it
+        if processes.spans_processes(self.runtime.devices):  # one report on every process
+            self.ledger.agree(self.runtime.devices)
         self.actions.on_fit_end(self.history)
         return self.state

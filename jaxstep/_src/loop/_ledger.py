@@ -20,9 +20,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+from jaxstep._src.core import processes
 
 #: the buckets of time that is not a step's (``"wasted"`` is steps' time: see Goodput)
 BUCKETS = ("startup", "data", "checkpoint", "diagnosis", "recovery", "other")
@@ -55,6 +58,7 @@ class Ledger:
         "data",
         "earlier",
         "failed",
+        "first",
         "nested",
         "opened",
         "record",
@@ -70,6 +74,7 @@ class Ledger:
         self.failed: set[int] = set()
         #: each fit call's wall time, measured apart from the spans
         self.calls: list[float] = []
+        self.first = 0  # where the running fit call's spans begin in :attr:`spans`
         self.cursor = 0.0  # perf_counter when the open interval began
         self.opened = 0.0  # perf_counter when the running fit call began
         self.data = 0.0  # seconds waited for data in the open interval
@@ -85,6 +90,7 @@ class Ledger:
     def begin(self, now: float) -> None:
         """A fit call began at ``now`` (``time.perf_counter()``)."""
         self.cursor = self.opened = now
+        self.first = len(self.spans)
         self.data = 0.0
         self.spent = {}
         self.compiled = COMPILING[0]
@@ -143,6 +149,28 @@ class Ledger:
             self.record.put({"call": now - self.opened})
             self.record.close()
             self.record = None
+
+    def agree(self, devices: Sequence[jax.Device], timeout_s: float = 30.0) -> bool:
+        """After a fit call over ``devices`` of several processes ended (:meth:`close`):
+        every process takes process 0's spans and wall time for it, so
+        ``history.goodput()`` says the same on each (process 0's are the ones its record
+        beside the checkpoints holds; the steps, their outcomes and a restart's
+        ``earlier`` are the same everywhere already, and each process's own clock puts
+        a few milliseconds more or less in each bucket). A collective on the
+        coordination service: every process of ``devices`` calls it once per fit call
+        that ends normally. Returns whether the spans came (False: a process did not
+        answer within ``timeout_s``; this process keeps its own)."""
+        mine = {"spans": [list(s) for s in self.spans[self.first :]], "call": self.calls[-1]}
+        try:
+            said = processes.share("goodput", mine, devices, timeout_s=timeout_s)
+        except TimeoutError:
+            return False
+        theirs = said[min(said)]
+        self.spans[self.first :] = [
+            (str(b), float(s), int(i), float(d)) for b, s, i, d in theirs["spans"]
+        ]
+        self.calls[-1] = float(theirs["call"])
+        return True
 
     def _flush(self) -> float:
         """The open interval's other spending, as spans; their sum."""
