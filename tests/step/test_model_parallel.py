@@ -221,12 +221,20 @@ def test_a_stalled_group_is_named_by_the_heartbeat():
     assert err.group == (2, 3)
 
 
-def test_diagnosis_tells_a_device_fault_of_a_group_from_bad_rows():
-    step = _step(faults=[Fault("grad", device_id=5, step=1, mode="device")])
+@pytest.mark.parametrize("chip", [5, 4])
+def test_diagnosis_names_the_device_of_a_group_a_fault_follows(chip):
+    step = _step(faults=[Fault("grad", device_id=chip, step=1, mode="device")])
     with pytest.raises(jaxstep.TrainingWorkerError) as info:
         jaxstep.fit(step, step.init(init_params()), make_batches(3), diagnose=True)
-    assert info.value.group == (4, 5)
-    assert info.value.diagnosis.verdict == "device"
+    err = info.value
+    assert err.group == (4, 5) and err.device_id == 4
+    assert err.diagnosis.verdict == "device" and err.diagnosis.chip == chip
+    assert err.diagnosis.devices == (4,)  # the group goes whole
+    said = "moved with it" if chip == 5 else "stayed with device 4 (model position 0)"
+    assert said in str(err.diagnosis) and f"it follows device {chip}" in str(err.diagnosis)
+
+
+def test_diagnosis_tells_bad_rows_from_a_groups_device():
     step = _step(faults=[Fault("grad", device_id=5, step=1, mode="data", example=2)])
     with pytest.raises(jaxstep.TrainingWorkerError) as info:
         jaxstep.fit(step, step.init(init_params()), make_batches(3), diagnose=True)
@@ -278,7 +286,11 @@ def test_loss_fn_may_constrain_an_activation_over_the_model_axis():
         (dict(model_parallel=3), ValueError, "model_parallel=3 does not divide the 8 devices"),
         (dict(model_parallel=0), TypeError, "model_parallel must be an int >= 1"),
         (dict(model_parallel=2, backend="pmap"), ValueError, "needs backend='shard_map'"),
-        (dict(model_parallel=2, shard_state="params"), ValueError, "shard_state=None"),
+        (
+            dict(model_parallel=2, shard_state="params", replicas=2),
+            ValueError,
+            "model_parallel=2 with replicas=2 is not supported yet",
+        ),
         (dict(model_parallel=2, axis_name="model"), ValueError, "pass another axis_name"),
         (dict(model_parallel=2, model_rule=3), TypeError, "model_rule must be a function"),
     ],
@@ -300,3 +312,122 @@ def test_a_bad_rule_is_refused_at_init_naming_the_leaf(rule, error, words):
     step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1), model_parallel=2, model_rule=rule)
     with pytest.raises(error, match=words):
         step.init(init_params())
+
+
+# -- with a sharded state over the data axis (FSDP / ZeRO-1 x tensor parallelism) -----
+
+
+def _wide():
+    """An MLP whose kernels split over both axes: 16x32 and 32x8."""
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.normal(size=(16, 32)) * 0.3).astype(np.float32),
+        "b1": np.zeros(32, np.float32),
+        "w2": (rng.normal(size=(32, 8)) * 0.3).astype(np.float32),
+        "b2": np.zeros(8, np.float32),
+    }
+
+
+def _wide_loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] + p["b2"] - batch["y"]) ** 2)
+
+
+def _wide_batches(num):
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "x": rng.normal(size=(32, 16)).astype(np.float32),
+            "y": rng.normal(size=(32, 8)).astype(np.float32),
+        }
+        for _ in range(num)
+    ]
+
+
+WIDE = {"['w1']": 1, "['b1']": 0, "['w2']": 0}
+
+
+def _wide_step(layout, **kw):
+    return jaxstep.make_train_step(
+        _wide_loss,
+        optax.adam(1e-2),
+        model_parallel=2,
+        model_rule=lambda path, shape: WIDE.get(path),
+        shard_state=layout,
+        shard_min_size=0,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("layout", ["optimizer", "params"])
+def test_a_sharded_state_splits_each_leaf_over_both_axes_and_trains_as_replicated(layout):
+    batches = _wide_batches(6)
+    plain = jaxstep.make_train_step(_wide_loss, optax.adam(1e-2), divergence_every=None)
+    want = plain.host_state(jaxstep.fit(plain, plain.init(_wide()), batches)).params
+    step = _wide_step(layout, divergence_every=2)
+    state = jaxstep.fit(step, step.init(_wide()), batches)
+    m, d = jaxstep.MODEL_AXIS, "devices"
+    # the model dimension is never the data axis's: w1 (16, 32) is split along 1 over
+    # the model axis, so along 0 over the data axis; w2 (32, 8) the other way round
+    mu = state.opt_state[0].mu
+    assert (mu["w1"].sharding.spec, mu["w2"].sharding.spec) == (P(d, m), P(m, d))
+    params = state.params
+    if layout == "params":
+        assert (params["w1"].sharding.spec, params["w2"].sharding.spec) == (P(d, m), P(m, d))
+    else:  # ZeRO-1: the parameters whole over the data axis
+        assert (params["w1"].sharding.spec, params["w2"].sharding.spec) == (P(None, m), P(m))
+    got = step.host_state(state).params
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["optimizer", "params"])
+def test_a_sharded_state_over_model_groups_names_the_group_and_recovers(layout):
+    step = _wide_step(layout, faults=[Fault("grad", device_id=5, step=2, leaf="['w2']")])
+    assert_fails(
+        lambda: jaxstep.fit(step, step.init(_wide()), _wide_batches(4), diagnose=False),
+        device_id=4,
+        step=2,
+        status=Status.GRAD_NONFINITE,
+        leaf="['w2']",
+    )
+    step = _wide_step(layout, faults=[Fault("grad", device_id=3, step=2, mode="device")])
+    history = jaxstep.History()
+    with pytest.warns(UserWarning, match="not trained"):
+        state = jaxstep.fit(
+            step, step.init(_wide()), _wide_batches(6), recover=jaxstep.Recover(), history=history
+        )
+    assert [(r.step, r.action, r.device_ids) for r in history.recoveries] == [(2, "excluded", (2,))]
+    assert int(state.step) == 6
+    assert state.opt_state[0].mu["w1"].sharding.spec == P("devices", jaxstep.MODEL_AXIS)
+
+
+def test_a_shard_rule_on_the_model_rules_dimension_is_refused_naming_both():
+    step = jaxstep.make_train_step(
+        _wide_loss,
+        optax.sgd(0.1),
+        model_parallel=2,
+        model_rule=lambda path, shape: WIDE.get(path),
+        shard_state="params",
+        shard_rule=lambda path, shape: 1 if path == "['w1']" else None,
+        shard_min_size=0,
+    )
+    with pytest.raises(ValueError, match="which model_rule splits over the model axis already"):
+        step.init(_wide())
+
+
+def test_a_checkpoint_over_both_axes_restores_bitwise_onto_either_axis_alone(tmp_path):
+    step = _wide_step("params", divergence_every=None)
+    state = jaxstep.fit(step, step.init(_wide()), _wide_batches(2))
+    jaxstep.save(step, state, tmp_path / "both")
+    want = _host(step, state)
+    for other in (
+        jaxstep.make_train_step(_wide_loss, optax.adam(1e-2)),
+        jaxstep.make_train_step(
+            _wide_loss, optax.adam(1e-2), shard_state="params", shard_min_size=0
+        ),
+        _wide_step("optimizer"),
+    ):
+        restored = jaxstep.restore(other, tmp_path / "both")
+        for x, y in zip(_host(other, restored), want, strict=True):
+            np.testing.assert_array_equal(x, y)

@@ -135,10 +135,10 @@ def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
             f"--model-parallel {m} does not divide the {len(device_ids)} devices into model "
             "groups of equal size"
         )
-    if m > 1 and (args.backend != "shard_map" or layout is not None):
+    if m > 1 and (args.backend != "shard_map" or replicas != 1):
         return (
-            f"--model-parallel {m} needs --backend shard_map and no --shard-state (the model "
-            "axis splits the dense layers, the data axis holds them whole)"
+            f"--model-parallel {m} needs --backend shard_map and --replicas 1 (replica groups "
+            "sum over subsets of the data axis, which a step split over a model axis cannot)"
         )
     inj = args.inject
     if inj is None:

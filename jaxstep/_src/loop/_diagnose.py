@@ -20,6 +20,7 @@ import numpy as np
 from jaxstep._src.core import ReplayVerdict
 from jaxstep._src.core import Status
 from jaxstep._src.core import TrainingWorkerError
+from jaxstep._src.core import from_host
 from jaxstep._src.core import processes
 from jaxstep._src.loop._action import Action
 from jaxstep._src.loop._outcome import step_of
@@ -63,6 +64,12 @@ class Diagnosis:
         ``pmean`` in the loss) carried the failure to every device: the ids of the
         devices whose own rows fail alone, where it started. The error then leads
         with them.
+      chip: under ``make_train_step(model_parallel=m)``, for a ``"device"`` verdict:
+        the id of the device of the failing model group that the fault follows, found
+        by replaying with the model positions rotated across the groups (the evidence
+        says which rotation moved it), or None (one process's groups could not be
+        rotated, or no single device explains it). ``devices`` still names the group
+        (its first device): a group goes whole.
 
     Example:
       A NaN in the input of example 1 of device 3's chunk follows that chunk to whichever
@@ -85,6 +92,7 @@ class Diagnosis:
     replays: tuple[tuple[int, tuple[int, ...]], ...] = ()
     grad_leaves: tuple[str, ...] = ()
     root_devices: tuple[int, ...] = ()
+    chip: int | None = None
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -197,14 +205,16 @@ def diagnose_on(
     state = error.state
     watchdog = None if step_timeout is None else StepWatchdog(step_timeout)
 
+    def hits(status: np.ndarray) -> tuple[int, ...]:
+        hit = status != 0 if root is None else (status & int(root)) != 0
+        return tuple(int(i) for i in np.flatnonzero(hit))
+
     def run(rotation: int) -> tuple[int, ...]:
         if watchdog is None:
             out = runtime.replay(state, batch, rotation=rotation)
         else:
             out = watchdog.replay(runtime, state, batch, rotation, error.step)
-        status = runtime.table(out).status
-        hit = status != 0 if root is None else (status & int(root)) != 0
-        return tuple(int(i) for i in np.flatnonzero(hit))
+        return hits(runtime.table(out).status)
 
     try:
         same = run(0)
@@ -212,6 +222,8 @@ def diagnose_on(
     finally:
         if watchdog is not None:
             watchdog.close()
+    if found.verdict == "device" and runtime.options.model_parallel > 1 and len(same) == 1:
+        found = _which_chip(runtime, error, batch, found, same[0], hits)
     if same and root == Status.GRAD_NONFINITE:
         found = _with_grad_leaves(found, runtime, error, batch, failed[0] if failed else same[0])
     return found
@@ -281,6 +293,64 @@ def _verdict(
         "device alone explains it",
     )
     return Diagnosis("inconclusive", evidence, replays=tuple(replays))
+
+
+def _which_chip(
+    runtime: Runtime,
+    error: TrainingWorkerError,
+    batch: Any,
+    found: Diagnosis,
+    group: int,
+    hits: Callable[[np.ndarray], tuple[int, ...]],
+) -> Diagnosis:
+    """A ``"device"`` verdict on model group ``group`` (a position), sharpened to one
+    of its devices: for each model position ``j > 0`` the step is replayed on a
+    runtime whose groups swap position ``j`` one group along (group ``i`` takes group
+    ``i + 1``'s device there), so group ``group``'s device at ``j`` now sits in group
+    ``group - 1``: a failure that moves there follows that device; one that stays
+    through every rotation follows the device none of them moves, the group's first.
+    One process only (a process holds only its own groups' rows: the rotation would
+    cross processes); on a runtime of its own, compiled for it (the state placed on
+    it through the host)."""
+    options = runtime.options
+    groups, n, m = options.groups, options.n, options.model_parallel
+    if processes.spans_processes(runtime.devices) or n < 2:
+        return found
+    assert error.state is not None  # checked by diagnose
+    host = runtime.backend.read_at(error.state, group)
+    fired = runtime.extras.fired() if runtime.extras.n_faults else None
+    ids = [tuple(d.id for d in g) for g in groups]
+    evidence = list(found.evidence)
+    for j in range(1, m):
+        swapped = tuple(
+            tuple(groups[(i + 1) % n][k] if k == j else groups[i][k] for k in range(m))
+            for i in range(n)
+        )
+        moved = dataclasses.replace(options, devices=[g[0] for g in swapped], groups=swapped)
+        other = type(runtime)(moved, inputs=runtime.inputs, fired=fired)
+        placed = other.backend.place_state(from_host(host))
+        other.continues(placed, int(host.step))
+        now = hits(other.table(other.replay(placed, batch)).status)
+        chip = ids[group][j]
+        if now == ((group - 1) % n,):
+            evidence.append(
+                f"with model position {j} rotated across the groups (device {chip} moved to "
+                f"the group of device {ids[(group - 1) % n][0]}) the failure moved with it: "
+                f"it follows device {chip}"
+            )
+            return dataclasses.replace(found, evidence=tuple(evidence), chip=chip)
+        if now != (group,):
+            evidence.append(
+                f"with model position {j} rotated across the groups it fails on positions "
+                f"{list(now)}: no one device of the group explains it"
+            )
+            return dataclasses.replace(found, evidence=tuple(evidence))
+    chip = ids[group][0]
+    evidence.append(
+        f"with every other model position rotated across the groups the failure stayed "
+        f"with device {chip} (model position 0): it follows device {chip}"
+    )
+    return dataclasses.replace(found, evidence=tuple(evidence), chip=chip)
 
 
 def _spread(

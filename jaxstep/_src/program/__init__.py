@@ -17,7 +17,9 @@ from jaxstep._src.program._faults import Fault as Fault
 from jaxstep._src.program._faults import Injector as Injector
 from jaxstep._src.program._faults import float_leaves as float_leaves
 from jaxstep._src.program._grid import Grid as Grid
+from jaxstep._src.program._model import merged as merged
 from jaxstep._src.program._model import model_dims as model_dims
+from jaxstep._src.program._model import model_dims_of as model_dims_of
 from jaxstep._src.program._model import model_shardings as model_shardings
 from jaxstep._src.program._model import model_specs as model_specs
 from jaxstep._src.program._model import unit_fingerprint as unit_fingerprint
@@ -63,8 +65,10 @@ __all__ = [
     "fingerprint",
     "float_leaves",
     "grad_leaves_finite",
+    "merged",
     "minority",
     "model_dims",
+    "model_dims_of",
     "model_shardings",
     "model_specs",
     "nbytes_per_device",

@@ -154,7 +154,8 @@ class Step:
         batch: Batch,
         extras: dict[str, Any],
     ) -> Result:
-        if self.check_replicas and self.options.model_parallel > 1:
+        options = self.options
+        if self.check_replicas and options.model_parallel > 1 and options.shard_state is None:
             # each device's own copies, read before the body reslices them (chip_prints)
             extras = {**extras, "unit_prints": chip_prints(self.options, state)}
             extra_specs = {**extra_specs, "unit_prints": P(self.options.axis_name)}

@@ -78,6 +78,54 @@ def model_dims(options: Options, params: PyTree) -> tuple[int | None, ...]:
     return tuple(dims)
 
 
+def model_dims_of(
+    options: Options, params: PyTree, opt_state: PyTree
+) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+    """Each parameter's and each optimizer-state leaf's dimension over the model axis
+    (tree order; None: whole): the rule's for the parameters, the mirrored
+    parameter's for an optimizer leaf (Adam's moments), whole for the rest."""
+    dims = model_dims(options, params)
+    names = keystrs(params)
+    mirrors = {
+        name: (tuple(np.shape(x)), d)
+        for name, x, d in zip(names, jax.tree.leaves(params), dims, strict=True)
+    }
+    opt = tuple(
+        _mirror(name, tuple(np.shape(x)), mirrors) if any(d is not None for d in dims) else None
+        for name, x in zip(keystrs(opt_state, "opt_state"), jax.tree.leaves(opt_state), strict=True)
+    )
+    return dims, opt
+
+
+def _mirror(
+    name: str, shape: tuple[int, ...], mirrors: dict[str, tuple[tuple[int, ...], int | None]]
+) -> int | None:
+    """An optimizer-state leaf's model dimension: its parameter's when it mirrors one
+    (its path ends with the parameter's; the same shape, or, held padded along the
+    data axis after an exclusion, the same rank and the same size along that
+    dimension), else None."""
+    exact = _mirrored(name, shape, mirrors)
+    if exact is not None:
+        return exact
+    for param in sorted(mirrors, key=len, reverse=True):
+        param_shape, dim = mirrors[param]
+        if dim is not None and name.endswith(param) and len(shape) == len(param_shape):
+            return dim if shape[dim] == param_shape[dim] else None
+    return None
+
+
+def merged(a: P, b: P) -> P:
+    """The ``PartitionSpec`` of a leaf split by both ``a`` (over the data axis, a
+    sharded layout's) and ``b`` (over the model axis): each dimension's entry from
+    whichever names it (a rule never names one dimension in both: the plan avoids it)."""
+    n = max(len(a), len(b))
+    ea, eb = (*a, *([None] * (n - len(a)))), (*b, *([None] * (n - len(b))))
+    out = [x if x is not None else y for x, y in zip(ea, eb, strict=True)]
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
 def model_specs(options: Options, state: Any) -> Any:
     """``state``'s ``PartitionSpec`` s on the step's mesh (a tree like it): each
     parameter split over :data:`MODEL_AXIS` along its rule's dimension, each optimizer
@@ -85,18 +133,7 @@ def model_specs(options: Options, state: Any) -> Any:
     whole = jax.tree.map(lambda _: P(), state)
     if options.model_parallel == 1 or options.model_rule is None:
         return whole
-    dims = model_dims(options, state.params)
-    names = keystrs(state.params)
-    params = jax.tree.leaves(state.params)
-    mirrors = {
-        name: (tuple(np.shape(x)), d) for name, x, d in zip(names, params, dims, strict=True)
-    }
-    opt = [
-        _mirrored(name, tuple(np.shape(x)), mirrors)
-        for name, x in zip(
-            keystrs(state.opt_state, "opt_state"), jax.tree.leaves(state.opt_state), strict=True
-        )
-    ]
+    dims, opt = model_dims_of(options, state.params, state.opt_state)
     as_specs = lambda tree, axes: jax.tree.unflatten(  # noqa: E731
         jax.tree.structure(tree), [shard_spec(a, MODEL_AXIS) for a in axes]
     )

@@ -17,6 +17,8 @@ from jaxstep._src.core import PyTree
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import health
 from jaxstep._src.program._grid import Grid
+from jaxstep._src.program._model import merged
+from jaxstep._src.program._model import model_specs
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._padding import cut
 from jaxstep._src.program._shards import Plan
@@ -41,6 +43,11 @@ class OnShards:
         self._grad_specs = plan.grad_specs(state.params, grid.state_axis)
         self._blocks = plan.grad_specs(state.params, options.axis_name)  # the step's mesh
         self._param_specs = plan.specs(state, grid.state_axis).params
+        if options.model_parallel > 1:  # global arrays: each leaf split over both axes
+            model = model_specs(options, state).params
+            both = lambda a, b: jax.tree.map(merged, a, b, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+            self._grad_specs = both(self._grad_specs, model)
+            self._param_specs = both(self._param_specs, model)
         self._step = state.step
         self._extras = extras
         self._extra_specs = extra_specs
@@ -84,12 +91,15 @@ class OnShards:
             mine = jnp.arange(options.n) == index
             return jax.lax.psum(jnp.where(mine, leaf, 0), options.axis_name)
 
-        mapped = jax.shard_map(  # on the step's mesh: each device checks its block
+        # on the step's mesh: each device checks its block (a model group: its unit's)
+        manual = {} if options.model_parallel == 1 else {"axis_names": {options.axis_name}}
+        mapped = jax.shard_map(
             check,
             mesh=self.grid.mesh,
             in_specs=(self._blocks, P(), self._extra_specs),
             out_specs=P(),
             check_vma=False,
+            **manual,
         )
         shards = self.to_shards(params)
         blocks = self.grid.to_blocks(shards, self._grad_specs)

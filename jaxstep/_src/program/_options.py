@@ -336,11 +336,12 @@ def _check_model(o: Options) -> None:
             "chunk and cannot split a parameter over a model group; build the step with "
             "backend='shard_map' (the default)"
         )
-    if o.shard_state is not None:
+    if o.replicas > 1:
         raise ValueError(
-            f"model_parallel={m} with shard_state={o.shard_state!r} is not supported yet: "
-            "the model axis splits the parameters by model_rule, the data axis holds them "
-            "whole; pass shard_state=None with model_parallel, or model_parallel=1"
+            f"model_parallel={m} with replicas={o.replicas} is not supported yet: replica "
+            "groups sum over subsets of the data axis (axis_index_groups), which a step "
+            "partitioned over the model axis cannot; pass replicas=1 (shard_state over every "
+            "model group) or model_parallel=1"
         )
     if o.axis_name == MODEL_AXIS:
         raise ValueError(

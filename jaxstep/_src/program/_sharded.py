@@ -55,6 +55,8 @@ from jaxstep._src.program._local import Here
 from jaxstep._src.program._local import LocalPart
 from jaxstep._src.program._local import chunk_key
 from jaxstep._src.program._local import local_part
+from jaxstep._src.program._model import merged
+from jaxstep._src.program._model import model_specs
 from jaxstep._src.program._on_shards import OnShards
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._policies import OnFailure
@@ -225,12 +227,16 @@ class OptimizerShards:
         out_specs = Parted._make(
             [gathered, self.extra_specs, P(axis), P(), blocks if repairs else None, None]
         )
+        # as the replicated step (program.map_body says why; under model_parallel manual
+        # over the data axis alone)
+        manual = {} if options.model_parallel == 1 else {"axis_names": {axis}}
         mapped = jax.shard_map(
             part,
             mesh=self.mesh,
             in_specs=(blocks, P(axis), self.extra_specs),
             out_specs=out_specs,
-            check_vma=False,  # as the replicated step (program.map_body says why)
+            check_vma=False,
+            **manual,
         )
         p = mapped(grid.to_blocks(state, specs), batch, extras)
         grad_sums = grid.from_blocks(
@@ -242,6 +248,10 @@ class OptimizerShards:
         new_state, out = finish(
             state, p._replace(gathered=p.gathered._replace(grad_sums=grad_sums)), shards
         )
+        if options.model_parallel > 1:  # each leaf also split over the model axis
+            specs = jax.tree.map(
+                merged, specs, model_specs(options, new_state), is_leaf=lambda x: isinstance(x, P)
+            )
         placed = jax.tree.map(lambda s: NamedSharding(grid.state_mesh, s), specs)
         new_state = jax.lax.with_sharding_constraint(new_state, placed)
         return new_state, out, p.extras

@@ -74,10 +74,12 @@ class Rule(Protocol):
 DEFAULT_SHARD_MIN_SIZE = 2**16
 
 
-def shard_axis(shape: Sequence[int], n: int, min_size: int) -> int | None:
+def shard_axis(shape: Sequence[int], n: int, min_size: int, avoid: int | None = None) -> int | None:
     """The axis a leaf of ``shape`` is sharded along over ``n`` devices, or None
     (replicated): its largest axis whose size divides by ``n`` (the first on ties);
     None when no axis divides or the leaf has fewer than ``min_size`` elements.
+    ``avoid``: an axis split over the model axis already (``model_parallel``), never
+    picked.
 
     >>> shard_axis((512, 784), 8, 0), shard_axis((7, 9), 8, 0), shard_axis((64,), 8, 100)
     (1, None, None)
@@ -86,6 +88,8 @@ def shard_axis(shape: Sequence[int], n: int, min_size: int) -> int | None:
         return None
     best: int | None = None
     for i, size in enumerate(shape):
+        if i == avoid:
+            continue
         if size > 0 and size % n == 0 and (best is None or size > shape[best]):
             best = i
     return best
@@ -133,9 +137,13 @@ class Plan(NamedTuple):
         if rule.shard_state is None:
             return cls((None,) * len(params), (None,) * len(params), (None,) * len(opt))
         m = rule.group_size
+        on_model, opt_on_model = _on_model(rule, state)
         if rule.shard_rule is None:
-            grads = tuple(shard_axis(s, m, rule.shard_min_size) for s in params)
-            opt_axes = tuple(shard_axis(s, m, rule.shard_min_size) for s in opt)
+            size = rule.shard_min_size
+            grads = tuple(shard_axis(s, m, size, d) for s, d in zip(params, on_model, strict=True))
+            opt_axes = tuple(
+                shard_axis(s, m, size, d) for s, d in zip(opt, opt_on_model, strict=True)
+            )
         else:
             held = _PADDED.get(rule.shard_rule, {}).get(_key(rule, params))
             if held is not None:  # a state this rule pads, seen before (either shape)
@@ -144,6 +152,14 @@ class Plan(NamedTuple):
             size = rule.shard_min_size
             asked = zip(names, params, strict=True)
             grads = tuple(_asked(rule.shard_rule, name, s, m, size) for name, s in asked)
+            for name, s, a, d in zip(names, params, grads, on_model, strict=True):
+                if a is not None and a == d:
+                    raise ValueError(
+                        f"shard_rule({name!r}, {s}) returned axis {a}, which model_rule "
+                        f"splits over the model axis already: a dimension is split over "
+                        "one axis; return another axis (or None) from shard_rule, or "
+                        "another dimension from model_rule"
+                    )
             mirrors = dict(zip(names, zip(params, grads, strict=True), strict=True))
             opt_axes = tuple(
                 _mirrored(name, shape, mirrors)
@@ -351,6 +367,17 @@ def padding_of(rule: Rule) -> Kept | None:
     own = _key(rule, ())[:-1]
     seen = {id(k): k for key, k in _PADDED.get(rule.shard_rule, {}).items() if key[:-1] == own}
     return next(iter(seen.values())) if len(seen) == 1 else None
+
+
+def _on_model(rule: Rule, state: Any) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
+    """Each parameter's and optimizer-state leaf's dimension over the model axis
+    (``model_parallel``: never the one a sharded layout splits over the data axis)."""
+    n_params, n_opt = len(jax.tree.leaves(state.params)), len(jax.tree.leaves(state.opt_state))
+    if getattr(rule, "model_parallel", 1) == 1:
+        return (None,) * n_params, (None,) * n_opt
+    from jaxstep._src.program._model import model_dims_of  # it reads this module
+
+    return model_dims_of(rule, state.params, state.opt_state)  # type: ignore[arg-type]
 
 
 def _key(rule: Rule, params: Sequence[tuple[int, ...]]) -> tuple[Any, ...]:

@@ -35,12 +35,16 @@ from jaxstep._src.core import PyTree
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import from_host
 from jaxstep._src.core import to_host
+from jaxstep._src.program import MODEL_AXIS
 from jaxstep._src.program import Grid
 from jaxstep._src.program import Options
 from jaxstep._src.program import Pads
 from jaxstep._src.program import Plan
 from jaxstep._src.program import Step
+from jaxstep._src.program import merged
+from jaxstep._src.program import model_dims_of
 from jaxstep._src.program import model_shardings
+from jaxstep._src.program import model_specs
 from jaxstep._src.program import padding_of
 from jaxstep._src.program import shard_spec
 from jaxstep._src.step._placement import BatchPlacement
@@ -104,7 +108,8 @@ class ShardMapBackend:
 
         def run(state: PyTree, batch: Batch, extras: PyTree) -> tuple[Any, Any, Any]:
             new_state, out, changed = step(self.mesh, extra_specs, state, batch, extras)
-            if model:  # the new state split over the model axis as the old one is
+            if model and self.plan(new_state) is None:  # split over the model axis as before
+                # (a sharded layout's constraint, both axes, is its own: _sharded.run)
                 shardings = model_shardings(self.options, new_state)
                 new_state = jax.lax.with_sharding_constraint(new_state, shardings)
             return new_state, out, changed
@@ -127,8 +132,9 @@ class ShardMapBackend:
             assert plan is not None  # a TrainState under a layout
             specs, blocks = grid.state_specs(plan, state), grid.block_specs(plan, state)
             out = blocks if out_specs is None else out_specs
+            manual = {} if self.options.model_parallel == 1 else {"axis_names": {self.axis}}
             mapped = jax.shard_map(
-                fn, mesh=self.mesh, in_specs=(blocks,), out_specs=out, check_vma=False
+                fn, mesh=self.mesh, in_specs=(blocks,), out_specs=out, check_vma=False, **manual
             )
             result = mapped(grid.to_blocks(state, specs))
             return grid.from_blocks(result, specs) if out_specs is None else result
@@ -157,6 +163,10 @@ class ShardMapBackend:
             return jax.device_put(state, self.replicated)
         state = plan.physical(state)
         mesh, specs = self.grid.state_mesh, self.grid.state_specs(plan, state)
+        if self.options.model_parallel > 1:  # each leaf also split over the model axis
+            specs = jax.tree.map(
+                merged, specs, model_specs(self.options, state), is_leaf=lambda x: isinstance(x, P)
+            )
         return jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
     def init_sharded(self, optimizer: Any, params: PyTree) -> tuple[PyTree, PyTree]:
@@ -169,10 +179,15 @@ class ShardMapBackend:
         plan = Plan.of(self.options, types.SimpleNamespace(params=params, opt_state=shapes))
         mesh, axis = self.grid.state_mesh, self.grid.state_axis
 
-        def named(tree: PyTree, axes: Sequence[int | None]) -> PyTree:
+        on_model = model_dims_of(self.options, params, shapes)
+
+        def named(tree: PyTree, axes: Sequence[int | None], model: Sequence[int | None]) -> PyTree:
+            specs = [  # over the data axis by the plan, the model axis by model_rule
+                merged(shard_spec(a, axis), shard_spec(d, MODEL_AXIS))
+                for a, d in zip(axes, model, strict=True)
+            ]
             return jax.tree.unflatten(
-                jax.tree.structure(tree),
-                [NamedSharding(mesh, shard_spec(a, axis)) for a in axes],
+                jax.tree.structure(tree), [NamedSharding(mesh, s) for s in specs]
             )
 
         # Copies laid out by the rule, never the caller's own buffers: the step donates
@@ -189,10 +204,10 @@ class ShardMapBackend:
         held = self.shard_state == "params" or not plan.pads  # the state holds the view
         copy = jax.jit(
             lambda p: jax.tree.map(jnp.copy, p),
-            out_shardings=named(view if held else params, plan.params),
+            out_shardings=named(view if held else params, plan.params, on_model[0]),
         )
         params = copy(view if held else params)
-        init = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt))
+        init = jax.jit(optimizer.init, out_shardings=named(shapes, plan.opt, on_model[1]))
         opt_state = init(params if held else view)
         return params, opt_state
 

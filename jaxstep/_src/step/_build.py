@@ -143,8 +143,10 @@ def make_train_step(
         is the unit that checks itself: its gradient is checked before anything
         crosses the data axis, and a failure names its first device (``device_id``)
         and all of them (``err.group``). ``step.devices`` holds each group's first
-        device. A group stays inside a process. ``backend="shard_map"``,
-        ``shard_state=None`` (docs/model-parallel.md).
+        device. A group stays inside a process. ``backend="shard_map"``; with
+        ``shard_state`` each leaf is also sharded over the data axis, along a dimension
+        the model axis does not split (FSDP or ZeRO-1 x tensor parallelism;
+        ``replicas=1``) (docs/model-parallel.md).
       model_rule: ``fn(path, shape) -> dim | None``: the dimension of a parameter
         split over a model group (None: whole on each of its devices); an
         optimizer-state leaf that mirrors a parameter takes its dimension
