@@ -169,6 +169,8 @@ def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None =
         fields["untrained"] = [
             next(i for i, b in enumerate(batches) if b is x) for x in err.batches
         ]
+        # where the time went: the same on every process after a step's failure
+        fields["goodput"] = None if err.history is None else err.history.goodput().to_dict()
         result(seconds=time.monotonic() - start, **fields)
         raise
     if save_params and jax.process_index() == 0:

@@ -144,6 +144,10 @@ def test_nan_on_process_1_raises_the_same_error_on_both_processes(jobs):
         untrained = res[p]["untrained"]  # fit(prefetch=3): nothing pulled is lost
         assert untrained == list(range(3, 3 + len(untrained))) and len(untrained) >= 2
     assert res[0]["message"] == res[1]["message"]
+    # where the time went, the same on both (process 0's spans): 3 steps kept, 1 failed
+    assert res[0]["goodput"] == res[1]["goodput"]
+    assert res[0]["goodput"]["steps"]["productive"] == 3
+    assert res[0]["goodput"]["steps"]["failed"] == 1
     assert res[0]["message"].startswith(f"training worker on device {target} failed: ")
     assert f"(process 1, host {socket.gethostname()})" in res[0]["message"]
     assert job.proc.returncode == 1 and job.left_on_their_own(), job.tail()

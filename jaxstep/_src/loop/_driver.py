@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from jaxstep._src.core import COL
 from jaxstep._src.core import HealthTable
+from jaxstep._src.core import Status
 from jaxstep._src.core import StepOutput
 from jaxstep._src.core import TrainingWorkerError
 from jaxstep._src.core import TrainState
@@ -275,6 +276,11 @@ class Loop:
             self.exits.abandon(err, self.runtime, self.state, self.last, self.carry, self.pulled)
         finally:
             self.ledger.close(time.perf_counter())
+            # a step's failure leaves fit on every process alike (the table is global):
+            # one report there too; a hang or a lost peer is not waited for
+            alike = isinstance(err, TrainingWorkerError) and not err.status & Status.HUNG
+            if alike and processes.spans_processes(self.runtime.devices):
+                self.ledger.agree(self.runtime.devices, timeout_s=10.0)
 
     def _lost(self, err: Exception, number: int, untrained: list[Any]) -> NoReturn:
         """:meth:`Exits.lost`: ``err`` raised while waiting for step ``number``."""
