@@ -431,3 +431,28 @@ def test_a_checkpoint_over_both_axes_restores_bitwise_onto_either_axis_alone(tmp
         restored = jaxstep.restore(other, tmp_path / "both")
         for x, y in zip(_host(other, restored), want, strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_recover_repairs_or_rolls_back_a_corrupted_block_of_the_first_group(tmp_path, saved):
+    """Device 1's block of a split kernel (model group 0, 1: the group a host read of
+    a split leaf would take by default) corrupted between two fit calls: repaired from
+    the majority's blocks, or rolled back to the verified checkpoint, and the run ends
+    where a clean one does."""
+    batches = make_batches(6)
+    step = _step(divergence_every=1)
+    clean_step = _step(divergence_every=1)
+    clean = jaxstep.fit(clean_step, clean_step.init(init_params()), batches)
+    checkpoints = {"checkpoint_dir": tmp_path, "checkpoint_every": 2}
+    first = checkpoints if saved else {}
+    state = jaxstep.fit(step, step.init(init_params()), batches[:3], **first)
+    state = corrupt_replica(step, state, 1, "params['dense1']['kernel']")
+    history = jaxstep.History()
+    recover = jaxstep.Recover(rollback_batches=2)
+    state = jaxstep.fit(step, state, batches[3:], history=history, recover=recover, **checkpoints)
+    (record,) = history.recoveries
+    action = "rolled back" if saved else "repaired"
+    assert (record.step, record.verdict, record.action) == (3, "diverged", action)
+    assert record.device_ids == (0,)  # the group of devices 0, 1, by its first
+    for x, y in zip(_host(step, state), _host(clean_step, clean), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -252,6 +252,8 @@ class ShardMapBackend:
         grid = self.grid
         group = grid.groups[position // grid.m]
         among = {self.devices[i] for i in group} if grid.grouped else None
+        if self.options.model_parallel > 1:  # a split leaf from this model group's blocks
+            among = set(self.options.groups[position])
         host = to_host(
             lambda x: whole(
                 x,
