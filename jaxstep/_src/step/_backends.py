@@ -252,7 +252,9 @@ class ShardMapBackend:
         grid = self.grid
         group = grid.groups[position // grid.m]
         among = {self.devices[i] for i in group} if grid.grouped else None
-        if self.options.model_parallel > 1:  # a split leaf from this model group's blocks
+        if self.options.model_parallel > 1 and self.shard_state is None:
+            # a leaf split over the model axis alone, from this model group's blocks (a
+            # sharded layout's leaf is split over the groups too: gathered whole)
             among = set(self.options.groups[position])
         host = to_host(
             lambda x: whole(
