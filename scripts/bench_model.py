@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from bench_sharded import _memory as memory  # scripts/, beside this file
+from bench_sharded import held_bytes
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -99,20 +101,6 @@ def _batches(setup: Any, groups: int) -> list[dict[str, np.ndarray]]:
     return [setup.model.batch(rng, setup.model.per_device * groups) for _ in range(4)]
 
 
-def held(tree: Any, device: Any) -> int:
-    return sum(
-        s.data.nbytes
-        for x in jax.tree.leaves(tree)
-        for s in x.addressable_shards
-        if s.device == device
-    )
-
-
-def _memory(compiled: Any) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.temp_size_in_bytes)
-
-
 def run(bench: Any, args: Any) -> dict[str, Any]:
     """Every figure of the section; printed as it goes. ``bench``: scripts/bench.py."""
     setup = _setup(bench)
@@ -130,9 +118,12 @@ def run(bench: Any, args: Any) -> dict[str, Any]:
     res: dict[str, Any] = {"model_parallel": M, "bytes": {}, "memory": {}}
     for name, s in states.items():
         params, opt_state = s[:2] if name == HAND else (s.params, s.opt_state)
-        res["bytes"][name] = {"params": held(params, device), "opt_state": held(opt_state, device)}
-    res["memory"][MINE] = _memory(mine.lower(states[MINE], batches[0]).compile())
-    res["memory"][HAND] = _memory(fn.lower(*hand_state, placed[0]).compile())
+        res["bytes"][name] = {
+            "params": held_bytes(params, device),
+            "opt_state": held_bytes(opt_state, device),
+        }
+    res["memory"][MINE] = memory(mine.lower(states[MINE], batches[0]).compile())
+    res["memory"][HAND] = memory(fn.lower(*hand_state, placed[0]).compile())
     res["memory_ratio"] = res["memory"][MINE] / res["memory"][HAND]
     mine_bytes = sum(res["bytes"][MINE].values())
     res["state_ratio"] = mine_bytes / sum(res["bytes"][HAND].values())
