@@ -767,7 +767,9 @@ def _issue29(size: str, res: dict[str, Any]) -> list[tuple[str, bool, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", help="comma-separated, of mlp,block,tiny (default: all)")
+    parser.add_argument(
+        "--sizes", help="comma-separated, of mlp,block,tiny (default: all; none: only the sections)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (repeats)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
@@ -797,6 +799,7 @@ def main() -> None:
     if args.quick:  # under 2 minutes on 2 cores, compiling included
         args.steps, args.rounds, args.warmup, args.fit_steps = 4, 4, 2, 8
     sizes = (args.sizes or ("mlp,tiny" if args.quick else ",".join(MODELS))).split(",")
+    sizes = [] if sizes == ["none"] else sizes
     if unknown := set(sizes) - set(MODELS):
         parser.error(f"unknown sizes {sorted(unknown)}; choose from {','.join(MODELS)}")
     if args.hlo:

@@ -1,4 +1,5 @@
-"""``scripts/bench.py --model``: the model axis (``make_train_step(model_parallel=m,
+"""``scripts/bench.py --model`` (this section alone: ``scripts/bench.py --sizes none
+--model --rounds 10 --steps 5``): the model axis (``make_train_step(model_parallel=m,
 model_rule=...)``, issue 46) against a hand-written 2-D GSPMD step, on the bench's
 fake CPU devices:
 
@@ -233,33 +234,3 @@ def report(res: dict[str, Any]) -> None:
 
 def bench_q(q: list[float]) -> str:
     return " / ".join(f"{x:.3f}" for x in q)
-
-
-def main() -> None:
-    """This section alone: ``python scripts/bench_model.py [--rounds R] [--steps S]``
-    (``scripts/bench.py --model`` runs it after the rest)."""
-    import argparse
-    import json
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench  # sets up the fake CPU devices before anything starts a backend
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", help="write the results to this file")
-    args = parser.parse_args()
-    print(
-        f"load average {os.getloadavg()[0]:.2f}; {jax.devices()[0].platform} x {len(jax.devices())}"
-    )
-    res = run(bench, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
-
-
-if __name__ == "__main__":
-    main()

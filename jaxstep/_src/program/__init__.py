@@ -18,11 +18,11 @@ from jaxstep._src.program._faults import Injector as Injector
 from jaxstep._src.program._faults import float_leaves as float_leaves
 from jaxstep._src.program._grid import Grid as Grid
 from jaxstep._src.program._model import merged as merged
-from jaxstep._src.program._model import model_dims as model_dims
-from jaxstep._src.program._model import model_dims_of as model_dims_of
 from jaxstep._src.program._model import model_shardings as model_shardings
 from jaxstep._src.program._model import model_specs as model_specs
 from jaxstep._src.program._model import unit_fingerprint as unit_fingerprint
+from jaxstep._src.program._model_dims import model_dims as model_dims
+from jaxstep._src.program._model_dims import model_dims_of as model_dims_of
 from jaxstep._src.program._options import AXIS as AXIS
 from jaxstep._src.program._options import MODEL_AXIS as MODEL_AXIS
 from jaxstep._src.program._options import ModelRule as ModelRule

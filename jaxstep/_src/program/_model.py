@@ -27,91 +27,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxstep._src.core import PyTree
-from jaxstep._src.core.names import keystrs
 from jaxstep._src.program import _cross_checks as cross_checks
+from jaxstep._src.program._model_dims import model_dims
+from jaxstep._src.program._model_dims import model_dims_of
 from jaxstep._src.program._options import MODEL_AXIS
 from jaxstep._src.program._options import Options
-from jaxstep._src.program._shards import _mirrored
 from jaxstep._src.program._shards import shard_spec
-
-
-def model_dims(options: Options, params: PyTree) -> tuple[int | None, ...]:
-    """Each parameter's dimension over the model axis (tree order; None: whole), the
-    rule's answers checked against the shapes and the group.
-
-    Raises:
-      TypeError: the rule returned something other than an int or None.
-      ValueError: a dimension the leaf does not have, or one whose size the group's
-        ``model_parallel`` devices do not divide (naming the leaf, its shape and the
-        fix).
-    """
-    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
-    if options.model_parallel == 1 or options.model_rule is None:
-        return (None,) * len(shapes)
-    m = options.model_parallel
-    dims: list[int | None] = []
-    for name, shape in zip(keystrs(params), shapes, strict=True):
-        dim = options.model_rule(name, shape)
-        if dim is None:
-            dims.append(None)
-            continue
-        if isinstance(dim, bool) or not isinstance(dim, int | np.integer):
-            raise TypeError(
-                f"model_rule({name!r}, {shape}) returned {dim!r}; return a dimension (an "
-                "int) or None (whole on every device of a model group)"
-            )
-        if not -len(shape) <= dim < len(shape):
-            raise ValueError(
-                f"model_rule({name!r}, {shape}) returned dimension {dim}, which a leaf of "
-                f"shape {shape} does not have: return one of 0..{len(shape) - 1} (or None)"
-            )
-        dim = int(dim) % len(shape)
-        if shape[dim] % m:
-            raise ValueError(
-                f"model_rule({name!r}, {shape}) splits dimension {dim} (size {shape[dim]}) "
-                f"over model_parallel={m} devices, which does not divide it: return a "
-                f"dimension whose size divides by {m} (or None: whole), or pass a "
-                f"model_parallel that divides {shape[dim]}"
-            )
-        dims.append(dim)
-    return tuple(dims)
-
-
-def model_dims_of(
-    options: Options, params: PyTree, opt_state: PyTree
-) -> tuple[tuple[int | None, ...], tuple[int | None, ...]]:
-    """Each parameter's and each optimizer-state leaf's dimension over the model axis
-    (tree order; None: whole): the rule's for the parameters, the mirrored
-    parameter's for an optimizer leaf (Adam's moments), whole for the rest."""
-    dims = model_dims(options, params)
-    names = keystrs(params)
-    mirrors = {
-        name: (tuple(np.shape(x)), d)
-        for name, x, d in zip(names, jax.tree.leaves(params), dims, strict=True)
-    }
-    opt = tuple(
-        _mirror(name, tuple(np.shape(x)), mirrors) if any(d is not None for d in dims) else None
-        for name, x in zip(keystrs(opt_state, "opt_state"), jax.tree.leaves(opt_state), strict=True)
-    )
-    return dims, opt
-
-
-def _mirror(
-    name: str, shape: tuple[int, ...], mirrors: dict[str, tuple[tuple[int, ...], int | None]]
-) -> int | None:
-    """An optimizer-state leaf's model dimension: its parameter's when it mirrors one
-    (its path ends with the parameter's; the same shape, or, held padded along the
-    data axis after an exclusion, the same rank and the same size along that
-    dimension), else None."""
-    exact = _mirrored(name, shape, mirrors)
-    if exact is not None:
-        return exact
-    for param in sorted(mirrors, key=len, reverse=True):
-        param_shape, dim = mirrors[param]
-        if dim is not None and name.endswith(param) and len(shape) == len(param_shape):
-            return dim if shape[dim] == param_shape[dim] else None
-    return None
 
 
 def merged(a: P, b: P) -> P:

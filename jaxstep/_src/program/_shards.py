@@ -35,6 +35,8 @@ from jax.sharding import PartitionSpec as P
 from jaxstep._src.core import PyTree
 from jaxstep._src.core import TrainState
 from jaxstep._src.core.names import keystrs
+from jaxstep._src.program._model_dims import mirrored
+from jaxstep._src.program._model_dims import model_dims_of
 from jaxstep._src.program._padding import Kept
 from jaxstep._src.program._padding import Pad
 from jaxstep._src.program._padding import cut
@@ -162,7 +164,7 @@ class Plan(NamedTuple):
                     )
             mirrors = dict(zip(names, zip(params, grads, strict=True), strict=True))
             opt_axes = tuple(
-                _mirrored(name, shape, mirrors)
+                mirrored(name, shape, mirrors)
                 for name, shape in zip(keystrs(state.opt_state, "opt_state"), opt, strict=True)
             )
             if any(a is not None and s[a] % m for a, s in zip(grads, params, strict=True)):
@@ -375,8 +377,6 @@ def _on_model(rule: Rule, state: Any) -> tuple[tuple[int | None, ...], tuple[int
     n_params, n_opt = len(jax.tree.leaves(state.params)), len(jax.tree.leaves(state.opt_state))
     if getattr(rule, "model_parallel", 1) == 1:
         return (None,) * n_params, (None,) * n_opt
-    from jaxstep._src.program._model import model_dims_of  # it reads this module
-
     return model_dims_of(rule, state.params, state.opt_state)  # type: ignore[arg-type]
 
 
@@ -388,19 +388,6 @@ def _held(rule: Rule, grads: tuple[int | None, ...]) -> tuple[int | None, ...]:
     """The parameters' axes: their gradients' under ``"params"``, whole under
     ``"optimizer"``."""
     return grads if rule.shard_state == "params" else (None,) * len(grads)
-
-
-def _mirrored(
-    name: str, shape: tuple[int, ...], mirrors: dict[str, tuple[tuple[int, ...], int | None]]
-) -> int | None:
-    """An optimizer-state leaf's axis: its parameter's when it mirrors one (its path
-    ends with the parameter's, its shape is the parameter's), else None (whole: a
-    count, a scalar; the rule is asked about parameters alone)."""
-    for param in sorted(mirrors, key=len, reverse=True):  # the longest path that fits
-        param_shape, axis = mirrors[param]
-        if name.endswith(param) and shape == param_shape:
-            return axis
-    return None
 
 
 def _as(tree: PyTree, axes: Sequence[int | None], name: str) -> PyTree:
