@@ -19,7 +19,9 @@ position is published through the coordination service).
 ``--resplit`` also times ``jaxstep.fit`` after a device of the last process left the
 run (``step.without_devices``: the batches, laid out for the 8 devices, are re-split
 over the 7 left, the rows that do not divide carried; on 2x4 every process's rows of a
-batch are gathered first) against ``fit`` on all 8 devices, the same host batches.
+batch are gathered first) against ``fit`` on all 8 devices, the same host batches; and
+the same after the exclusion with every process reading the global batches
+(``fit(global_batches=True)``: each takes its rows from its own copy, nothing gathered).
 
     .venv/bin/python scripts/bench_multihost.py --resplit --rounds 6 --block 20
 """
@@ -155,10 +157,12 @@ def child(args: argparse.Namespace) -> None:
             warnings.simplefilter("ignore")
             left, left_state = whole.without_devices([devices[-1].id], whole_state)
 
-    def run_resplit(steps: int, excluded: bool) -> float:
+    def run_resplit(steps: int, excluded: bool, read_whole: bool = False) -> float:
         nonlocal whole_state, left_state
         start = time.perf_counter()
-        if excluded:
+        if excluded and read_whole:  # every process reads the global batch: no gather
+            left_state = jaxstep.fit(left, left_state, [global_batch] * steps, global_batches=True)
+        elif excluded:
             left_state = jaxstep.fit(left, left_state, [local] * steps)
         else:
             whole_state = jaxstep.fit(whole, whole_state, [local] * steps)
@@ -171,6 +175,7 @@ def child(args: argparse.Namespace) -> None:
         run_fit(every, False)
     if args.resplit:
         run_resplit(args.block, True)
+        run_resplit(args.block, True, read_whole=True)
         run_resplit(args.block, False)
     times: dict[str, list[float]] = {
         "jaxstep": [],
@@ -179,6 +184,7 @@ def child(args: argparse.Namespace) -> None:
         "fit_ckpt": [],
         "fit_all": [],
         "fit_resplit": [],
+        "fit_whole": [],
     }
     for _ in range(args.rounds):
         times["jaxstep"].append(run_jaxstep(args.block))
@@ -188,11 +194,13 @@ def child(args: argparse.Namespace) -> None:
             times["fit"].append(run_fit(args.block, False))
         if args.resplit:
             times["fit_resplit"].append(run_resplit(args.block, True))
+            times["fit_whole"].append(run_resplit(args.block, True, read_whole=True))
             times["fit_all"].append(run_resplit(args.block, False))
     if jax.process_index() == 0:
         result = {"processes": jax.process_count(), "devices": n}
         pairs = {"": ("jaxstep", "hand"), "ckpt_": ("fit_ckpt", "fit")}
         pairs["resplit_"] = ("fit_resplit", "fit_all")
+        pairs["whole_"] = ("fit_whole", "fit_all")
         for name, (a, b) in pairs.items():
             if not times[a]:
                 continue
@@ -283,6 +291,13 @@ def main() -> None:
             print(
                 f"{name:>8} {r['fit_all_ms']:9.2f} ms {r['fit_resplit_ms']:9.2f} ms "
                 f"{r['resplit_ratio']:6.3f}x (IQR {iqr})"
+            )
+        print("the same, every process reading the global batches (fit(global_batches=True)):")
+        for name, r in (("1x8", one), ("2x4", two)):
+            iqr = f"{r['whole_ratio_iqr'][0]:.2f}-{r['whole_ratio_iqr'][1]:.2f}"
+            print(
+                f"{name:>8} {r['fit_all_ms']:9.2f} ms {r['fit_whole_ms']:9.2f} ms "
+                f"{r['whole_ratio']:6.3f}x (IQR {iqr})"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"1x8": one, "2x4": two, "args": vars(args)}))

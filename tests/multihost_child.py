@@ -9,7 +9,8 @@ process 1 alone after step 2, jax#11987), ``stall`` (process 1's second device s
 at step 3, ``step_timeout``), ``sharded`` (under ``shard_state="optimizer"``, then
 ``"params"``, then ``"params"`` with ``replicas=2``: the ``nan`` run with checkpoints,
 its latest checkpoint and emergency save restored, and the rest trained from the
-checkpoint), ``resume`` (resume from the
+checkpoint), ``chip`` (model groups of 2 devices: a device fault on one chip of process
+1, diagnosed), ``resume`` (resume from the
 checkpoints of an earlier run, train to the end, and process 0 saves the parameters).
 With a checkpoint directory (second argument) the run checkpoints every 2 steps. Each
 process prints one line ``RESULT {json}`` with what it saw.
@@ -101,8 +102,48 @@ def sharded(checkpoint_dir: str, save_params: str) -> None:
     result(target=target.id, errors=seen)
 
 
+def megatron(path, shape):
+    """The model axis's rule of tests/step/test_model_parallel.py: the first layer's
+    columns split over the group, the second's rows."""
+    if "dense1" in path:
+        return len(shape) - 1
+    return 0 if "dense2" in path and len(shape) == 2 else None
+
+
+def chip() -> None:
+    """``chip``: model groups of 2 devices inside each process; a device fault on one
+    chip of process 1 (at model position 1, then at 0), diagnosed: both processes name
+    the chip, found by rotating the model positions among process 1's two groups."""
+    devices = jax.devices()
+    here = [d for d in devices if d.process_index == 1]
+    seen = {}
+    for chip in (here[1], here[2]):  # position 1 of the first group, 0 of the second
+        fault = Fault("grad", device_id=chip.id, step=1, mode="device")
+        step = jaxstep.make_train_step(
+            loss_fn,
+            optax.adam(1e-2),
+            model_parallel=2,
+            model_rule=megatron,
+            divergence_every=None,
+            faults=[fault],
+        )
+        batches = child.local_batches(make_batches(3), step.devices)
+        try:
+            jaxstep.fit(step, step.init(init_params()), batches, diagnose=True)
+        except jaxstep.TrainingWorkerError as err:
+            seen[chip.id] = {
+                "group": list(err.group),
+                "verdict": err.diagnosis.verdict,
+                "chip": err.diagnosis.chip,
+                "evidence": list(err.diagnosis.evidence),
+            }
+    result(chips=seen)
+
+
 @distributed.record
 def main(mode: str, checkpoint_dir: str | None = None, save_params: str | None = None) -> None:
+    if mode == "chip":
+        return chip()
     if mode == "sharded":
         assert checkpoint_dir is not None and save_params is not None
         return sharded(checkpoint_dir, save_params)

@@ -17,8 +17,10 @@ moved inside the fit call, at step 4: rolled back to the checkpoint of step 4, e
 steps in ``DIR/rollback``). Then ``presplit``: the ``data`` run with pre-split batches
 (``fit(presplit=True)``) that carry each example's id (``Recover(example_id="id")``,
 checkpoints in ``DIR/presplit``). Then ``buckets``: ``device`` on bucketed lengths.
-Then ``stop``: ``device`` stopped by a callback at
-step 3 (each process's rows not trained), and ``resume``: ``device`` cut short after 4
+``global``: ``device`` on global batches
+(``fit(global_batches=True)``: every process reads each batch whole). Then ``stop``:
+``device`` stopped by a callback at step 3 (each process's rows not trained), ``global
+stop`` the same on global batches, and ``resume``: ``device`` cut short after 4
 batches (``DIR/cut``), resumed at its position inside batch 3 on all 8 devices with
 pre-split batches, and ``until``: ``device`` stopped after 5 batches with
 ``until_step=10`` (``DIR/until``), resumed on all 8 devices to step 10 exactly, then
@@ -207,6 +209,19 @@ def main(base: str) -> None:
     reference = jaxstep.fit(step, step.place_state(copy), tail)
     seen("device", *out, target=target.id, reference=params_of(step, reference))
 
+    # The same run on global batches (fit(global_batches=True)): every process reads
+    # each batch whole and keeps its rows; after the exclusion each takes the rows it
+    # trains from the batch it read (nothing gathered): the same steps, bit for bit
+    out = run(
+        faults,
+        full,
+        recover=recover,
+        checkpoint_dir=f"{base}/global",
+        checkpoint_every=2,
+        global_batches=True,
+    )
+    seen("global", *out, target=target.id)
+
     # Then a bad example on a device of process 1 at step 4, after the exclusion: its
     # chunk holds rows process 0 passed (the rows re-split); quarantined by its row
     bad = Fault("input", rest[4].id, step=RESPLIT_AT, mode="data", example=0)
@@ -323,6 +338,23 @@ def main(base: str) -> None:
         trained = int(runtime_of(step).read_first(err.state.step))
         handed = [float(x) for b in err.batches for x in np.asarray(b["x"])[:, 0]]
         result(run="stop", trained=trained, handed=handed)
+
+    # ... and on global batches: each process is handed back every row not trained (a
+    # new step: the one before is on the 7 devices left, as fit leaves it)
+    step = jaxstep.make_train_step(loss_fn, optax.adam(1e-2), faults=faults)
+    try:
+        jaxstep.fit(
+            step,
+            step.init(init_params()),
+            full,
+            recover=recover,
+            callbacks=[Stop()],
+            global_batches=True,
+        )
+    except Stopped as err:
+        trained = int(runtime_of(step).read_first(err.state.step))
+        handed = [float(x) for b in err.batches for x in np.asarray(b["x"])[:, 0]]
+        result(run="global stop", trained=trained, handed=handed)
 
     # The device run cut short after 4 batches (a row of batch 3 carried: the saved
     # position is inside it), then resumed from it on all 8 devices with pre-split

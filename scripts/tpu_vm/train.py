@@ -149,17 +149,13 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
 
 
 def batches(args: argparse.Namespace, devices: list[Any], start: int, stop: int):
-    """This process's rows of batches ``start .. stop-1``; ``devices``: the step's
+    """The global batches ``start .. stop-1``, the same on every process (``fit(...,
+    global_batches=True)`` keeps each process's rows); ``devices``: the step's
     (``step.devices``: under ``--model-parallel`` each model group's first chip, a
     chunk each)."""
-    from jaxstep import distributed
-
     size = args.per_device * len(devices)
     for i in range(start, stop):
-        batch = global_batch(i, size)
-        if distributed.spans_processes(devices):
-            batch = distributed.local_batch(batch, devices)
-        yield batch
+        yield global_batch(i, size)
 
 
 def train(
@@ -194,8 +190,11 @@ def train(
     state = jaxstep.fit(
         step,
         state,
-        # A callable source: batch i for step i, so a resumed run reads the same rows.
+        # A callable source: batch i for step i, so a resumed run reads the same rows;
+        # every process reads the whole batch, so once a device left the run each
+        # takes the rows it then trains from its own copy (nothing gathered)
         lambda first: batches(args, list(step.devices), first, args.steps),
+        global_batches=True,
         callbacks=[Progress()],
         step_timeout=args.step_timeout,
         checkpoint_dir=args.checkpoint_dir,

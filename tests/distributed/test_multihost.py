@@ -146,6 +146,8 @@ def jobs(tmp_path_factory):
         ],
         base / "model",
     )
+    # a device fault on one chip of a model group, diagnosed among process 1's groups
+    started["chip"] = Job([str(CHILD), "chip"], base / "chip")
     yield started
     for job in started.values():
         if isinstance(job, Job) and job.proc.poll() is None:
@@ -328,6 +330,24 @@ def test_a_model_group_on_process_1_is_named_alike_by_both_processes(jobs):
     report = json.loads((jobs["base"] / "model" / "error-p0.json").read_text())
     assert report["device_id"] == 2048 and report["step"] == 2
     assert report["failures"][0]["group"] == [2048, 2049]
+
+
+def test_a_device_fault_on_one_chip_of_a_model_group_is_named_by_both_processes(jobs):
+    """Model groups of 2 inside each process: the diagnosis rotates the model positions
+    among process 1's two groups (its rows stay on its devices) and both processes name
+    the chip the fault follows, at model position 1 and at 0."""
+    job = jobs["chip"].wait()
+    res = job.results()
+    assert set(res) == {0, 1}, job.tail()
+    assert res[0]["chips"] == res[1]["chips"]
+    at_1, at_0 = (res[0]["chips"][str(d)] for d in (2049, 2050))
+    assert at_1["group"] == [2048, 2049] and at_0["group"] == [2050, 2051]
+    for seen, chip in ((at_1, 2049), (at_0, 2050)):
+        assert seen["verdict"] == "device" and seen["chip"] == chip, seen
+        assert any(f"it follows device {chip}" in line for line in seen["evidence"]), seen
+    said = " ".join(at_1["evidence"])
+    assert "device 2049 moved to the group of device 2050) the failure moved with it" in said
+    assert "stayed with device 2050 (model position 0)" in " ".join(at_0["evidence"])
 
 
 # ------------------------------------------------------------ checkpoints

@@ -60,7 +60,7 @@ def job(tmp_path_factory):
         if rest.startswith("RESULT "):
             got = json.loads(rest[len("RESULT ") :])
             results[got["run"], int(head[2:])] = got
-    assert len(results) == 30, output[-6000:]
+    assert len(results) == 34, output[-6000:]
     return results, base
 
 
@@ -141,6 +141,23 @@ def test_a_device_of_process_1_that_keeps_failing_is_excluded_and_every_row_trai
     assert positions == {"0": (3, 31), "1": (3, 31)}
 
 
+def test_global_batches_train_the_same_steps_after_the_exclusion_with_no_row_gathered(job):
+    """``fit(global_batches=True)``: every process reads each batch whole; after the
+    exclusion each takes the rows it trains from its own copy: the device run's steps,
+    records and checkpoints, bit for bit."""
+    results, base = job
+    device, _ = _both(results, "device")
+    p0, p1 = _both(results, "global")
+    for seen in (p0, p1):
+        for key in ("params", "devices", "history_step", "recoveries", "left_over", "step"):
+            assert seen[key] == device[key], key
+        (warning,) = seen["warnings"]
+        assert "2 row(s) carried after a device left the run were not trained" in warning
+    meta = json.loads((base / "global" / "4" / "meta" / "metadata").read_text())
+    positions = {p: (d["index"], d["rows"]) for p, d in meta["data_by_process"].items()}
+    assert positions == {"0": (3, 31), "1": (3, 31)}
+
+
 def test_a_bad_example_after_the_exclusion_is_named_by_its_row_on_both_processes(job):
     results, _ = job
     p0, p1 = _both(results, "resplit")
@@ -193,6 +210,17 @@ def test_a_stop_after_the_exclusion_hands_each_process_its_own_rows_not_trained(
     for p, seen in enumerate((p0, p1)):
         own = {float(x) for b in later for x in b["x"][16 * p : 16 * (p + 1), 0]}
         assert set(seen["handed"]) <= own
+
+
+def test_a_stop_on_global_batches_hands_every_process_every_row_not_trained(job):
+    results, _ = job
+    p0, p1 = _both(results, "global stop")
+    assert p0["trained"] == p1["trained"] >= 4
+    later = make_batches(STEPS)[AT:]
+    sizes = [28, 35, 28, 35][: p0["trained"] - AT]
+    untrained = np.concatenate([b["x"][:, 0] for b in later])[sum(sizes) :]
+    # as given: the whole batches' rows, the same on both processes, in the data's order
+    assert p0["handed"] == p1["handed"] == untrained.tolist()
 
 
 def test_a_position_inside_a_batch_resumes_on_every_device_with_the_rows_re_split(job):

@@ -81,3 +81,57 @@ def test_a_resplit_takes_the_rows_a_carry_takes_and_hands_back_its_own():
     (held,) = resplit.release()
     np.testing.assert_array_equal(held.batch["x"], np.arange(227, 232, dtype=np.float32))
     assert held.spans == ((2, 27, 32),)
+
+
+@pytest.mark.parametrize("presplit", [False, True])
+def test_batches_read_whole_are_cut_and_resplit_without_an_exchange(monkeypatch, presplit):
+    """``fit(global_batches=True)``: each item holds the whole batch beside this process's
+    rows (all of them on one process), the re-split takes the same rows as from gathered
+    ones without a collective, and what is handed back is every row, as given."""
+    from jaxstep._src.loop import _resplit
+    from jaxstep._src.loop._resplit import Whole
+
+    def no_exchange(*args, **kwargs):
+        raise AssertionError("batches read whole must not travel through the devices")
+
+    seven = runtime_of(jaxstep.make_train_step(loss_fn, optax.sgd(0.1), devices=jax.devices()[:7]))
+    gathered_ = Resplit(jax.devices(), seven, start=0, presplit=presplit)
+    wanted = []
+    batches = [{"x": np.arange(32, dtype=np.float32) + 100 * seq} for seq in range(3)]
+    if presplit:  # (n_devices, per_device)
+        batches = [{"x": b["x"].reshape(8, 4)} for b in batches]
+    for seq, batch in enumerate(batches):
+        wanted.append(gathered_.take(Item(batch, seq)))
+    monkeypatch.setattr(_resplit, "exchange", no_exchange)
+    whole = Whole(jax.devices(), presplit)
+    read = Resplit(jax.devices(), seven, start=0, presplit=presplit, everyone=True)
+    for seq, batch in enumerate(batches):
+        item = whole.item(batch, seq)
+        np.testing.assert_array_equal(item.batch["x"], batch["x"])  # one process: every row
+        assert item.shared.everyone and item.shared.owner.tolist() == [0] * 32
+        got = read.take(item)
+        want = wanted[seq]
+        np.testing.assert_array_equal(got.batch["x"], want.batch["x"])
+        np.testing.assert_array_equal(got.shared.rows["x"], want.shared.rows["x"])
+        assert (got.spans, got.first, got.offset) == (want.spans, want.first, want.offset)
+        assert got.shared.everyone
+    assert read.left() == gathered_.left() == [(2, 27, 32)]
+    (held,) = read.release()
+    np.testing.assert_array_equal(held.shared.given()["x"], np.arange(227, 232, dtype=np.float32))
+    wrong = "n_devices=8" if presplit else "12 does not divide by the 8 .*global_batches=True"
+    with pytest.raises(ValueError, match=wrong):
+        whole.item({"x": np.zeros((7, 4) if presplit else (12, 4), np.float32)}, 3)
+
+
+def test_global_batches_is_checked_and_changes_nothing_on_one_process():
+    step = jaxstep.make_train_step(loss_fn, optax.sgd(0.1))
+    from tests.models import init_params
+    from tests.models import make_batches
+
+    batches = make_batches(3)
+    with pytest.raises(TypeError, match=r"global_batches must be True .* got 'yes'"):
+        jaxstep.fit(step, step.init(init_params()), batches, global_batches="yes")
+    plain = jaxstep.fit(step, step.init(init_params()), batches)
+    marked = jaxstep.fit(step, step.init(init_params()), batches, global_batches=True)
+    for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(marked.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -70,6 +70,7 @@ def actions(
     checkpoints: FitCheckpoints,
     carried: bool,
     ledger: Ledger | None = None,
+    cut: Callable[[Any], Any] | None = None,
 ) -> Actions:
     """The listeners of one fit call, in the order their hooks run: the feeder stops
     placing when a step fails (before a recovery takes a device out), the checkpoints
@@ -77,7 +78,9 @@ def actions(
     order given; a plain object adapted here, once) hear of a step before a recovery
     acts on it, and a recovery acts on a failure before its replay is asked for.
     ``carried``: the fit call starts with rows carried (the step places its batches
-    itself); ``ledger``: where the actions' time goes (the run's goodput)."""
+    itself); ``ledger``: where the actions' time goes (the run's goodput); ``cut``:
+    this process's rows of a batch as the data gives it (``global_batches``), what the
+    prefetch places."""
     callbacks = [listener(callback) for callback in options.callbacks]
     # a callback shows each recovery: the loop then logs them at INFO, not WARNING
     shown = any(overrides(c, "on_recovery", Callback.on_recovery) for c in callbacks)
@@ -87,7 +90,9 @@ def actions(
     feeder: Feeder = InTurn()
     if options.prefetch:  # placing ahead: a step placing batches itself, rows not carried
         place = not carried and options.step_timeout is None
-        feeder = Prefetch(runtime, options.prefetch, presplit=options.presplit, place=place)
+        feeder = Prefetch(
+            runtime, options.prefetch, presplit=options.presplit, place=place, cut=cut
+        )
     healing = None
     if options.recover is not None:
         healing = SelfHealing(

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxstep._src.core import ReplayVerdict
@@ -67,8 +69,9 @@ class Diagnosis:
       chip: under ``make_train_step(model_parallel=m)``, for a ``"device"`` verdict:
         the id of the device of the failing model group that the fault follows, found
         by replaying with the model positions rotated across the groups (the evidence
-        says which rotation moved it), or None (one process's groups could not be
-        rotated, or no single device explains it). ``devices`` still names the group
+        says which rotation moved it; with several processes among each process's
+        own groups), or None (the group is alone on its process, or no single device
+        explains it). ``devices`` still names the group
         (its first device): a group goes whole.
 
     Example:
@@ -305,25 +308,33 @@ def _which_chip(
 ) -> Diagnosis:
     """A ``"device"`` verdict on model group ``group`` (a position), sharpened to one
     of its devices: for each model position ``j > 0`` the step is replayed on a
-    runtime whose groups swap position ``j`` one group along (group ``i`` takes group
-    ``i + 1``'s device there), so group ``group``'s device at ``j`` now sits in group
-    ``group - 1``: a failure that moves there follows that device; one that stays
+    runtime whose groups swap position ``j`` one group along (group ``i`` takes the
+    next group's device there), so group ``group``'s device at ``j`` now sits in the
+    group before it: a failure that moves there follows that device; one that stays
     through every rotation follows the device none of them moves, the group's first.
-    One process only (a process holds only its own groups' rows: the rotation would
-    cross processes); on a runtime of its own, compiled for it (the state placed on
-    it through the host)."""
+    With several processes the rotation runs among each process's own groups (a group
+    never spans processes and a process holds only its groups' rows: the chunks stay
+    where they are, only chips move); a group alone on its process cannot be told
+    apart. On a runtime of its own, compiled for it (the state placed on it through
+    the host, read from a group of this process)."""
     options = runtime.options
     groups, n, m = options.groups, options.n, options.model_parallel
-    if processes.spans_processes(runtime.devices) or n < 2:
-        return found
+    ahead = _next_group(groups)
+    if ahead[group] == group:
+        return found  # the only group of its process (or of the step): nothing to swap with
+    behind = next(i for i in range(n) if ahead[i] == group)
     assert error.state is not None  # checked by diagnose
-    host = runtime.backend.read_at(error.state, group)
+    here = jax.process_index()
+    mine = group if groups[group][0].process_index == here else None
+    if mine is None:
+        mine = next(i for i in range(n) if groups[i][0].process_index == here)
+    host = runtime.backend.read_at(error.state, mine)
     fired = runtime.extras.fired() if runtime.extras.n_faults else None
     ids = [tuple(d.id for d in g) for g in groups]
     evidence = list(found.evidence)
     for j in range(1, m):
         swapped = tuple(
-            tuple(groups[(i + 1) % n][k] if k == j else groups[i][k] for k in range(m))
+            tuple(groups[ahead[i]][k] if k == j else groups[i][k] for k in range(m))
             for i in range(n)
         )
         moved = dataclasses.replace(options, devices=[g[0] for g in swapped], groups=swapped)
@@ -332,10 +343,10 @@ def _which_chip(
         other.continues(placed, int(host.step))
         now = hits(other.table(other.replay(placed, batch)).status)
         chip = ids[group][j]
-        if now == ((group - 1) % n,):
+        if now == (behind,):
             evidence.append(
                 f"with model position {j} rotated across the groups (device {chip} moved to "
-                f"the group of device {ids[(group - 1) % n][0]}) the failure moved with it: "
+                f"the group of device {ids[behind][0]}) the failure moved with it: "
                 f"it follows device {chip}"
             )
             return dataclasses.replace(found, evidence=tuple(evidence), chip=chip)
@@ -351,6 +362,20 @@ def _which_chip(
         f"with device {chip} (model position 0): it follows device {chip}"
     )
     return dataclasses.replace(found, evidence=tuple(evidence), chip=chip)
+
+
+def _next_group(groups: Sequence[Sequence[jax.Device]]) -> list[int]:
+    """For each model group (a position), the group whose devices it takes in a
+    rotation: the next of its own process's groups, in order, the last taking the
+    first's (itself when it is its process's only one)."""
+    by_process: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_process.setdefault(g[0].process_index, []).append(i)
+    ahead = list(range(len(groups)))
+    for members in by_process.values():
+        for a, i in enumerate(members):
+            ahead[i] = members[(a + 1) % len(members)]
+    return ahead
 
 
 def _spread(

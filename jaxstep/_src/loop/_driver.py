@@ -46,6 +46,7 @@ from jaxstep._src.loop._pending import Placed
 from jaxstep._src.loop._recorder import Recorder
 from jaxstep._src.loop._records import Recovery
 from jaxstep._src.loop._resplit import Resplit
+from jaxstep._src.loop._resplit import Whole
 from jaxstep._src.loop._resplit import after_leaving
 from jaxstep._src.loop._resplit import carry_for
 from jaxstep._src.step import TrainStep
@@ -100,6 +101,11 @@ class Loop:
         self.presplit = options.presplit
         self.record = Recorder(history)
         source = checkpoints.source
+        origin = runtime.origin or runtime.devices  # the devices batches are laid out for
+        #: every process reads each batch whole (``global_batches``, several processes)
+        self.whole = None
+        if options.global_batches and processes.spans_processes(origin):
+            self.whole = Whole(origin, options.presplit)
         self.carry: Carry | Resplit | None = carry_for(
             runtime,
             source.start,
@@ -107,9 +113,15 @@ class Loop:
             options.presplit,
             source.carrying,
             ready=self._ready,
+            everyone=self.whole is not None,
         )
         self.actions = actions(
-            runtime, options, checkpoints, carried=self.carry is not None, ledger=ledger
+            runtime,
+            options,
+            checkpoints,
+            carried=self.carry is not None,
+            ledger=ledger,
+            cut=None if self.whole is None else self.whole.local,
         )
         self.flight = InFlight()
         self.peers = Peers()  # how it waits on devices shared with other processes
@@ -204,8 +216,10 @@ class Loop:
         item = Item(batch, self.pulled, placed=placed)
         self.flight.queue.append(item)
         self.pulled += 1
+        if self.whole is not None:  # this process's rows, the batch beside them
+            self.flight.queue[-1] = item = self.whole.item(batch, item.seq, placed)
         for pulled in self.actions.pulled:
-            pulled(batch)
+            pulled(item.batch)
         self._run_queue()
 
     def _run_queue(self) -> None:
@@ -409,6 +423,7 @@ class Loop:
             start=self.source.start,
             presplit=self.presplit,
             ready=self._ready,
+            everyone=self.whole is not None,
         )
 
     def _recovered(self, record: Recovery) -> None:

@@ -44,6 +44,7 @@ def fit(
     presplit: bool = False,
     recover: Recover | None = None,
     prefetch: int = 2,
+    global_batches: bool = False,
 ) -> TrainState:
     """Trains ``state`` on ``batches`` and returns the final state.
 
@@ -86,6 +87,13 @@ def fit(
       recover: a :class:`Recover`: act on each failure's verdict and go on (None: raise).
       prefetch: batches a background thread pulls and places ahead (0: pulled on this
         thread, in turn).
+      global_batches: on several processes, every process's ``batches`` yield the whole
+        global batch, the same on every process (as :func:`jaxstep.data.batches` makes
+        them): fit keeps each process's rows itself (no
+        :func:`~jaxstep.distributed.local_batch` needed), and once a device has left
+        the run each process takes the rows it now trains from the batch it read, so
+        no row travels between processes (False: each process passes its own rows,
+        which then go through the devices). On one process batches are global anyway.
 
     Returns:
       The state after the last batch.
@@ -116,6 +124,7 @@ def fit(
         presplit=presplit,
         recover=recover,
         prefetch=prefetch,
+        global_batches=global_batches,
     )
     check_inputs(state, batches)
     state, _, saver = begin_fit(

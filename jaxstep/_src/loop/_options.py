@@ -104,6 +104,7 @@ class FitOptions:
     presplit: bool = False
     recover: Recover | None = None
     prefetch: int = 2
+    global_batches: bool = False
 
     def __post_init__(self) -> None:
         n = self.num_steps
@@ -144,6 +145,12 @@ class FitOptions:
             raise TypeError(
                 f"recover must be a jaxstep.Recover or None, got {self.recover!r}; pass "
                 "recover=jaxstep.Recover() (its defaults) or Recover(retries=2, ...)"
+            )
+        if not isinstance(self.global_batches, bool):
+            raise TypeError(
+                f"global_batches must be True (every process's batches are the whole global "
+                f"batch, the same on every process: fit keeps each process's rows) or False "
+                f"(each process passes its own rows), got {self.global_batches!r}"
             )
         object.__setattr__(self, "callbacks", _callbacks(self.callbacks))
 

@@ -24,8 +24,9 @@ class Item(NamedTuple):
     # rows carried (loop._carry): where each stretch of its rows is in the data,
     # ``(seq, start, stop)`` in order (None: the whole batch ``seq``, as pulled)
     spans: tuple[tuple[int, int, int], ...] | None = None
-    # several processes, rows re-split (loop._resplit): every process's rows of the
-    # step, of which ``batch`` holds this process's devices' chunks (None: not re-split)
+    # several processes, rows re-split (loop._resplit) or read whole by every process
+    # (fit(global_batches=True)): every process's rows of the step, of which ``batch``
+    # holds this process's devices' chunks (None: neither)
     shared: Shared | None = None
     # fit(prefetch=...): the batch already on the devices (None: the step places it)
     placed: Placed | None = None
@@ -53,16 +54,25 @@ class Item(NamedTuple):
 
 class Shared(NamedTuple):
     """A step's rows on several processes once they were re-split over the devices
-    (:mod:`jaxstep._src.loop._resplit`): all of them, every process's (host arrays, in the
-    order ``Item.spans`` gives), and which process passed each (its index)."""
+    (:mod:`jaxstep._src.loop._resplit`), or a global batch every process read whole: all
+    of them, every process's (host arrays, in the order ``Item.spans`` gives), and the
+    process whose devices they were laid out for (its index)."""
 
     rows: Any
     owner: np.ndarray
+    #: every process read these rows whole (``fit(global_batches=True)``): nothing was
+    #: gathered, and what is handed back untrained is all of them, as they were given
+    everyone: bool = False
 
     def own(self) -> Any:
-        """The rows this process passed: what it hands back untrained."""
+        """The rows this process passed (its devices' chunks, as laid out first)."""
         mine = np.flatnonzero(self.owner == jax.process_index())
         return jax.tree.map(lambda x: x[mine], self.rows)
+
+    def given(self) -> Any:
+        """What this process hands back untrained: the rows as it was given them (all of
+        them when it read every batch whole, else those it passed)."""
+        return self.rows if self.everyone else self.own()
 
 
 class Placed(NamedTuple):

@@ -77,10 +77,21 @@ class Prefetch(Feeder):
       presplit: batches come ``(n_devices, per_device, ...)``: joined before placing.
       place: place them on the devices (False: pulled ahead only, placed by the step:
         under ``pmap``, the step watchdog, or while rows are carried).
+      cut: this process's rows of a batch as the data gives it, the rows placed (None:
+        the batch itself; ``fit(global_batches=True)`` on several processes).
     """
 
-    def __init__(self, runtime: Runtime, depth: int, *, presplit: bool, place: bool):
+    def __init__(
+        self,
+        runtime: Runtime,
+        depth: int,
+        *,
+        presplit: bool,
+        place: bool,
+        cut: Callable[[Any], Any] | None = None,
+    ):
         self.runtime = runtime
+        self.cut = cut
         self.presplit = presplit
         self.place = place  # as fit started
         self.placing = place  # now: paused while a failure is acted on
@@ -178,6 +189,8 @@ class Prefetch(Feeder):
     def _place(self, batch: Any) -> Placed | None:
         runtime = self.runtime
         try:
+            if self.cut is not None:
+                batch = self.cut(batch)
             placed = runtime.place_ahead(batch, self.presplit)
         except Exception:  # the step, given the batch itself, says what is wrong
             return None

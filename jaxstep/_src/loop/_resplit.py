@@ -27,6 +27,14 @@ from it re-splits again, so it trains exactly the rows the run had not. At the e
 most ``unit - 1`` rows of each shape are left, listed in ``History.left_over`` (the same
 on every process).
 
+Batches every process reads whole (``fit(global_batches=True)``, the same global batch
+on every process, as :func:`jaxstep.data.batches` makes it) need none of this: fit cuts
+each process's rows itself (:class:`Whole`), keeps the batch with them
+(``Item.shared``), and once a device left, every process runs the same carry on the
+batch it read: no row travels between processes, nothing waits on the devices, and
+the steps overlap the host as before. Only batches a process holds its own rows of
+(a plain iterator of local rows) go through the all-gather below.
+
 The cost, paid only once rows must move: every step's batch goes through the devices
 twice (the all-gather, then the step's own placement of each process's chunks) and
 once through each host, and the host reads the gathered rows (after the step before,
@@ -71,6 +79,7 @@ def carry_for(
     presplit: bool,
     carried: bool = False,
     ready: Callable[[jax.Array], None] = jax.block_until_ready,
+    everyone: bool = False,
 ) -> Carry | Resplit | None:
     """The carry a fit call starts with (None: none needed): for a resume inside a batch
     (``resumed``: rows of the first batch trained already, later batches' rows not
@@ -78,14 +87,15 @@ def carry_for(
     (``carried``), or for a step that lost devices in an earlier fit call
     (:class:`Resplit` on several processes, else
     :class:`~jaxstep._src.loop._carry.Carry`). ``start``: the data's count of the first
-    batch pulled; ``ready``: a :class:`Resplit`'s wait for the rows it gathers."""
+    batch pulled; ``ready``: a :class:`Resplit`'s wait for the rows it gathers;
+    ``everyone``: every process reads the batches whole (:class:`Whole`)."""
     origin = runtime.origin or runtime.devices
     many = processes.spans_processes(origin)
     inside = bool(resumed.rows or resumed.then)
     if not (inside or runtime.origin is not None or (carried and not many)):
         return None  # (several processes at a batch's start: every batch divides)
     if many:
-        return Resplit(origin, runtime, start, presplit, resumed, ready)
+        return Resplit(origin, runtime, start, presplit, resumed, ready, everyone)
     return Carry(unit_of(runtime), presplit, start=start, resumed=resumed)
 
 
@@ -97,6 +107,7 @@ def after_leaving(
     start: int,
     presplit: bool,
     ready: Callable[[jax.Array], None] = jax.block_until_ready,
+    everyone: bool = False,
 ) -> Carry | Resplit:
     """``carry`` (made when None) once devices of ``before`` left the run and the steps
     train on ``runtime``'s: the rows that do not divide by the devices left are
@@ -104,7 +115,7 @@ def after_leaving(
     (:class:`Resplit`, its batches laid out for ``before``'s devices)."""
     if carry is None:
         if processes.spans_processes(before):
-            return Resplit(before, runtime, start, presplit, ready=ready)
+            return Resplit(before, runtime, start, presplit, ready=ready, everyone=everyone)
         carry = Carry(unit_of(runtime), presplit=presplit, start=start)
     if isinstance(carry, Resplit):
         carry.now_on(runtime)
@@ -127,6 +138,8 @@ class Resplit:
       resumed: where a resume starts (:class:`~jaxstep._src.loop._carry.Carry`'s;
         rows of a batch counted every process's together).
       ready: returns once gathered rows can be read (:func:`exchange`).
+      everyone: every process reads the batches whole (:class:`Whole`: each item comes
+        with all its rows, nothing is gathered).
     """
 
     def __init__(
@@ -137,8 +150,10 @@ class Resplit:
         presplit: bool,
         resumed: Cursor = AT_START,
         ready: Callable[[jax.Array], None] = jax.block_until_ready,
+        everyone: bool = False,
     ):
         self.origin = list(origin)
+        self.everyone = everyone
         #: this process's chunks of a batch (its devices among ``origin``)
         self.chunks = sum(d.process_index == jax.process_index() for d in origin)
         self.ready = ready
@@ -157,7 +172,7 @@ class Resplit:
         fewer rows than a step needs are at hand (all carried on). Every
         process takes the same rows. ``item`` pulled from the data: its rows are gathered
         from every process first (a collective: every process takes every batch)."""
-        if item.shared is None:
+        if item.shared is None:  # (never with batches every process read whole)
             batch = jax.tree.map(np.asarray, item.batch)
             if self.presplit:
                 batch = join_presplit(batch, self.chunks)
@@ -166,21 +181,22 @@ class Resplit:
             if self.carry.trained_before(item.seq, size) >= size:
                 return None  # trained whole before a resume: every process passes it over
             whole = exchange(batch, per, self.origin, self.devices, self.ready)
-        else:  # queued again by a recovery: every process's rows at hand already
+        else:  # read whole, or queued again by a recovery: every process's rows at hand
             whole = (item.shared.rows, item.shared.owner)
         taken = self.carry.take(item._replace(batch=whole, shared=None, placed=None))
         if taken is None:
             return None
         rows, owner = taken.batch
         mine = processes.local_batch(rows, self.devices)
-        return taken._replace(batch=mine, shared=Shared(rows, owner))
+        return taken._replace(batch=mine, shared=Shared(rows, owner, self.everyone))
 
     def release(self) -> list[Item]:
         """The rows carried, as items to queue again or hand back: each holds the rows
         this process passed (``batch``) and every process's (``shared``)."""
         out = []
         for item in self.carry.release():
-            shared = Shared(*item.batch)
+            rows, owner = item.batch
+            shared = Shared(rows, owner, self.everyone)
             out.append(item._replace(batch=shared.own(), shared=shared))
         return out
 
@@ -193,6 +209,51 @@ class Resplit:
         """The data ended (or the call's count of steps): the rows still carried,
         listed (:meth:`Carry.finish`)."""
         return self.carry.finish(cut_short)
+
+
+class Whole:
+    """``fit(global_batches=True)`` on several processes: every process reads each
+    global batch whole (the same on every process), so fit cuts this process's rows
+    itself (what :func:`jaxstep.distributed.local_batch` does for a user who passes
+    them) and keeps the whole batch with them (``Item.shared``, each row's owner the
+    process whose devices it was laid out for): once a device left, each process takes
+    the rows it now trains from the batch it read (:class:`Resplit`, nothing gathered).
+
+    Args:
+      origin: the step's devices the batches are laid out for (before any left).
+      presplit: batches come ``(len(origin), per_device, ...)``.
+    """
+
+    def __init__(self, origin: Sequence[jax.Device], presplit: bool):
+        self.origin = list(origin)
+        self.presplit = presplit
+        here = jax.process_index()
+        #: this process's chunks of a batch (its devices' positions among ``origin``)
+        self.mine = np.asarray([i for i, d in enumerate(origin) if d.process_index == here])
+        self.owners = np.asarray([d.process_index for d in origin], np.int32)
+
+    def local(self, batch: Any) -> Any:
+        """This process's rows of the global ``batch``, as it would pass them."""
+        if self.presplit:
+            return jax.tree.map(lambda x: np.asarray(x)[self.mine], batch)
+        return processes.local_batch(batch, self.origin)
+
+    def item(self, batch: Any, seq: int, placed: Any = None) -> Item:
+        """The loop's item for the global ``batch`` (the ``seq``-th pulled): this
+        process's rows, every row with its owner beside them.
+
+        Raises:
+          ValueError: a batch that does not divide by the devices it is laid out for
+            (every process's rows together), or whose leaves disagree on their rows.
+        """
+        rows = jax.tree.map(np.asarray, batch)
+        n = len(self.origin)
+        if self.presplit:
+            rows = join_presplit(rows, n)
+        what = "devices the batches are laid out for (fit(global_batches=True): every row)"
+        per = validate.batch(rows, n, what=what) // n
+        shared = Shared(rows, np.repeat(self.owners, per), everyone=True)
+        return Item(self.local(batch), seq, shared=shared, placed=placed)
 
 
 class Tagged(Carry):

@@ -118,10 +118,11 @@ def untrained_batches(
 
 def given(left: Pending | Item) -> Any:
     """The rows of a batch not trained as this process gave them: on several processes
-    once rows were re-split (``Item.shared``), those it passed, not its devices'."""
+    once rows were re-split (``Item.shared``), those it passed, not its devices'; every
+    row when it read the batches whole (``fit(global_batches=True)``)."""
     item = left.item if isinstance(left, Pending) else left
     if item is not None and item.shared is not None:
-        return item.shared.own()
+        return item.shared.given()
     return left.batch
 
 
