@@ -276,28 +276,22 @@ def main() -> None:
         f"2x4 / 1x8: hand {two['hand_ms'] / one['hand_ms']:.2f}x, "
         f"jaxstep {two['jaxstep_ms'] / one['jaxstep_ms']:.2f}x (gloo between processes)"
     )
+    sections = []
     if args.checkpoint_every:
-        print(f"fit with checkpoints every {args.checkpoint_every} steps / fit without:")
-        for name, r in (("1x8", one), ("2x4", two)):
-            iqr = f"{r['ckpt_ratio_iqr'][0]:.2f}-{r['ckpt_ratio_iqr'][1]:.2f}"
-            print(
-                f"{name:>8} {r['fit_ms']:9.2f} ms {r['fit_ckpt_ms']:9.2f} ms "
-                f"{r['ckpt_ratio']:6.3f}x (IQR {iqr})"
-            )
+        title = f"fit with checkpoints every {args.checkpoint_every} steps / fit without:"
+        sections.append((title, "ckpt_", "fit", "fit_ckpt"))
     if args.resplit:
-        print("fit after a device left (7 of 8, rows re-split and carried) / fit on all 8:")
+        title = "fit after a device left (7 of 8, rows re-split and carried) / fit on all 8:"
+        sections.append((title, "resplit_", "fit_all", "fit_resplit"))
+        title = "the same, every process reading the global batches (fit(global_batches=True)):"
+        sections.append((title, "whole_", "fit_all", "fit_whole"))
+    for title, key, base, timed in sections:
+        print(title)
         for name, r in (("1x8", one), ("2x4", two)):
-            iqr = f"{r['resplit_ratio_iqr'][0]:.2f}-{r['resplit_ratio_iqr'][1]:.2f}"
+            iqr = f"{r[key + 'ratio_iqr'][0]:.2f}-{r[key + 'ratio_iqr'][1]:.2f}"
             print(
-                f"{name:>8} {r['fit_all_ms']:9.2f} ms {r['fit_resplit_ms']:9.2f} ms "
-                f"{r['resplit_ratio']:6.3f}x (IQR {iqr})"
-            )
-        print("the same, every process reading the global batches (fit(global_batches=True)):")
-        for name, r in (("1x8", one), ("2x4", two)):
-            iqr = f"{r['whole_ratio_iqr'][0]:.2f}-{r['whole_ratio_iqr'][1]:.2f}"
-            print(
-                f"{name:>8} {r['fit_all_ms']:9.2f} ms {r['fit_whole_ms']:9.2f} ms "
-                f"{r['whole_ratio']:6.3f}x (IQR {iqr})"
+                f"{name:>8} {r[base + '_ms']:9.2f} ms {r[timed + '_ms']:9.2f} ms "
+                f"{r[key + 'ratio']:6.3f}x (IQR {iqr})"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"1x8": one, "2x4": two, "args": vars(args)}))
