@@ -109,6 +109,7 @@ def test_batches_read_whole_are_cut_and_resplit_without_an_exchange(monkeypatch,
         item = whole.item(batch, seq)
         np.testing.assert_array_equal(item.batch["x"], batch["x"])  # one process: every row
         assert item.shared.everyone and item.shared.owner.tolist() == [0] * 32
+        assert item.shared.given() is batch  # handed back as given (pre-split: so)
         got = read.take(item)
         want = wanted[seq]
         np.testing.assert_array_equal(got.batch["x"], want.batch["x"])

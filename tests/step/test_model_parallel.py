@@ -456,3 +456,90 @@ def test_recover_repairs_or_rolls_back_a_corrupted_block_of_the_first_group(tmp_
     assert record.device_ids == (0,)  # the group of devices 0, 1, by its first
     for x, y in zip(_host(step, state), _host(clean_step, clean), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    ("layout", "leaf"),
+    [
+        ("params", "params['b2']"),  # a block of the data axis, a copy on each device
+        ("optimizer", "opt_state[0].mu['b2']"),  # the same, the optimizer's
+        ("optimizer", "params['b2']"),  # whole over both axes: a copy on every device
+    ],
+)
+def test_one_devices_copy_under_a_sharded_state_is_named_by_its_group(layout, leaf):
+    """b2 is whole on the model axis, so each device of a group holds a copy of it (of
+    its group's block, when sharded over the data axis: no twin in another group):
+    device 5's copy corrupted is named by its group and the leaf."""
+    step = _wide_step(layout, divergence_every=2)
+    batches = _wide_batches(4)
+    state, _ = step(step.init(_wide()), batches[0])
+    state, _ = step(state, batches[1])  # step 2 checks the copies
+    bad = corrupt_replica(step, state, 5, leaf)
+    # the check a checkpoint's save runs alone sees it too (the group, the leaf)
+    from jaxstep._src.step import runtime_of
+
+    assert runtime_of(step).differing(bad) == {2: step.names["state"].index(leaf)}
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, bad, batches[2:])
+    err = assert_fails(info, device_id=4, step=2, status=Status.DIVERGED)
+    assert err.group == (4, 5) and err.leaf == leaf
+
+
+def test_drop_repairs_a_copy_a_twin_group_holds_and_never_a_shard_it_does_not():
+    """Under drop a corrupted copy of a leaf every group holds alike is repaired from a
+    twin group (ZeRO-1's parameters); one of a data-axis block (FSDP's) has no twin to
+    copy from, and nothing tells which of the group's copies is right: it diverges."""
+    batches = _wide_batches(4)
+
+    def corrupted(layout):
+        step = _wide_step(layout, divergence_every=2, on_failure="drop")
+        state, _ = step(step.init(_wide()), batches[0])
+        state, _ = step(state, batches[1])
+        return step, corrupt_replica(step, state, 5, "['b2']")
+
+    step, bad = corrupted("optimizer")
+    history = jaxstep.History()
+    state = jaxstep.fit(step, bad, batches[2:], history=history)
+    assert history.repaired == [(4,), ()]
+    clean = _wide_step("optimizer", divergence_every=2, on_failure="drop")
+    want = jaxstep.fit(clean, clean.init(_wide()), batches)
+    for x, y in zip(_host(step, state), _host(clean, want), strict=True):
+        np.testing.assert_array_equal(x, y)
+    step, bad = corrupted("params")
+    with pytest.raises(jaxstep.TrainingWorkerError) as info:
+        jaxstep.fit(step, bad, batches[2:])
+    err = assert_fails(info, device_id=4, step=2, status=Status.DIVERGED)
+    assert err.group == (4, 5) and err.leaf == "params['b2']"
+
+
+def test_recover_rolls_back_a_copy_of_a_block_only_its_group_holds_never_rebuilds_it(tmp_path):
+    """FSDP over model groups: device 4's copy (model position 0, the one a host read
+    of the leaf takes) of its group's block of b2 corrupted. No other group holds that
+    block, so no majority copy can rebuild it: Recover() rolls back to the verified
+    checkpoint (equal to the clean run, bit for bit), and without one the error says
+    why and calls the state not good, rather than "repair" it from the corrupted copy."""
+    batches = _wide_batches(6)
+    clean = _wide_step("params", divergence_every=2)
+    want = jaxstep.fit(clean, clean.init(_wide()), batches)
+    for saved in (True, False):
+        kw = {"checkpoint_dir": str(tmp_path / str(saved)), "checkpoint_every": 2} if saved else {}
+        step = _wide_step("params", divergence_every=2)
+        state = jaxstep.fit(step, step.init(_wide()), batches[:2], **kw)
+        bad = corrupt_replica(step, state, 4, "['b2']")
+        history = jaxstep.History()
+        if saved:
+            state = jaxstep.fit(
+                step, bad, batches[2:], recover=jaxstep.Recover(), history=history, **kw
+            )
+            assert [(r.step, r.verdict, r.action) for r in history.recoveries] == [
+                (2, "diverged", "rolled back")
+            ]
+            for x, y in zip(_host(step, state), _host(clean, want), strict=True):
+                np.testing.assert_array_equal(x, y)
+            continue
+        with pytest.raises(jaxstep.TrainingWorkerError) as info:
+            jaxstep.fit(step, bad, batches[2:], recover=jaxstep.Recover())
+        err = assert_fails(info, device_id=4, step=2, status=Status.DIVERGED)
+        assert err.group == (4, 5) and not err.state_is_good
+        assert "params['b2'] inside the model group differ" in err.note
+        assert "no twin in another group" in err.note

@@ -216,10 +216,9 @@ class Loop:
         item = Item(batch, self.pulled, placed=placed)
         self.flight.queue.append(item)
         self.pulled += 1
-        if self.whole is not None:  # this process's rows, the batch beside them
-            self.flight.queue[-1] = item = self.whole.item(batch, item.seq, placed)
-        for pulled in self.actions.pulled:
-            pulled(item.batch)
+        if self.whole is None:  # (a whole batch is heard as this process's rows: _advance)
+            for pulled in self.actions.pulled:
+                pulled(batch)
         self._run_queue()
 
     def _run_queue(self) -> None:
@@ -231,6 +230,11 @@ class Loop:
         """:meth:`advance` for one queued batch."""
         actions, flight = self.actions, self.flight
         flight.in_hand = item  # a take that raises leaves it untouched: handed back
+        if self.whole is not None and item.shared is None:
+            cut = self._cut(item)
+            if cut is None:  # refused, the step before it failed and was recovered
+                return
+            item = cut
         if self.carry is not None:
             taken = self._take(self.carry, item)
             if taken is None:  # all carried on, or a recovery queued it again
@@ -307,6 +311,24 @@ class Loop:
     def _hung(self, error: TrainingWorkerError, untrained: list[Any]) -> TrainingWorkerError:
         """:meth:`Exits.hung`: a hang or a lost peer leaves fit with ``untrained``."""
         return self.exits.hung(error, untrained, self.carry, self.pulled)
+
+    def _cut(self, item: Item) -> Item | None:
+        """A whole batch every process read (``global_batches``) as this process's rows
+        with the batch beside them (:class:`Whole`), heard by the actions as pulled;
+        refused as at its dispatch when it does not divide (None: the step before it
+        failed and was recovered, ``item`` queued again)."""
+        assert self.whole is not None
+        try:
+            item = self.whole.item(item.batch, item.seq, item.placed)
+            self.flight.in_hand = item  # handed back as given (Shared.as_given)
+            for pulled in self.actions.pulled:
+                pulled(item.batch)
+        except (ValueError, TypeError) as err:
+            if self._refused(err, item) is Settled.RECOVERED:
+                self.flight.in_hand = None
+                return None
+            raise
+        return item
 
     def _take(self, carry: Carry | Resplit, item: Item) -> Item | None:
         """``carry.take(item)``; on several processes its rows travel through the

@@ -38,6 +38,10 @@ def failure_error(
     alike = failed_alike(failures, len(runtime.devices))
     note = hint = None
     good = majority_position(runtime, failures)
+    # a block only the diverged model group holds: no majority copy can rebuild it
+    lone = _lone_blocks(runtime, current, failures) if good is not None else []
+    if lone:
+        good = None
     if good is not None:
         state = replica_state_on(runtime, current, good)
         note = (
@@ -47,11 +51,11 @@ def failure_error(
     elif any(f.status & Status.DIVERGED for f in failures):
         # No copy can be called good: error.state holds the copy that differs (one of
         # the pair, or every copy), and resuming from it fails again at once.
-        failures = _without_majority(runtime, failures)
+        failures = failures if lone else _without_majority(runtime, failures)
         return TrainingWorkerError(
             failures,
             state=runtime.unhalted(current),
-            note=_no_majority(runtime, failures),
+            note=_no_majority(runtime, failures, lone),
             history=history,
             state_is_good=False,
             alike=alike,
@@ -143,8 +147,16 @@ def _without_majority(runtime: Runtime, failures: Sequence[Failure]) -> list[Fai
     return out
 
 
-def _no_majority(runtime: Runtime, failures: Sequence[Failure]) -> str:
-    """The note of a divergence no majority can settle."""
+def _no_majority(runtime: Runtime, failures: Sequence[Failure], lone: Sequence[str] = ()) -> str:
+    """The note of a divergence no majority can settle (``lone``: the leaves whose
+    diverged block only its model group holds, :func:`_lone_blocks`)."""
+    if lone:
+        return (
+            f"the copies of {', '.join(lone)} inside the model group differ: a block "
+            "sharded over the data axis (shard_state) has no twin in another group, so "
+            "no majority copy can rebuild it. error.state is the state as it stands, "
+            "holding the copies that differ: resuming from it fails again"
+        )
     diverged = [f for f in failures if f.status & Status.DIVERGED]
     if _pair(runtime, diverged):
         a, b = diverged
@@ -163,6 +175,21 @@ def _no_majority(runtime: Runtime, failures: Sequence[Failure]) -> str:
         "no majority of replicas agrees (every copy differs): error.state is the state "
         "as it stands, holding copies that differ"
     )
+
+
+def _lone_blocks(runtime: Runtime, state: TrainState, failures: Sequence[Failure]) -> list[str]:
+    """Under ``model_parallel`` with a sharded layout: the diverged leaves whose blocks
+    only their model group holds (a shard of the data axis, each of its devices a copy
+    of it: no other group's copy can rebuild one), by name; empty otherwise."""
+    options = runtime.options
+    if options.model_parallel == 1 or options.shard_state is None or options.replicas > 1:
+        return []
+    sharded = runtime.shards(state)
+    if sharded is None:
+        return []
+    names = runtime.names["state"]
+    leaves = {f.leaf for f in failures if f.status & Status.DIVERGED}
+    return [n for n, s in zip(names, sharded, strict=True) if s and n in leaves]
 
 
 def majority_position(runtime: Runtime, failures: Sequence[Failure]) -> int | None:

@@ -61,8 +61,11 @@ class Shared(NamedTuple):
     rows: Any
     owner: np.ndarray
     #: every process read these rows whole (``fit(global_batches=True)``): nothing was
-    #: gathered, and what is handed back untrained is all of them, as they were given
+    #: gathered, and what is handed back untrained is all of them
     everyone: bool = False
+    #: a whole batch so read, not split yet: as the data gave it (handed back so:
+    #: pre-split, its own arrays), else None
+    as_given: Any = None
 
     def own(self) -> Any:
         """The rows this process passed (its devices' chunks, as laid out first)."""
@@ -72,6 +75,8 @@ class Shared(NamedTuple):
     def given(self) -> Any:
         """What this process hands back untrained: the rows as it was given them (all of
         them when it read every batch whole, else those it passed)."""
+        if self.as_given is not None:
+            return self.as_given
         return self.rows if self.everyone else self.own()
 
 

@@ -252,7 +252,7 @@ class Whole:
             rows = join_presplit(rows, n)
         what = "devices the batches are laid out for (fit(global_batches=True): every row)"
         per = validate.batch(rows, n, what=what) // n
-        shared = Shared(rows, np.repeat(self.owners, per), everyone=True)
+        shared = Shared(rows, np.repeat(self.owners, per), everyone=True, as_given=batch)
         return Item(self.local(batch), seq, shared=shared, placed=placed)
 
 

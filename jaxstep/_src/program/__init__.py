@@ -17,6 +17,8 @@ from jaxstep._src.program._faults import Fault as Fault
 from jaxstep._src.program._faults import Injector as Injector
 from jaxstep._src.program._faults import float_leaves as float_leaves
 from jaxstep._src.program._grid import Grid as Grid
+from jaxstep._src.program._model import chips_inside as chips_inside
+from jaxstep._src.program._model import group_prints as group_prints
 from jaxstep._src.program._model import merged as merged
 from jaxstep._src.program._model import model_shardings as model_shardings
 from jaxstep._src.program._model import model_specs as model_specs
@@ -59,12 +61,14 @@ __all__ = [
     "ShardRule",
     "Step",
     "all_agree",
+    "chips_inside",
     "cut",
     "drop_memory",
     "example_failed",
     "fingerprint",
     "float_leaves",
     "grad_leaves_finite",
+    "group_prints",
     "merged",
     "minority",
     "model_dims",

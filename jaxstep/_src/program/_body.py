@@ -155,10 +155,13 @@ class Step:
         extras: dict[str, Any],
     ) -> Result:
         options = self.options
-        if self.check_replicas and options.model_parallel > 1 and options.shard_state is None:
+        if self.check_replicas and options.model_parallel > 1:
             # each device's own copies, read before the body reslices them (chip_prints)
-            extras = {**extras, "unit_prints": chip_prints(self.options, state)}
-            extra_specs = {**extra_specs, "unit_prints": P(self.options.axis_name)}
+            data = None
+            if options.shard_state is not None and (plan := Plan.of(options, state)).sharded:
+                data = plan.specs(state, options.axis_name)  # one replica group
+            extras = {**extras, "unit_prints": chip_prints(options, state, data)}
+            extra_specs = {**extra_specs, "unit_prints": P(options.axis_name)}
         layout = layout_of(self.options, mesh, extra_specs, state)
         repairs = self.policy.repairs(self.check_replicas)
         return layout.run(self._body(layout), self._finish, state, batch, extras, repairs=repairs)

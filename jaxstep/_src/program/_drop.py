@@ -13,12 +13,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstep._src.core import PyTree
 from jaxstep._src.core import Status
 from jaxstep._src.core import TrainState
 from jaxstep._src.program import _cross_checks as cross_checks
 from jaxstep._src.program._grid import Grid
+from jaxstep._src.program._model import group_prints
 from jaxstep._src.program._model import unit_fingerprint
 from jaxstep._src.program._options import Options
 
@@ -75,6 +77,8 @@ def repair_replicas(
         prints = unit_fingerprint(options, state, jax.tree.leaves(trees), given)
     elif twinned:
         prints = cross_checks.fingerprint(jax.tree.leaves(trees))
+    elif given is not None:  # a model group's: its devices' copies of a shard compared
+        prints = group_prints(options, state, given, sharded)
     else:
         copies = cross_checks.without_shards(jax.tree.leaves(trees), sharded)
         prints = cross_checks.fingerprint(copies)
@@ -82,10 +86,17 @@ def repair_replicas(
     sent = jnp.where(mine, cross_checks.split16(prints)[None, :], 0.0)
     gathered = jax.lax.psum(sent, options.axis_name)
     groups = grid.k if twinned and grid is not None else 1
-    diverged, first = cross_checks.minority(cross_checks.join16(gathered), sharded, groups)
+    joined = cross_checks.join16(gathered)
+    diverged, first = cross_checks.minority(joined, sharded, groups)
     repairs = state.monitor["repairs"]
     source = jnp.argmax(~diverged)  # a device agreeing with a strict majority everywhere
     can = ~diverged[source]
+    if given is not None and sharded is not None and not twinned:
+        # a group whose own copies of a shard disagree has no twin to copy it from:
+        # it stays DIVERGED (nothing here knows which of its copies is right)
+        shards = jnp.asarray(np.asarray(sharded, bool))[None, :]
+        stuck, _ = cross_checks.minority(jnp.where(shards, joined, 0))
+        can = can & ~stuck
     if twinned and grid is not None:
         sources = grid.twin_sources(diverged)  # per device: a twin of the majority
         can = can & ~diverged[sources]

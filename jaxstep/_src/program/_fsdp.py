@@ -48,6 +48,7 @@ from jaxstep._src.program._local import Here
 from jaxstep._src.program._local import LocalPart
 from jaxstep._src.program._local import chunk_key
 from jaxstep._src.program._local import row_of
+from jaxstep._src.program._model import group_prints
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._padding import Pad
 from jaxstep._src.program._padding import cut
@@ -374,6 +375,8 @@ def local_part(
             rest = jax.tree.leaves((state.opt_state, state.model_state))
             kept = cross_checks.without_shards(rest, sharded[n_params:])
             prints = jnp.concatenate([found.prints, cross_checks.fingerprint(kept)])
+            if at.prints is not None:  # model groups: every device's copies compared too
+                prints = group_prints(options, state, at.prints, sharded, base=prints)
         row["param_leaf"] = found.param_leaf
         status |= jnp.where(found.param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
     row["status"] = status

@@ -25,6 +25,7 @@ from jaxstep._src.program._device import DeviceWork
 from jaxstep._src.program._device import WorkFn
 from jaxstep._src.program._device import microbatched_work
 from jaxstep._src.program._faults import Armed
+from jaxstep._src.program._model import group_prints
 from jaxstep._src.program._model import unit_fingerprint
 from jaxstep._src.program._options import Options
 
@@ -166,7 +167,8 @@ def replica_check(
     program only. ``sharded``: the leaves held as shards (fingerprint 0: a shard has
     no second copy to compare); ``options``: the step's (under ``model_parallel`` the
     fingerprint is its model group's, every device's own data in it, ``given`` as
-    :func:`~jaxstep._src.program._model.chip_prints` read it)."""
+    :func:`~jaxstep._src.program._model.chip_prints` read it; with ``sharded``, a
+    shard's copies inside the group compared: :func:`group_prints`)."""
     leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
     n_params = len(jax.tree.leaves(state.params))
     if sharded is None:
@@ -175,6 +177,9 @@ def replica_check(
             if options is None
             else unit_fingerprint(options, state, leaves, given)
         )
+        return prints, health.first_nonfinite(leaves[:n_params])[1]
+    if options is not None and given is not None:  # a model group's, its copies compared
+        prints = group_prints(options, state, given, sharded)
         return prints, health.first_nonfinite(leaves[:n_params])[1]
     copies = cross_checks.without_shards(leaves, sharded)
     return cross_checks.fingerprint(copies), health.first_nonfinite(leaves[:n_params])[1]

@@ -19,6 +19,7 @@ leaf (counts, the model state, keys, the monitor) is whole on every device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -80,15 +81,19 @@ def split_leaves(options: Options, state: Any) -> bool:
     return any(d is not None for d in model_dims(options, state.params))
 
 
-def chip_prints(options: Options, state: Any) -> jax.Array:
+def chip_prints(options: Options, state: Any, data_specs: Any = None) -> jax.Array:
     """Every device's fingerprints of what it holds of ``state``'s params, optimizer
     state and model state (its block of a split leaf, its own copy of a whole one),
     ``(n, m, leaves)``, split over the data axis: made at the top of the replica-check
     step, on the state as it came in, by a ``shard_map`` manual over both axes. Inside
     the body the partitioner may take a whole leaf from one device's copy (sharding
     propagation reslices it for the loss: measured, a corrupted copy on the group's
-    second device went unseen and was overwritten), so the copies are read before."""
+    second device went unseen and was overwritten), so the copies are read before.
+    ``data_specs``: a sharded layout's specs over the data axis (each device then reads
+    its block along both axes)."""
     specs = model_specs(options, state)
+    if data_specs is not None:
+        specs = jax.tree.map(merged, data_specs, specs, is_leaf=lambda x: isinstance(x, P))
     spec_leaves = jax.tree.leaves(
         (specs.params, specs.opt_state, specs.model_state), is_leaf=lambda x: isinstance(x, P)
     )
@@ -122,10 +127,17 @@ def unit_fingerprint(
     check reads them there); None: read here (a program that only fingerprints)."""
     if options.model_parallel == 1:
         return cross_checks.fingerprint(leaves)
-    m = options.model_parallel
-    weights = np.asarray([(0x9E3779B1 * (2 * j + 1)) % 2**32 | 1 for j in range(m)], np.uint32)
-    if given is not None:
-        return jnp.sum(given * jnp.asarray(weights)[:, None], axis=0, dtype=jnp.uint32)
+    weights = _weights(options.model_parallel)
+    if given is None:
+        given = chips_inside(options, state, leaves)
+    return jnp.sum(given * weights[:, None], axis=0, dtype=jnp.uint32)
+
+
+def chips_inside(options: Options, state: Any, leaves: list[jax.Array]) -> jax.Array:
+    """Inside the body (manual over the data axis): each device of this model group's
+    fingerprints of what it holds of ``leaves`` (those of ``state``'s params, optimizer
+    state and model state), ``(m, leaves)``, by a ``shard_map`` nested over the model
+    axis (where XLA would read one copy of a whole leaf per group)."""
     specs = model_specs(options, state)
     spec_leaves = jax.tree.leaves(
         (specs.params, specs.opt_state, specs.model_state), is_leaf=lambda x: isinstance(x, P)
@@ -134,7 +146,7 @@ def unit_fingerprint(
     def each(*held: jax.Array) -> jax.Array:
         return cross_checks.fingerprint(list(held))[None]
 
-    prints = jax.shard_map(
+    return jax.shard_map(
         each,
         mesh=jax.sharding.get_abstract_mesh(),
         in_specs=tuple(spec_leaves),
@@ -142,11 +154,51 @@ def unit_fingerprint(
         axis_names=frozenset({MODEL_AXIS}),
         check_vma=False,
     )(*leaves)  # (m, leaves): each device's
-    return jnp.sum(prints * jnp.asarray(weights)[:, None], axis=0, dtype=jnp.uint32)
+
+
+def group_prints(
+    options: Options,
+    state: Any,
+    given: jax.Array,
+    sharded: Sequence[bool],
+    base: jax.Array | None = None,
+) -> jax.Array:
+    """A model group's fingerprint of each leaf of (params, optimizer state, model
+    state) under a sharded layout, from its devices' own (``given``, ``(m, leaves)``,
+    :func:`chip_prints` on the layout's specs), compared along the data axis as a
+    device's are: a leaf every group holds alike (not ``sharded`` over the data axis)
+    gives the devices' weighted sum (:func:`unit_fingerprint`: a corrupted copy or block
+    changes it); a shard of the data axis has no twin in another group, but when the
+    model axis does not split it too, each device of the group holds a copy of the same
+    block: it gives how far those copies disagree (a weighted sum of their differences
+    from the first's, 0 in a healthy group, so a group with one corrupted copy differs
+    from the others); a shard split over both axes has no copy anywhere (0). ``base``:
+    what the layout compares of each shard besides (FSDP's gathered parameters: a bad
+    link shows there), added to a shard's value."""
+    weights = _weights(options.model_parallel)[:, None]
+    summed = jnp.sum(given * weights, axis=0, dtype=jnp.uint32)
+    apart = jnp.sum((given - given[:1]) * weights, axis=0, dtype=jnp.uint32)  # wraps
+    dims, opt = model_dims_of(options, state.params, state.opt_state)
+    n_ms = len(jax.tree.leaves(state.model_state))
+    split = [d is not None for d in (*dims, *opt)] + [False] * n_ms
+    copies = jnp.asarray([s and not x for s, x in zip(sharded, split, strict=True)])
+    alone = jnp.asarray([s and x for s, x in zip(sharded, split, strict=True)])
+    base = jnp.zeros_like(summed) if base is None else base
+    return jnp.where(copies, base + apart, jnp.where(alone, base, summed))
+
+
+def _weights(m: int) -> jax.Array:
+    """An odd constant for each model position (odd: invertible modulo 2**32, so one
+    device's changed fingerprint always changes a weighted sum)."""
+    return jnp.asarray(
+        np.asarray([(0x9E3779B1 * (2 * j + 1)) % 2**32 | 1 for j in range(m)], np.uint32)
+    )
 
 
 __all__ = [
     "chip_prints",
+    "chips_inside",
+    "group_prints",
     "model_shardings",
     "model_specs",
     "split_leaves",

@@ -214,19 +214,21 @@ class OptimizerShards:
         specs, blocks = grid.state_specs(plan, state), grid.block_specs(plan, state)
         rows = jax.tree.leaves(batch)[0].shape[0] // options.n
 
+        # the model groups' fingerprints read before the body (chip_prints) do not go out
+        kept = {k: s for k, s in self.extra_specs.items() if k != "unit_prints"}
+
         def part(state: TrainState, batch: Batch, extras: dict[str, Any]) -> Parted:
             out = body(state, batch, extras)
             seen = out.gathered.seen._replace(late=jnp.asarray(out.gathered.seen.late))
             gathered = out.gathered._replace(seen=seen)  # leaves the shard_map
             aux = jax.tree.map(lambda x: x[None], out.aux)
-            return out._replace(gathered=gathered, aux=aux, at=None)
+            extras = {k: v for k, v in out.extras.items() if k in kept}
+            return out._replace(gathered=gathered, extras=extras, aux=aux, at=None)
 
         grads = plan.grad_specs(state.params, axis)
         seen = Seen._make([P()] * len(Seen._fields))
         gathered = Gathered._make([P(), P(), seen, P(), grads, P(), P()])
-        out_specs = Parted._make(
-            [gathered, self.extra_specs, P(axis), P(), blocks if repairs else None, None]
-        )
+        out_specs = Parted._make([gathered, kept, P(axis), P(), blocks if repairs else None, None])
         # as the replicated step (program.map_body says why; under model_parallel manual
         # over the data axis alone)
         manual = {} if options.model_parallel == 1 else {"axis_names": {axis}}
@@ -244,7 +246,8 @@ class OptimizerShards:
         )
         if p.repaired is not None:  # the update starts from the repaired copies, not the old
             state = grid.from_blocks(p.repaired, specs)
-        shards = OnShards(options, plan, grid, state, extras, self.extra_specs, rows)
+        inputs = {k: v for k, v in extras.items() if k in kept}
+        shards = OnShards(options, plan, grid, state, inputs, kept, rows)
         new_state, out = finish(
             state, p._replace(gathered=p.gathered._replace(grad_sums=grad_sums)), shards
         )

@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 from jaxstep._src.core import TrainState
 from jaxstep._src.program import Options
 from jaxstep._src.program import Step
+from jaxstep._src.program import chips_inside
 from jaxstep._src.program import fingerprint
+from jaxstep._src.program import group_prints
 from jaxstep._src.program import shard_mask
 from jaxstep._src.program import unit_fingerprint
 from jaxstep._src.step._backends import Backend
@@ -100,6 +102,12 @@ class Programs:
             self._ahead[key] = variant.lower(state, placed, extras).compile()
         return self._ahead[key]
 
+    def shards(self, state: TrainState) -> list[bool] | None:
+        """The leaves of (params, opt_state, model_state) held as shards of the data
+        axis (a sharded layout's); None: none."""
+        plan = self.backend.plan(state)
+        return None if plan is None else shard_mask(plan, state)
+
     def twinned(self, state: TrainState) -> list[bool] | None:
         """The leaves of (params, opt_state, model_state) held as shards with twins
         (``replicas > 1``), compared among their twins; None: none."""
@@ -128,6 +136,10 @@ class Programs:
 
             def prints(s: TrainState) -> jax.Array:
                 leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))
+                if sharded is not None and self.options.model_parallel > 1:
+                    # each model group's: the copies of a shard inside it compared
+                    given = chips_inside(self.options, s, leaves)
+                    return jax.lax.all_gather(group_prints(self.options, s, given, sharded), axis)
                 if sharded is not None:
                     leaves = [
                         jnp.zeros((), x.dtype) if held else x

@@ -179,6 +179,12 @@ class Runtime:
         gathered = self.programs.fingerprints(state)
         return all_agree(gathered, self.programs.twinned(state), self.options.replicas)
 
+    def shards(self, state: TrainState) -> list[bool] | None:
+        """Which leaves of ``state``'s (params, optimizer state, model state), in the
+        order of ``names["state"]``, are held as shards of the data axis (None: the
+        layout shards none)."""
+        return self.programs.shards(state)
+
     def differing(self, state: TrainState) -> dict[int, int]:
         """The positions (in :attr:`devices`) of the devices whose copy of ``state``
         is not a strict majority's (a shard among its twins alone: two twins that differ

@@ -39,7 +39,8 @@ def corrupt_replica(
       ValueError: an unknown leaf or device, a leaf that is not float, or a leaf held
         as shards without twins (``shard_state`` with ``replicas=1``: a shard has one
         owner, no replica; with ``replicas=k`` the device's shard is corrupted and its
-        twins on the other groups stay as they were).
+        twins on the other groups stay as they were; under ``model_parallel`` a block
+        the model axis does not split has a copy on each device of its group).
 
     Example:
       >>> from jaxstep.testing import corrupt_replica, replicas, tiny_step
@@ -63,9 +64,8 @@ def corrupt_replica(
         raise ValueError(f"leaf {leaf!r} has dtype {x.dtype}; pick a float leaf")
     if (
         isinstance(x, jax.Array)
-        and not x.sharding.is_fully_replicated
-        and step.options.shard_state is not None  # model_parallel: a block has twins
-        and step.options.replicas == 1
+        and step.options.shard_state is not None  # (pmap stacks copies: each its own)
+        and _only_copy(x, target)
     ):
         whole = [n for n, y in zip(names, leaves, strict=True) if y.sharding.is_fully_replicated]
         raise ValueError(
@@ -92,6 +92,17 @@ def corrupt_replica(
     return state.replace(  # type: ignore[attr-defined]
         params=params, opt_state=opt_state, model_state=model_state
     )
+
+
+def _only_copy(x: jax.Array, target: jax.Device) -> bool:
+    """Whether ``target`` holds the only copy of its block of ``x`` (a shard with no
+    twin: no other device, in any process, holds the same block; under
+    ``model_parallel`` the devices of a group each hold a copy of a block the model
+    axis does not split)."""
+    where = x.sharding.devices_indices_map(x.shape)
+    key = lambda index: tuple((s.start, s.stop, s.step) for s in index)  # noqa: E731
+    mine = key(where[target])
+    return sum(key(index) == mine for index in where.values()) == 1
 
 
 def state_leaf_index(names: list[str], leaf: str) -> int:
