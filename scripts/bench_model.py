@@ -40,6 +40,9 @@ import jaxstep
 
 M = 2  # devices per model group
 HAND, MINE, ONE = "hand 2-D GSPMD", f"jaxstep model_parallel={M}", "jaxstep model_parallel=1"
+#: HSDP x tensor parallelism: two replica groups of model groups, the state sharded
+HSDP = f"jaxstep model_parallel={M} replicas=2 shard_state='params'"
+HSDP_KW = {"replicas": 2, "shard_state": "params", "shard_min_size": 0}
 
 
 def megatron(path: str, shape: tuple[int, ...]) -> int | None:
@@ -113,9 +116,17 @@ def run(bench: Any, args: Any) -> dict[str, Any]:
         setup.model.loss_fn, setup.adam, model_parallel=M, model_rule=megatron, **off
     )
     one = jaxstep.make_train_step(setup.model.loss_fn, setup.adam, **off)
+    hsdp = jaxstep.make_train_step(
+        setup.model.loss_fn, setup.adam, model_parallel=M, model_rule=megatron, **off, **HSDP_KW
+    )
     fn, hand_state, split = hand_2d(setup, n)
     placed = [jax.device_put(b, split) for b in batches]
-    states = {MINE: mine.init(setup.params), ONE: one.init(setup.params), HAND: hand_state}
+    states = {
+        MINE: mine.init(setup.params),
+        ONE: one.init(setup.params),
+        HSDP: hsdp.init(setup.params),
+        HAND: hand_state,
+    }
     res: dict[str, Any] = {"model_parallel": M, "bytes": {}, "memory": {}}
     for name, s in states.items():
         params, opt_state = s[:2] if name == HAND else (s.params, s.opt_state)
@@ -147,6 +158,7 @@ def run(bench: Any, args: Any) -> dict[str, Any]:
 
     timed = {
         MINE: bench.Variant(MINE, jaxstep_run(mine), states[MINE], batches, None, "jaxstep"),
+        HSDP: bench.Variant(HSDP, jaxstep_run(hsdp), states[HSDP], batches, None, "jaxstep"),
         HAND: bench.Variant(HAND, hand_run, tuple(hand_state), placed, None, "hand"),
     }
     for v in timed.values():
@@ -161,6 +173,7 @@ def run(bench: Any, args: Any) -> dict[str, Any]:
     res["smoke"] = args.rounds <= 1
     res["ms_per_step"] = {k: float(np.median(t) * 1e3) for k, t in times.items()}
     res["time_ratio"] = bench.quartiles(times[MINE] / times[HAND])
+    res["hsdp_time_ratio"] = bench.quartiles(times[HSDP] / times[HAND])
     res["goals"] = goals(res)
     report(res)
     return res
@@ -181,7 +194,8 @@ def _ten_steps(setup: Any, batches: list[Any], n: int, opt: Any) -> dict[str, fl
         *hand, _ = fn(*hand, jax.device_put(batches[i % 4], split))
     want = jax.tree.leaves(jax.device_get(hand[0]))
     out = {}
-    for name, kw in ((MINE, {"model_parallel": M, "model_rule": megatron}), (ONE, {})):
+    model = {"model_parallel": M, "model_rule": megatron}
+    for name, kw in ((MINE, model), (ONE, {}), (HSDP, {**model, **HSDP_KW})):
         step = jaxstep.make_train_step(setup.model.loss_fn, opt, divergence_every=None, **kw)
         state = jaxstep.fit(step, step.init(setup.params), [batches[i % 4] for i in range(10)])
         got = jax.tree.leaves(jax.device_get(step.host_state(state).params))
@@ -228,6 +242,13 @@ def report(res: dict[str, Any]) -> None:
     )
     print(f"- compiled memory per device: {res['memory']} (ratio {res['memory_ratio']:.3f})")
     print(f"- ms/step: {res['ms_per_step']}; ratio quartiles {bench_q(res['time_ratio'])}")
+    hsdp = res["relative_difference_10_steps"]
+    print(
+        f"- {HSDP}: step time / hand 2-D {bench_q(res['hsdp_time_ratio'])}, state per "
+        f"device {sum(res['bytes'][HSDP].values()) / sum(res['bytes'][MINE].values()):.3f} "
+        f"of model_parallel={M} alone; 10 steps vs the hand step, relative: SGD "
+        f"{hsdp['sgd'][HSDP]:.2e}, Adam {hsdp['adam'][HSDP]:.2e}"
+    )
     for what, met, measured in res["goals"]:
         print(f"  [{'x' if met else ' '}] {what}: {measured}")
 

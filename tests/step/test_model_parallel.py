@@ -287,9 +287,9 @@ def test_loss_fn_may_constrain_an_activation_over_the_model_axis():
         (dict(model_parallel=0), TypeError, "model_parallel must be an int >= 1"),
         (dict(model_parallel=2, backend="pmap"), ValueError, "needs backend='shard_map'"),
         (
-            dict(model_parallel=2, shard_state="params", replicas=2),
+            dict(model_parallel=2, shard_state="params", replicas=3),
             ValueError,
-            "model_parallel=2 with replicas=2 is not supported yet",
+            "replicas=3 does not divide the 4 model groups (8 devices, model_parallel=2)",
         ),
         (dict(model_parallel=2, axis_name="model"), ValueError, "pass another axis_name"),
         (dict(model_parallel=2, model_rule=3), TypeError, "model_rule must be a function"),

@@ -327,7 +327,8 @@ class SelfHealing(Action):
             return error.with_note(f"not recovered: {err}")
         detail = f"training goes on on the other {len(smaller.devices)} device(s)"
         if step.options.model_parallel > 1:  # a model group goes whole
-            gone = ", ".join(str(d) for i in ids for d in step.options.group_ids(i))
+            left = {d.id for d in smaller.options.mesh_devices}  # (replicas: groups whole)
+            gone = ", ".join(str(d.id) for d in step.options.mesh_devices if d.id not in left)
             detail = (
                 f"model group(s) of devices {gone} excluded; training goes on on the other "
                 f"{len(smaller.devices)} model group(s)"

@@ -143,6 +143,12 @@ def hung(
     if not chips:  # every device reached the collective: the hang is in or after it
         chips = list(every)
         where = "after reaching the first collective (all devices did)"
+    if runtime.options.replicas > 1:  # its program carries no heartbeat (Programs)
+        chips = list(every)
+        where = (
+            "(which device hung is not known: a step with replicas > 1 carries no "
+            "heartbeat, as JAX lowers no host callback in its program of two meshes)"
+        )
     if during is not None:
         where += f", in {during}"
     mesh_ids = [d.id for d in runtime.options.mesh_devices]

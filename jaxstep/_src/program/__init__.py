@@ -18,11 +18,10 @@ from jaxstep._src.program._faults import Injector as Injector
 from jaxstep._src.program._faults import float_leaves as float_leaves
 from jaxstep._src.program._grid import Grid as Grid
 from jaxstep._src.program._model import chips_inside as chips_inside
-from jaxstep._src.program._model import group_prints as group_prints
 from jaxstep._src.program._model import merged as merged
 from jaxstep._src.program._model import model_shardings as model_shardings
 from jaxstep._src.program._model import model_specs as model_specs
-from jaxstep._src.program._model import unit_fingerprint as unit_fingerprint
+from jaxstep._src.program._model import unit_prints as unit_prints
 from jaxstep._src.program._model_dims import model_dims as model_dims
 from jaxstep._src.program._model_dims import model_dims_of as model_dims_of
 from jaxstep._src.program._options import AXIS as AXIS
@@ -68,7 +67,6 @@ __all__ = [
     "fingerprint",
     "float_leaves",
     "grad_leaves_finite",
-    "group_prints",
     "merged",
     "minority",
     "model_dims",
@@ -81,5 +79,5 @@ __all__ = [
     "shard_axis",
     "shard_mask",
     "shard_spec",
-    "unit_fingerprint",
+    "unit_prints",
 ]

@@ -33,7 +33,6 @@ from jaxstep._src.program._layouts import Result
 from jaxstep._src.program._layouts import StateLayout
 from jaxstep._src.program._local import Beat
 from jaxstep._src.program._local import here
-from jaxstep._src.program._model import chip_prints
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._policies import OnFailure
 from jaxstep._src.program._policies import policy_of
@@ -155,14 +154,12 @@ class Step:
         extras: dict[str, Any],
     ) -> Result:
         options = self.options
-        if self.check_replicas and options.model_parallel > 1:
-            # each device's own copies, read before the body reslices them (chip_prints)
-            data = None
-            if options.shard_state is not None and (plan := Plan.of(options, state)).sharded:
-                data = plan.specs(state, options.axis_name)  # one replica group
-            extras = {**extras, "unit_prints": chip_prints(options, state, data)}
+        prints = self.check_replicas and options.model_parallel > 1
+        if prints:
             extra_specs = {**extra_specs, "unit_prints": P(options.axis_name)}
         layout = layout_of(self.options, mesh, extra_specs, state)
+        if prints:  # each device's own copies, read before the body reslices them
+            extras = {**extras, "unit_prints": layout.chip_prints(state)}
         repairs = self.policy.repairs(self.check_replicas)
         return layout.run(self._body(layout), self._finish, state, batch, extras, repairs=repairs)
 

@@ -20,8 +20,7 @@ from jaxstep._src.core import Status
 from jaxstep._src.core import TrainState
 from jaxstep._src.program import _cross_checks as cross_checks
 from jaxstep._src.program._grid import Grid
-from jaxstep._src.program._model import group_prints
-from jaxstep._src.program._model import unit_fingerprint
+from jaxstep._src.program._model import unit_prints
 from jaxstep._src.program._options import Options
 
 
@@ -73,15 +72,7 @@ def repair_replicas(
     n = options.n
     trees = (state.params, state.opt_state, state.model_state)
     twinned = grid is not None and grid.grouped and sharded is not None
-    if sharded is None:  # under model_parallel its model group's (every device's data)
-        prints = unit_fingerprint(options, state, jax.tree.leaves(trees), given)
-    elif twinned:
-        prints = cross_checks.fingerprint(jax.tree.leaves(trees))
-    elif given is not None:  # a model group's: its devices' copies of a shard compared
-        prints = group_prints(options, state, given, sharded)
-    else:
-        copies = cross_checks.without_shards(jax.tree.leaves(trees), sharded)
-        prints = cross_checks.fingerprint(copies)
+    prints = unit_prints(options, state, None if twinned else sharded, given)
     mine = jnp.arange(n)[:, None] == index
     sent = jnp.where(mine, cross_checks.split16(prints)[None, :], 0.0)
     gathered = jax.lax.psum(sent, options.axis_name)

@@ -34,6 +34,7 @@ from jaxstep._src.core import health
 from jaxstep._src.core import validate
 from jaxstep._src.core.names import leaf_name
 from jaxstep._src.program import _cross_checks as cross_checks
+from jaxstep._src.program._chips import each_chip
 from jaxstep._src.program._device import DeviceWork
 from jaxstep._src.program._device import loss as loss_of
 from jaxstep._src.program._device import microbatched_work
@@ -48,7 +49,7 @@ from jaxstep._src.program._local import Here
 from jaxstep._src.program._local import LocalPart
 from jaxstep._src.program._local import chunk_key
 from jaxstep._src.program._local import row_of
-from jaxstep._src.program._model import group_prints
+from jaxstep._src.program._model import unit_prints
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._padding import Pad
 from jaxstep._src.program._padding import cut
@@ -338,13 +339,14 @@ def local_part(
     ``left_out`` (``drop``: after a failure only its gradients showed)."""
     token = at.token
     if beat is not None:  # every gather waits for the beat
-        done = io_callback(
-            beat,
-            jax.ShapeDtypeStruct((), jnp.int32),
-            at.position,
-            state.step,
-            jnp.maximum(token, 0),
-        )
+        m = options.model_parallel
+
+        def tell(chip: jax.Array, position: jax.Array, number: jax.Array, t: jax.Array) -> Any:
+            # each device of a model group beats by its place in the mesh's order
+            shape = jax.ShapeDtypeStruct((), jnp.int32)
+            return io_callback(beat, shape, position * m + chip, number, t)
+
+        done = each_chip(m, tell, at.position, state.step, jnp.maximum(token, 0))
         zero = jnp.minimum(done, 0)
         token = token + zero
         params = jax.tree.map(lambda x: x + zero.astype(x.dtype), state.params)
@@ -368,15 +370,11 @@ def local_part(
     if check_replicas:
         assert found.prints is not None and found.param_leaf is not None
         if grid.grouped:  # every leaf as this device holds it: a shard among its twins
-            trees = (state.params, state.opt_state, state.model_state)
-            prints = cross_checks.fingerprint(jax.tree.leaves(trees))
-        else:  # the gathered copies (a bad link shows), the rest but the shards
-            n_params = len(plan.params)
-            rest = jax.tree.leaves((state.opt_state, state.model_state))
-            kept = cross_checks.without_shards(rest, sharded[n_params:])
-            prints = jnp.concatenate([found.prints, cross_checks.fingerprint(kept)])
-            if at.prints is not None:  # model groups: every device's copies compared too
-                prints = group_prints(options, state, at.prints, sharded, base=prints)
+            prints = unit_prints(options, state, None, at.prints)
+        else:  # a shard: its gathered copy (a bad link shows)
+            rest = len(jax.tree.leaves((state.opt_state, state.model_state)))
+            base = jnp.concatenate([found.prints, jnp.zeros((rest,), jnp.uint32)])
+            prints = unit_prints(options, state, sharded, at.prints, base)
         row["param_leaf"] = found.param_leaf
         status |= jnp.where(found.param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
     row["status"] = status

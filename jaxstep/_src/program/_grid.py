@@ -70,15 +70,15 @@ class Grid:
     def __init__(self, mesh: Mesh, replicas: int):
         self.mesh = mesh
         self.axis: str = mesh.axis_names[0]
-        self.n = int(mesh.devices.size)
+        self.n = int(mesh.devices.shape[0])  # units: a model group each (a device without)
         self.k = replicas
         self.m = self.n // replicas
-        #: the devices (positions) of each group, and each set of twins
+        #: the units (positions on the step's axis) of each group, and each set of twins
         self.groups = [[g * self.m + j for j in range(self.m)] for g in range(self.k)]
         self.twins = [[g * self.m + j for g in range(self.k)] for j in range(self.m)]
-        if self.k > 1:
-            devices = mesh.devices.reshape(self.k, self.m)
-            self.state_mesh = Mesh(devices, (REPLICA_AXIS, SHARD_AXIS))
+        if self.k > 1:  # under a model axis it stays the state mesh's last axis
+            devices = mesh.devices.reshape(self.k, self.m, *mesh.devices.shape[1:])
+            self.state_mesh = Mesh(devices, (REPLICA_AXIS, SHARD_AXIS, *mesh.axis_names[1:]))
             self.state_axis = SHARD_AXIS
         else:
             self.state_mesh, self.state_axis = mesh, self.axis
@@ -159,5 +159,8 @@ class Grid:
             mesh=self.state_mesh,
             in_specs=specs[0],
             out_specs=specs[1],
+            # a model axis (``model_parallel``) left to XLA: the leaf's split over it
+            # stays as it is, whichever dimension the model rule put it on
+            axis_names=frozenset({REPLICA_AXIS, SHARD_AXIS}),
             check_vma=False,  # the twins hold the same block: the step keeps them so
         )(x)

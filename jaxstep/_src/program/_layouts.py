@@ -36,6 +36,7 @@ from jaxstep._src.program._local import Beat
 from jaxstep._src.program._local import Here
 from jaxstep._src.program._local import LocalPart
 from jaxstep._src.program._local import local_part
+from jaxstep._src.program._model import chip_prints
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._policies import OnFailure
 from jaxstep._src.program._reduce import all_reduce
@@ -86,6 +87,12 @@ class StateLayout(Protocol):
 
     def twins(self, state: TrainState) -> tuple[Sequence[bool] | None, int]:
         """The leaves compared among their twins alone, and the groups."""
+        ...
+
+    def chip_prints(self, state: TrainState) -> jax.Array:
+        """Under ``model_parallel``: every device's fingerprints of what it holds of
+        ``state``, ``(n, m, leaves)``, read on this layout's blocks before the body
+        (:func:`~jaxstep._src.program._model.chip_prints`)."""
         ...
 
     def local_part(
@@ -149,6 +156,9 @@ class Replicated:
 
     def twins(self, state: TrainState) -> tuple[Sequence[bool] | None, int]:
         return None, 1
+
+    def chip_prints(self, state: TrainState) -> jax.Array:
+        return chip_prints(self.options, state)
 
     def local_part(
         self,

@@ -19,14 +19,12 @@ from jaxstep._src.core import PyTree
 from jaxstep._src.core import Status
 from jaxstep._src.core import TrainState
 from jaxstep._src.core import health
-from jaxstep._src.program import _cross_checks as cross_checks
 from jaxstep._src.program._chips import each_chip
 from jaxstep._src.program._device import DeviceWork
 from jaxstep._src.program._device import WorkFn
 from jaxstep._src.program._device import microbatched_work
 from jaxstep._src.program._faults import Armed
-from jaxstep._src.program._model import group_prints
-from jaxstep._src.program._model import unit_fingerprint
+from jaxstep._src.program._model import unit_prints
 from jaxstep._src.program._options import Options
 
 #: ``beat(position, step_number, status) -> status``: a host callback telling the host that a
@@ -111,7 +109,7 @@ def local_part(
     row = row_of(work, grad_leaf, squares, microbatch)
     prints = None
     if check_replicas:
-        prints, param_leaf = replica_check(state, sharded, options, at.prints)
+        prints, param_leaf = replica_check(options, state, sharded, at.prints)
         row["param_leaf"] = param_leaf
         status |= jnp.where(param_leaf >= 0, int(Status.PARAM_NONFINITE), 0)
     if beat is not None:
@@ -157,29 +155,14 @@ def row_of(
 
 
 def replica_check(
+    options: Options,
     state: TrainState,
     sharded: Sequence[bool] | None = None,
-    options: Options | None = None,
     given: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """This device's fingerprint of its own copy of params, optimizer state and model
-    state, and its first non-finite parameter leaf (or -1). In the every-k-steps
-    program only. ``sharded``: the leaves held as shards (fingerprint 0: a shard has
-    no second copy to compare); ``options``: the step's (under ``model_parallel`` the
-    fingerprint is its model group's, every device's own data in it, ``given`` as
-    :func:`~jaxstep._src.program._model.chip_prints` read it; with ``sharded``, a
-    shard's copies inside the group compared: :func:`group_prints`)."""
-    leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
-    n_params = len(jax.tree.leaves(state.params))
-    if sharded is None:
-        prints = (
-            cross_checks.fingerprint(leaves)
-            if options is None
-            else unit_fingerprint(options, state, leaves, given)
-        )
-        return prints, health.first_nonfinite(leaves[:n_params])[1]
-    if options is not None and given is not None:  # a model group's, its copies compared
-        prints = group_prints(options, state, given, sharded)
-        return prints, health.first_nonfinite(leaves[:n_params])[1]
-    copies = cross_checks.without_shards(leaves, sharded)
-    return cross_checks.fingerprint(copies), health.first_nonfinite(leaves[:n_params])[1]
+    """This unit's fingerprints of its copy of params, optimizer state and model state
+    (:func:`~jaxstep._src.program._model.unit_prints`: ``sharded``, the leaves held as
+    shards without twins; ``given``, under ``model_parallel`` its devices' own), and
+    its first non-finite parameter leaf (or -1). In the every-k-steps program only."""
+    params = jax.tree.leaves(state.params)
+    return unit_prints(options, state, sharded, given), health.first_nonfinite(params)[1]

@@ -111,28 +111,6 @@ def chip_prints(options: Options, state: Any, data_specs: Any = None) -> jax.Arr
     )(*leaves)
 
 
-def unit_fingerprint(
-    options: Options, state: Any, leaves: list[jax.Array], given: jax.Array | None = None
-) -> jax.Array:
-    """:func:`~jaxstep._src.program._cross_checks.fingerprint` of ``leaves`` (those of
-    ``state``'s params, optimizer state and model state, in order) over every device
-    of this unit, inside the body. Without a model axis it is the device's own. Under
-    ``model_parallel`` each device of the group fingerprints what it holds (its block
-    of a split leaf, its own copy of a whole one: a shard_map nested over the model
-    axis, where XLA would read one copy of a whole leaf per group) and the group's
-    fingerprint of a leaf is their sum, each weighted by an odd constant of its model
-    position: a corrupted block, or one device's corrupted copy of a whole leaf,
-    changes it, and the groups compare theirs along the data axis as devices do.
-    ``given``: this group's ``(m, leaves)`` from :func:`chip_prints` (the step's own
-    check reads them there); None: read here (a program that only fingerprints)."""
-    if options.model_parallel == 1:
-        return cross_checks.fingerprint(leaves)
-    weights = _weights(options.model_parallel)
-    if given is None:
-        given = chips_inside(options, state, leaves)
-    return jnp.sum(given * weights[:, None], axis=0, dtype=jnp.uint32)
-
-
 def chips_inside(options: Options, state: Any, leaves: list[jax.Array]) -> jax.Array:
     """Inside the body (manual over the data axis): each device of this model group's
     fingerprints of what it holds of ``leaves`` (those of ``state``'s params, optimizer
@@ -156,35 +134,51 @@ def chips_inside(options: Options, state: Any, leaves: list[jax.Array]) -> jax.A
     )(*leaves)  # (m, leaves): each device's
 
 
-def group_prints(
+def unit_prints(
     options: Options,
     state: Any,
-    given: jax.Array,
-    sharded: Sequence[bool],
+    alone: Sequence[bool] | None = None,
+    given: jax.Array | None = None,
     base: jax.Array | None = None,
 ) -> jax.Array:
-    """A model group's fingerprint of each leaf of (params, optimizer state, model
-    state) under a sharded layout, from its devices' own (``given``, ``(m, leaves)``,
-    :func:`chip_prints` on the layout's specs), compared along the data axis as a
-    device's are: a leaf every group holds alike (not ``sharded`` over the data axis)
-    gives the devices' weighted sum (:func:`unit_fingerprint`: a corrupted copy or block
-    changes it); a shard of the data axis has no twin in another group, but when the
-    model axis does not split it too, each device of the group holds a copy of the same
-    block: it gives how far those copies disagree (a weighted sum of their differences
-    from the first's, 0 in a healthy group, so a group with one corrupted copy differs
-    from the others); a shard split over both axes has no copy anywhere (0). ``base``:
-    what the layout compares of each shard besides (FSDP's gathered parameters: a bad
-    link shows there), added to a shard's value."""
-    weights = _weights(options.model_parallel)[:, None]
-    summed = jnp.sum(given * weights, axis=0, dtype=jnp.uint32)
-    apart = jnp.sum((given - given[:1]) * weights, axis=0, dtype=jnp.uint32)  # wraps
-    dims, opt = model_dims_of(options, state.params, state.opt_state)
-    n_ms = len(jax.tree.leaves(state.model_state))
-    split = [d is not None for d in (*dims, *opt)] + [False] * n_ms
-    copies = jnp.asarray([s and not x for s, x in zip(sharded, split, strict=True)])
-    alone = jnp.asarray([s and x for s, x in zip(sharded, split, strict=True)])
-    base = jnp.zeros_like(summed) if base is None else base
-    return jnp.where(copies, base + apart, jnp.where(alone, base, summed))
+    """This unit's fingerprint of each leaf of ``state``'s (params, optimizer state,
+    model state), as the units compare them along the data axis: the one place that
+    says what a unit's copy of a leaf is, whatever the layout. Inside the body.
+
+    - A leaf every unit holds alike, or a block with twins in the other replica groups
+      (``replicas``: compared among them): its fingerprint; under ``model_parallel``
+      the weighted sum of its model group's devices' own (``given``, ``(m, leaves)``,
+      :func:`chip_prints`, read before the body; None: read here), each weighted by an
+      odd constant of its model position, so that one corrupted block, or one
+      device's corrupted copy of a whole leaf, changes it (XLA would read one copy per
+      group).
+    - ``alone``: the leaves held as shards of the data axis with no twin (one replica
+      group): no other unit holds the block, so its value is ``base`` (what the layout
+      compares of it besides: FSDP's gathered parameters, where a bad link shows; None:
+      0). Under ``model_parallel``, when the model axis does not split it, each device
+      of the group holds a copy of the block: how far those copies disagree is added (a
+      weighted sum of their differences from the first's, 0 in a healthy group, so a
+      group with one corrupted copy differs from the others)."""
+    leaves = jax.tree.leaves((state.params, state.opt_state, state.model_state))
+    m = options.model_parallel
+    chips = None
+    if m == 1:  # a shard's own bits are not read: nothing holds them twice
+        own = cross_checks.fingerprint(
+            leaves if alone is None else cross_checks.without_shards(leaves, alone)
+        )
+    else:
+        chips = chips_inside(options, state, leaves) if given is None else given
+        own = jnp.sum(chips * _weights(m)[:, None], axis=0, dtype=jnp.uint32)
+    if alone is None:
+        return own
+    shards = jnp.zeros_like(own) if base is None else base
+    if chips is not None:  # a block the model axis does not split: the group's copies
+        apart = jnp.sum((chips - chips[:1]) * _weights(m)[:, None], axis=0, dtype=jnp.uint32)
+        dims, opt = model_dims_of(options, state.params, state.opt_state)
+        split = [d is not None for d in (*dims, *opt)]
+        split += [False] * (len(leaves) - len(split))  # the model state: whole
+        shards = shards + jnp.where(jnp.asarray(split), 0, apart).astype(jnp.uint32)
+    return jnp.where(jnp.asarray(np.asarray(alone, bool)), shards, own)
 
 
 def _weights(m: int) -> jax.Array:
@@ -198,9 +192,8 @@ def _weights(m: int) -> jax.Array:
 __all__ = [
     "chip_prints",
     "chips_inside",
-    "group_prints",
     "model_shardings",
     "model_specs",
     "split_leaves",
-    "unit_fingerprint",
+    "unit_prints",
 ]

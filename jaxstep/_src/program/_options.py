@@ -119,8 +119,14 @@ class Options:
         set_(self, "injector", Injector(self.faults, devices, groups))
         set_(self, "device_ids", tuple(d.id for d in devices))
         if self.n % self.replicas:
+            units = (
+                f"{self.n} devices"
+                if self.model_parallel == 1
+                else f"{self.n} model groups ({self.n * self.model_parallel} devices, "
+                f"model_parallel={self.model_parallel})"
+            )
             raise ValueError(
-                f"replicas={self.replicas} does not divide the {self.n} devices: the step's "
+                f"replicas={self.replicas} does not divide the {units}: the step's "
                 f"devices form replicas groups of equal size; pass a divisor of {self.n} "
                 f"(e.g. {_divisors(self.n)}) or other devices"
             )
@@ -277,6 +283,13 @@ def _check(options: Options) -> None:
                 f"{f!r} corrupts the checked new parameters, which only verify_update=True "
                 "checks: build the step with verify_update=True"
             )
+        if f.kind == "stall" and o.replicas > 1:
+            raise ValueError(
+                f"{f!r} needs a host callback inside the step, which a step with "
+                f"replicas={o.replicas} cannot hold: its program spans two meshes (the "
+                "state's and the step's), and JAX lowers a callback only in a program on "
+                "one mesh; test a hang with replicas=1"
+            )
 
 
 def _check_sharding(o: Options) -> None:
@@ -335,13 +348,6 @@ def _check_model(o: Options) -> None:
             f"model_parallel={m} needs backend='shard_map': pmap maps one device per "
             "chunk and cannot split a parameter over a model group; build the step with "
             "backend='shard_map' (the default)"
-        )
-    if o.replicas > 1:
-        raise ValueError(
-            f"model_parallel={m} with replicas={o.replicas} is not supported yet: replica "
-            "groups sum over subsets of the data axis (axis_index_groups), which a step "
-            "partitioned over the model axis cannot; pass replicas=1 (shard_state over every "
-            "model group) or model_parallel=1"
         )
     if o.axis_name == MODEL_AXIS:
         raise ValueError(

@@ -55,6 +55,7 @@ from jaxstep._src.program._local import Here
 from jaxstep._src.program._local import LocalPart
 from jaxstep._src.program._local import chunk_key
 from jaxstep._src.program._local import local_part
+from jaxstep._src.program._model import chip_prints
 from jaxstep._src.program._model import merged
 from jaxstep._src.program._model import model_specs
 from jaxstep._src.program._on_shards import OnShards
@@ -93,6 +94,12 @@ class OptimizerShards:
 
     def twins(self, state: TrainState) -> tuple[Sequence[bool] | None, int]:
         return (shard_mask(self.plan, state) if self.grid.grouped else None), self.grid.k
+
+    def chip_prints(self, state: TrainState) -> jax.Array:
+        # read on the blocks the body takes (replica groups: each group's, tiled)
+        grid, plan = self.grid, self.plan
+        blocks = grid.to_blocks(state, grid.state_specs(plan, state))
+        return chip_prints(self.options, blocks, grid.block_specs(plan, state))
 
     def local_part(
         self,

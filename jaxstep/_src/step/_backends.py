@@ -250,8 +250,8 @@ class ShardMapBackend:
         (:func:`whole`: gathered from the blocks of ``position``'s group)."""
         device = self.devices[position]
         grid = self.grid
-        group = grid.groups[position // grid.m]
-        among = {self.devices[i] for i in group} if grid.grouped else None
+        group = grid.groups[position // grid.m]  # a replica group: its model groups whole
+        among = {d for i in group for d in self.options.groups[i]} if grid.grouped else None
         if self.options.model_parallel > 1 and self.shard_state is None:
             # a leaf split over the model axis alone, from this model group's blocks (a
             # sharded layout's leaf is split over the groups too: gathered whole)

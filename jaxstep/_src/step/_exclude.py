@@ -149,22 +149,21 @@ def warn_groups(old: Options, options: Options, device_ids: Sequence[int]) -> No
     if old.replicas == 1:
         return
     m = old.group_size
-    gone = sorted(
-        {int(i) for i in device_ids}
-        | {d.id for d in old.devices if d.id not in set(options.device_ids)}
-    )
-    left = [d.id for d in options.devices]
+    every = lambda o: [d.id for d in o.mesh_devices]  # noqa: E731  (model groups whole)
+    left = every(options)
+    gone = sorted({int(i) for i in device_ids} | (set(every(old)) - set(left)))
     twins = (
         f"each shard keeps {options.replicas - 1} twin(s)"
         if options.replicas > 1
         else "with one group left the shards have no twins (the replica check compares none)"
     )
     said = ", ".join(str(int(i)) for i in device_ids)
+    over = f"{m} devices" if old.model_parallel == 1 else f"{m} model groups"
     warn(
         f"replicas={old.replicas}: device {said} leaves with its group (devices "
         f"{', '.join(map(str, gone))}): a group holds one whole copy of the sharded state, "
-        f"split over its {m} devices, and leaves whole, so the state stays sharded as it "
-        f"was. Training goes on on {options.replicas} group(s) of {m} (devices "
+        f"split over its {over}, and leaves whole, so the state stays sharded as it "
+        f"was. Training goes on on {options.replicas} group(s) of {over} (devices "
         f"{', '.join(map(str, left))}); {twins}. To use the healthy devices of that group "
         "again, restart from the latest checkpoint on them (jaxstep.restore restores onto "
         "any layout)",

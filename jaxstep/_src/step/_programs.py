@@ -19,11 +19,8 @@ from jax.sharding import PartitionSpec as P
 from jaxstep._src.core import TrainState
 from jaxstep._src.program import Options
 from jaxstep._src.program import Step
-from jaxstep._src.program import chips_inside
-from jaxstep._src.program import fingerprint
-from jaxstep._src.program import group_prints
 from jaxstep._src.program import shard_mask
-from jaxstep._src.program import unit_fingerprint
+from jaxstep._src.program import unit_prints
 from jaxstep._src.step._backends import Backend
 
 #: ``beat(position, step_number, status) -> status``: the heartbeat callback
@@ -46,8 +43,13 @@ class Programs:
         # The four variants: the heartbeat one (fit(step_timeout=...)) adds a host
         # callback per device, the replica-check one runs only every
         # divergence_every-th step, so the other steps carry none of its cost.
+        # Under replicas > 1 the step's program spans two meshes (the state's and the
+        # step's: program/_grid.py), where JAX lowers no host callback ("mesh should be
+        # the same across the entire program", 0.10): its heartbeat variant carries no
+        # beat, and a step that hangs is named by the watchdog as a whole.
+        beats = options.replicas == 1
         self.variants = {
-            (hb, rc): self._variant(split, beat if hb else None, rc)
+            (hb, rc): self._variant(split, beat if hb and beats else None, rc)
             for hb in (False, True)
             for rc in (False, True)
         }
@@ -130,24 +132,11 @@ class Programs:
         if self._prints is None:
             axis = self.options.axis_name
             plan = self.backend.plan(state)
-            sharded = None if plan is None else shard_mask(plan, state)
-            if self.options.replicas > 1:
-                sharded = None  # every block has twins: each device's is compared
+            # a shard without twins (one replica group) has no second copy to compare
+            alone = None if plan is None or self.options.replicas > 1 else shard_mask(plan, state)
 
             def prints(s: TrainState) -> jax.Array:
-                leaves = jax.tree.leaves((s.params, s.opt_state, s.model_state))
-                if sharded is not None and self.options.model_parallel > 1:
-                    # each model group's: the copies of a shard inside it compared
-                    given = chips_inside(self.options, s, leaves)
-                    return jax.lax.all_gather(group_prints(self.options, s, given, sharded), axis)
-                if sharded is not None:
-                    leaves = [
-                        jnp.zeros((), x.dtype) if held else x
-                        for x, held in zip(leaves, sharded, strict=True)
-                    ]
-                if sharded is None:  # under model_parallel: each model group's, every device in
-                    return jax.lax.all_gather(unit_fingerprint(self.options, s, leaves), axis)
-                return jax.lax.all_gather(fingerprint(leaves), axis)
+                return jax.lax.all_gather(unit_prints(self.options, s, alone), axis)
 
             self._prints = self.backend.compile_state_fn(prints, P())
         gathered = np.asarray(self._prints(state))
