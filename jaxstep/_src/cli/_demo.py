@@ -135,10 +135,12 @@ def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
             f"--model-parallel {m} does not divide the {len(device_ids)} devices into model "
             "groups of equal size"
         )
-    if m > 1 and (args.backend != "shard_map" or replicas != 1):
+    if m > 1 and args.backend != "shard_map":
+        return f"--model-parallel {m} needs --backend shard_map (pmap maps one device a chunk)"
+    if m > 1 and (len(device_ids) // m) % replicas:
         return (
-            f"--model-parallel {m} needs --backend shard_map and --replicas 1 (replica groups "
-            "sum over subsets of the data axis, which a step split over a model axis cannot)"
+            f"--replicas {replicas} does not divide the {len(device_ids) // m} model groups of "
+            f"--model-parallel {m} into replica groups of equal size"
         )
     inj = args.inject
     if inj is None:

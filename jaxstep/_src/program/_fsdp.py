@@ -50,6 +50,7 @@ from jaxstep._src.program._local import LocalPart
 from jaxstep._src.program._local import chunk_key
 from jaxstep._src.program._local import row_of
 from jaxstep._src.program._model import unit_prints
+from jaxstep._src.program._model_dims import model_dims
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._padding import Pad
 from jaxstep._src.program._padding import cut
@@ -143,10 +144,19 @@ def regather_policy(prim: Any, *_: Any, **params: Any) -> bool:
     if str(prim) == "name":
         return bool(params["name"] != GATHERED)
     if str(prim) == "custom_vjp_call":
-        jaxpr = params.get("call_jaxpr")
-        eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ())
-        return not any(str(e.primitive) == "all_gather" for e in eqns)
+        return not _gathers(params.get("call_jaxpr"))
     return str(prim) != "all_gather"
+
+
+def _gathers(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds an ``all_gather`` (a leaf split over the model axis
+    gathers inside a ``shard_map`` nested over it: looked into)."""
+    eqns = getattr(getattr(jaxpr, "jaxpr", jaxpr), "eqns", ())
+    return any(
+        str(e.primitive) == "all_gather"
+        or (str(e.primitive) == "shard_map" and _gathers(e.params.get("jaxpr")))
+        for e in eqns
+    )
 
 
 def gathered_work(
@@ -242,6 +252,8 @@ class Gathering:
         masked: bool,
     ):
         self.options, self.plan, self.links = options, plan, grid.links
+        #: each parameter's dimension over the model axis (its gather runs per chip)
+        self.model = model_dims(options, state.params)
         self.masked = masked  # the drop mask's cotangent leaves a device out
         self.scaler, self.scale = options.loss_scale, state.loss_scale
         self.scaling = self.scaler is not None and self.scale is not None
@@ -280,7 +292,7 @@ class Gathering:
                 faults,
                 factor,
                 self.plan.params[i],
-                self.links,
+                self.links.of_leaf(self.model[i]),
                 (masked, spiking, poison is not None, self.scaling),
                 None if (held := self.plan.param_pads[i]) is None else held[1],
             )

@@ -33,6 +33,7 @@ from jaxstep._src.program import Options
 from jaxstep._src.program import cut
 from jaxstep._src.program import example_failed
 from jaxstep._src.program import grad_leaves_finite
+from jaxstep._src.program import model_dims
 from jaxstep._src.step._backends import Backend
 from jaxstep._src.step._inputs import local_positions
 
@@ -133,15 +134,15 @@ class Passes:
                 state = grid.to_blocks(state, grid.state_specs(plan, state))
                 specs, gathered = grid.block_specs(plan, state), plan.params
                 held = plan.param_pads
-            links = grid.links
+            links, model = grid.links, model_dims(options, state.params)
 
             def local(state: TrainState, part: Batch, want: jax.Array, step: jax.Array) -> Any:
                 if backend.stacked:  # this device's copy, as the step's body sees it
                     state = jax.tree.map(lambda x: x[0], state)
                 shards, treedef = jax.tree.flatten(state.params)
                 whole = [  # one gather a sharded leaf (inside its group), as the step's own
-                    x if a is None else links.gather(x, a)
-                    for x, a in zip(shards, gathered, strict=True)
+                    x if a is None else links.of_leaf(d).gather(x, a)
+                    for x, a, d in zip(shards, gathered, model, strict=True)
                 ]
                 whole = [  # a leaf held padded (after an exclusion) as the loss sees it
                     x if p is None else cut(x, p[0], p[1][0])
