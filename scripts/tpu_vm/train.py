@@ -62,6 +62,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "a host, every shard's twin on the other host); default 1",
     )
     p.add_argument(
+        "--shard-min-size",
+        type=int,
+        default=None,
+        help="with --shard-state: leaves under this many elements stay whole (default: "
+        "jaxstep's, 65536; 0 shards every leaf that divides, as a small test model needs)",
+    )
+    p.add_argument(
         "--model-parallel",
         type=int,
         default=1,
@@ -143,6 +150,11 @@ def build(args: argparse.Namespace, devices: list[Any]) -> tuple[Any, Any]:
         replicas=getattr(args, "replicas", 1),
         model_parallel=getattr(args, "model_parallel", 1),
         model_rule=megatron,
+        **(
+            {}
+            if (least := getattr(args, "shard_min_size", None)) is None
+            else {"shard_min_size": least}
+        ),
     )
     params = model.init(jax.random.key(0), jnp.zeros((1, IMAGE)))["params"]
     return step, step.init(params)

@@ -40,6 +40,8 @@ LOST_TIMEOUT = 6.0  # the children's lost_timeout (CHILD_LOST_TIMEOUT)
 JOB_TIMEOUT = 240  # seconds for one job, start-up and compile included
 CKPT = ("nan", "kill")  # the jobs that checkpoint
 TRAIN_ARGS = ["--steps", "4", "--per-device", "4", "--hidden", "16", "--log-every", "1"]
+HSDP_TP = ["--model-parallel", "2", "--shard-state", "params", "--replicas", "2"]
+HSDP_TP += ["--shard-min-size", "0"]
 
 pytestmark = pytest.mark.timeout(JOB_TIMEOUT + 60)
 
@@ -148,6 +150,11 @@ def jobs(tmp_path_factory):
     )
     # a device fault on one chip of a model group, diagnosed among process 1's groups
     started["chip"] = Job([str(CHILD), "chip"], base / "chip")
+    # HSDP x TP: a replica group of two model groups on each process, twins across them
+    started["hsdp_tp"] = Job(
+        [*(str(TRAIN), *TRAIN_ARGS, *HSDP_TP), "--save-params", str(base / "hsdp_tp.npz")],
+        base / "hsdp_tp",
+    )
     yield started
     for job in started.values():
         if isinstance(job, Job) and job.proc.poll() is None:
@@ -314,6 +321,27 @@ def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
     start = runtime_of(step).read_at(first.params, 0)
     pairs = zip(jax.tree.leaves(start), jax.tree.leaves(here), strict=True)
     assert not all(np.allclose(a, b) for a, b in pairs)
+
+
+def test_replica_groups_of_model_groups_on_two_processes_match_one_process_of_eight(jobs):
+    """model_parallel=2, shard_state='params', replicas=2 on 2 processes of 4: each
+    process holds one replica group (two model groups), every block's twin on the other
+    process; the parameters equal one process of eight's."""
+    job = jobs["hsdp_tp"].wait()
+    assert job.proc.returncode == 0, job.tail()
+    assert "[p1] [process 1] finished 4 steps" in job.output
+    spec = importlib.util.spec_from_file_location("tpu_vm_train", TRAIN)
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    step, state = train.train(train.parse([*TRAIN_ARGS, *HSDP_TP]), jax.devices())
+    assert state.params["dense1"]["kernel"].sharding.mesh.axis_names == ("data", "fsdp", "model")
+    here = step.host_state(state).params
+    saved = np.load(jobs["base"] / "hsdp_tp.npz")
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(here)}
+    assert sorted(saved.files) == sorted(flat)
+    for name, value in flat.items():
+        np.testing.assert_allclose(saved[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_a_model_group_on_process_1_is_named_alike_by_both_processes(jobs):
