@@ -204,3 +204,71 @@ def test_a_step_timeout_trains_as_without_one_and_names_every_device_when_hung(m
 def test_a_stall_fault_under_replicas_is_refused_naming_why():
     with pytest.raises(ValueError, match="needs a host callback inside the step"):
         _step("params", faults=[Fault("stall", device_id=3, step=1, seconds=1.0)])
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("layout", ["optimizer", "params"])
+def test_the_model_rule_is_asked_about_global_shapes_only(tmp_path, layout, replicas):
+    """Inside the step a sharded leaf is its block along the data axis, a shape the rule
+    was never asked about: a rule that checks its shapes (``jaxstep.flax.model_rule``
+    refuses one it was not built for) is asked about the global ones only, on every
+    program: the replica check, drop's repair, the save's check, the FSDP gathers."""
+    known = {f"['{k}']": v.shape for k, v in _wide().items()}
+    asked = []
+
+    def strict(path, shape):
+        asked.append((path, tuple(shape)))
+        if tuple(shape) != known[path]:
+            raise ValueError(f"asked about {path} of shape {shape}")
+        return WIDE.get(path)
+
+    step = jaxstep.make_train_step(
+        _wide_loss,
+        optax.adam(1e-2),
+        model_parallel=2,
+        model_rule=strict,
+        shard_state=layout,
+        shard_min_size=0,
+        replicas=replicas,
+        divergence_every=1,
+        on_failure="drop",
+    )
+    state = jaxstep.fit(step, step.init(_wide()), _wide_batches(3))
+    jaxstep.save(step, state, tmp_path / "ckpt")  # its check compares every copy
+    assert int(jaxstep.restore(step, tmp_path / "ckpt").step) == 3
+    assert asked and all(shape == known[path] for path, shape in asked)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_drop_repairs_a_whole_leafs_copy_under_fsdp_and_the_run_goes_on_as_clean(replicas):
+    """FSDP x TP with b1 and b2 under shard_min_size (whole over the data axis): device
+    5's copy of b1 corrupted is repaired from the majority before the local part, and
+    the step's later comparison (the gathered copies, where a bad link shows) reads the
+    repaired copies, not the fingerprints taken before the repair: the run equals the
+    clean one."""
+
+    def make():
+        return jaxstep.make_train_step(
+            _wide_loss,
+            optax.adam(1e-2),
+            model_parallel=2,
+            model_rule=lambda path, shape: WIDE.get(path),
+            shard_state="params",
+            shard_min_size=100,
+            replicas=replicas,
+            divergence_every=2,
+            on_failure="drop",
+        )
+
+    batches = _wide_batches(4)
+    step, clean = make(), make()
+    state, _ = step(step.init(_wide()), batches[0])
+    state, _ = step(state, batches[1])
+    assert state.params["b1"].sharding.spec == P(M)  # whole over the data axis
+    bad = corrupt_replica(step, state, 5, "['b1']")
+    history = jaxstep.History()
+    state = jaxstep.fit(step, bad, batches[2:], history=history)
+    assert history.repaired == [(4,), ()]
+    want = jaxstep.fit(clean, clean.init(_wide()), batches)
+    for x, y in zip(_host(step, state), _host(clean, want), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -145,6 +145,12 @@ def check(args: argparse.Namespace, device_ids: list[int]) -> str | None:
     inj = args.inject
     if inj is None:
         return None
+    if inj.kind == "stall" and replicas > 1:
+        return (
+            f"--inject stall with --replicas {replicas}: a stall is a host callback inside "
+            "the step, which a step with replica groups cannot hold (its program spans two "
+            "meshes); inject it with --replicas 1"
+        )
     if inj.kind == "corrupt" and layout is not None and replicas == 1:
         return (
             f"--inject corrupt with --shard-state {layout}: a sharded leaf has one owner and "

@@ -156,6 +156,8 @@ def hung(
 
     def reason(unit: int) -> str:
         said = f"did not finish its part of the step within {timeout:g} s, {where}"
+        if runtime.options.replicas > 1:  # no beat: the step as a whole
+            said = f"the step did not finish within {timeout:g} s {where}"
         own = [mesh_ids[i] for i in chips if i // m == unit]
         if m == 1 or len(own) == m:
             return said

@@ -22,6 +22,7 @@ from jaxstep._src.program._model import merged as merged
 from jaxstep._src.program._model import model_shardings as model_shardings
 from jaxstep._src.program._model import model_specs as model_specs
 from jaxstep._src.program._model import unit_prints as unit_prints
+from jaxstep._src.program._model_dims import global_dims as global_dims
 from jaxstep._src.program._model_dims import model_dims as model_dims
 from jaxstep._src.program._model_dims import model_dims_of as model_dims_of
 from jaxstep._src.program._options import AXIS as AXIS
@@ -66,6 +67,7 @@ __all__ = [
     "example_failed",
     "fingerprint",
     "float_leaves",
+    "global_dims",
     "grad_leaves_finite",
     "merged",
     "minority",

@@ -33,6 +33,7 @@ from jaxstep._src.program._layouts import Result
 from jaxstep._src.program._layouts import StateLayout
 from jaxstep._src.program._local import Beat
 from jaxstep._src.program._local import here
+from jaxstep._src.program._model_dims import global_dims
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._policies import OnFailure
 from jaxstep._src.program._policies import policy_of
@@ -63,6 +64,8 @@ def body(
     sharded, grid = layout.replica_view(state)
     # drop: a diverged replica is repaired first
     state, repair = policy.repair(state, at, sharded, grid, check_replicas=check_replicas)
+    if repair is not None and repair.prints is not None:  # of the copies handed on
+        at = at._replace(prints=repair.prints)
     # 1. input, 2. loss and gradients, 3. local health: all before any collective.
     part, rerun = layout.local_part(
         policy, state, batch, at, beat=beat, check_replicas=check_replicas
@@ -157,11 +160,14 @@ class Step:
         prints = self.check_replicas and options.model_parallel > 1
         if prints:
             extra_specs = {**extra_specs, "unit_prints": P(options.axis_name)}
-        layout = layout_of(self.options, mesh, extra_specs, state)
-        if prints:  # each device's own copies, read before the body reslices them
-            extras = {**extras, "unit_prints": layout.chip_prints(state)}
-        repairs = self.policy.repairs(self.check_replicas)
-        return layout.run(self._body(layout), self._finish, state, batch, extras, repairs=repairs)
+        with global_dims(options, state):  # the body sees blocks: the rule's global answers
+            layout = layout_of(self.options, mesh, extra_specs, state)
+            if prints:  # each device's own copies, read before the body reslices them
+                extras = {**extras, "unit_prints": layout.chip_prints(state)}
+            repairs = self.policy.repairs(self.check_replicas)
+            return layout.run(
+                self._body(layout), self._finish, state, batch, extras, repairs=repairs
+            )
 
     def per_device(self, state: TrainState, batch: Batch, extras: dict[str, Any]) -> Result:
         """One device's whole step, replicated: ``(state, batch, extras) -> (state,

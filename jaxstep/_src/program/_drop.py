@@ -46,6 +46,10 @@ class Repair(NamedTuple):
     repaired: jax.Array  # (n,) bool: its copy was replaced by a majority replica's
     diverged: jax.Array  # (n,) bool: differs and could not be repaired (DIVERGED)
     first: jax.Array  # (n,) the first state leaf that differed, or -1
+    #: under ``model_parallel``: this model group's devices' fingerprints of the state
+    #: the repair hands on (a repaired group's, its source's: the ones read before the
+    #: body are of the copies it replaced); None without a model axis
+    prints: jax.Array | None = None
 
 
 def repair_replicas(
@@ -114,7 +118,15 @@ def repair_replicas(
     state = dataclasses.replace(
         state, params=params, opt_state=opt_state, model_state=model_state, monitor=monitor
     )
-    return state, Repair(repaired, diverged & ~repaired, first)
+    after = None
+    if given is not None:  # the devices' fingerprints of the copies handed on
+        every = jax.lax.all_gather(given, options.axis_name)  # (n, m, leaves)
+        shards = jnp.asarray(np.asarray(sharded if sharded is not None else [], bool))
+        moved = every[source]
+        if sharded is not None:  # a shard: from a twin of the majority, or it stays
+            moved = jnp.where(shards, every[twin_source] if twinned else given, moved)
+        after = jnp.where(repaired[index], moved, given)
+    return state, Repair(repaired, diverged & ~repaired, first, after)
 
 
 def _broadcast(

@@ -10,7 +10,11 @@ leaf's data-axis dimension avoids its model dimension) read it; it reads neither
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
 from typing import Protocol
 
 import jax
@@ -29,6 +33,45 @@ class ModelRuled(Protocol):
     def model_rule(self) -> Callable[[str, tuple[int, ...]], int | None] | None: ...
 
 
+#: while a program of the step is traced: the rule's answers for the state's global
+#: shapes, by the leaves' names (:func:`global_dims`)
+_TRACED: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar(
+    "jaxstep_model_dims", default=None
+)
+
+
+@contextlib.contextmanager
+def global_dims(options: ModelRuled, state: Any) -> Iterator[None]:
+    """While a program of the step on ``state`` (global arrays) is traced, the rule's
+    answers for ``state``'s leaves stand for those of their blocks: inside the body a
+    sharded layout's leaf is its block along the data axis, a shape the rule was never
+    asked about (and ``jaxstep.flax.model_rule`` refuses, as it should a model it was
+    not built from). The rule is asked here, once, with the global shapes."""
+    if options.model_parallel == 1 or options.model_rule is None:
+        yield
+        return
+    dims, opt = model_dims_of(options, state.params, state.opt_state)
+    names = (tuple(keystrs(state.params)), tuple(keystrs(state.opt_state, "opt_state")))
+    token = _TRACED.set((names, dims, opt))
+    try:
+        yield
+    finally:
+        _TRACED.reset(token)
+
+
+def _traced(params: PyTree, opt_state: PyTree | None = None) -> Any:
+    """The answers :func:`global_dims` holds for these leaves (by name), or None."""
+    known = _TRACED.get()
+    if known is None:
+        return None
+    (param_names, opt_names), dims, opt = known
+    if tuple(keystrs(params)) != param_names:
+        return None
+    if opt_state is not None and tuple(keystrs(opt_state, "opt_state")) != opt_names:
+        return None
+    return dims, opt
+
+
 def model_dims(options: ModelRuled, params: PyTree) -> tuple[int | None, ...]:
     """Each parameter's dimension over the model axis (tree order; None: whole), the
     rule's answers checked against the shapes and the group.
@@ -42,6 +85,8 @@ def model_dims(options: ModelRuled, params: PyTree) -> tuple[int | None, ...]:
     shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(params)]
     if options.model_parallel == 1 or options.model_rule is None:
         return (None,) * len(shapes)
+    if (known := _traced(params)) is not None:  # blocks of a traced step's state
+        return tuple(known[0])
     m = options.model_parallel
     dims: list[int | None] = []
     for name, shape in zip(keystrs(params), shapes, strict=True):
@@ -77,6 +122,8 @@ def model_dims_of(
     """Each parameter's and each optimizer-state leaf's dimension over the model axis
     (tree order; None: whole): the rule's for the parameters, the mirrored
     parameter's for an optimizer leaf (Adam's moments), whole for the rest."""
+    if (known := _traced(params, opt_state)) is not None:  # blocks of a traced step's state
+        return tuple(known[0]), tuple(known[1])
     dims = model_dims(options, params)
     names = keystrs(params)
     mirrors = {

@@ -58,6 +58,7 @@ from jaxstep._src.program._local import local_part
 from jaxstep._src.program._model import chip_prints
 from jaxstep._src.program._model import merged
 from jaxstep._src.program._model import model_specs
+from jaxstep._src.program._model_dims import model_dims
 from jaxstep._src.program._on_shards import OnShards
 from jaxstep._src.program._options import Options
 from jaxstep._src.program._policies import OnFailure
@@ -156,7 +157,8 @@ class OptimizerShards:
         leaves, treedef = jax.tree.flatten(part.grads)
         floats = floats_of(part.work.model_state)
         leaves, floats = self._left_out(policy, part.work.forward_failed, leaves, floats)
-        grad_sums, floats, gathered = self._sums(leaves, floats, sent)
+        model = model_dims(options, state.params)  # a leaf split over the model axis too
+        grad_sums, floats, gathered = self._sums(leaves, floats, sent, model)
         assert gathered is not None  # sent rode along
         reduced = received(
             options, policy, part, summed, jax.tree.unflatten(treedef, grad_sums), floats, gathered
@@ -168,7 +170,7 @@ class OptimizerShards:
             leaves, treedef = jax.tree.flatten(grads)
             floats = floats_of(model_state)
             leaves, floats = self._left_out(policy, left_here, leaves, floats)
-            sums, floats, _ = self._sums(leaves, floats, None)
+            sums, floats, _ = self._sums(leaves, floats, None, model)
             floats = [share(x) for x in floats]
             return jax.tree.unflatten(treedef, sums), with_floats(model_state, floats)
 
@@ -188,16 +190,24 @@ class OptimizerShards:
         return leaves, policy.leave_out(bad, floats)
 
     def _sums(
-        self, leaves: list[jax.Array], floats: list[jax.Array], sent: jax.Array | None
+        self,
+        leaves: list[jax.Array],
+        floats: list[jax.Array],
+        sent: jax.Array | None,
+        model: Sequence[int | None],
     ) -> tuple[list[jax.Array], list[jax.Array], jax.Array | None]:
         """The gradients reduced (sharded leaves reduce-scattered unless scattered
-        already; the replicated ones summed with the float model state and ``sent``, one
-        ``psum``), the float model state summed, and the gathered rows."""
-        plan, grid = self.plan, self.grid
+        already, each by every device of a model group on its own block when ``model``
+        splits it: :meth:`Links.of_leaf`; the replicated ones summed with the float
+        model state and ``sent``, one ``psum``), the float model state summed, and the
+        gathered rows."""
+        plan, links = self.plan, self.grid.links
         local = [g for g, a in zip(leaves, plan.grads, strict=True) if a is None]
         out = [
-            g if a is None or self.scattered else grid.scatter(plan.grad_padded(i, g), a)
-            for i, (g, a) in enumerate(zip(leaves, plan.grads, strict=True))
+            g
+            if a is None or self.scattered
+            else links.of_leaf(d).scatter(plan.grad_padded(i, g), a)
+            for i, (g, a, d) in enumerate(zip(leaves, plan.grads, model, strict=True))
         ]
         local, floats, gathered = jax.lax.psum((local, floats, sent), self.options.axis_name)
         summed = iter(local)

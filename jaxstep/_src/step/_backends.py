@@ -41,6 +41,7 @@ from jaxstep._src.program import Options
 from jaxstep._src.program import Pads
 from jaxstep._src.program import Plan
 from jaxstep._src.program import Step
+from jaxstep._src.program import global_dims
 from jaxstep._src.program import merged
 from jaxstep._src.program import model_dims_of
 from jaxstep._src.program import model_shardings
@@ -136,7 +137,8 @@ class ShardMapBackend:
             mapped = jax.shard_map(
                 fn, mesh=self.mesh, in_specs=(blocks,), out_specs=out, check_vma=False, **manual
             )
-            result = mapped(grid.to_blocks(state, specs))
+            with global_dims(self.options, state):  # fn sees blocks: the rule's global answers
+                result = mapped(grid.to_blocks(state, specs))
             return grid.from_blocks(result, specs) if out_specs is None else result
 
         return jax.jit(run)

@@ -121,6 +121,7 @@ class Passes:
 
         def run(state: TrainState, batch: Batch, want: jax.Array, step: jax.Array) -> Any:
             plan = backend.plan(state)
+            model = model_dims(options, state.params)  # on the global shapes, as asked
             # the optimizer state stays out: no pass reads it
             state = dataclasses.replace(state, opt_state=None)
             n_params = len(jax.tree.leaves(state.params))
@@ -134,7 +135,7 @@ class Passes:
                 state = grid.to_blocks(state, grid.state_specs(plan, state))
                 specs, gathered = grid.block_specs(plan, state), plan.params
                 held = plan.param_pads
-            links, model = grid.links, model_dims(options, state.params)
+            links = grid.links
 
             def local(state: TrainState, part: Batch, want: jax.Array, step: jax.Array) -> Any:
                 if backend.stacked:  # this device's copy, as the step's body sees it

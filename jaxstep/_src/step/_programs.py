@@ -49,10 +49,12 @@ class Programs:
         # beat, and a step that hangs is named by the watchdog as a whole.
         beats = options.replicas == 1
         self.variants = {
-            (hb, rc): self._variant(split, beat if hb and beats else None, rc)
-            for hb in (False, True)
+            (hb, rc): self._variant(split, beat if hb else None, rc)
+            for hb in ((False, True) if beats else (False,))
             for rc in (False, True)
         }
+        if not beats:  # the heartbeat variants are the plain ones (compiled once)
+            self.variants.update({(True, rc): self.variants[(False, rc)] for rc in (False, True)})
         self._replays: dict[tuple[bool, bool], Any] = {}
         self._ahead: dict[tuple[Any, ...], jax.stages.Compiled] = {}
         self.clear_halt = backend.compile_state_fn(
