@@ -284,14 +284,20 @@ def test_stalled_device_on_process_1_is_named_by_both(jobs):
     assert [p for p, r in found.items() if r["root_cause"]] == [1]
 
 
-def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
-    job = jobs["train"].wait()
-    assert job.proc.returncode == 0, job.tail()
-    assert "[p1] [process 1] finished 4 steps" in job.output
+def _train_script():
+    """scripts/tpu_vm/train.py as a module (its ``train`` runs on this process's 8)."""
     spec = importlib.util.spec_from_file_location("tpu_vm_train", TRAIN)
     assert spec is not None and spec.loader is not None
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
+    return train
+
+
+def test_tpu_vm_train_py_on_two_processes_matches_one_process_of_eight(jobs):
+    job = jobs["train"].wait()
+    assert job.proc.returncode == 0, job.tail()
+    assert "[p1] [process 1] finished 4 steps" in job.output
+    train = _train_script()
     step, state = train.train(train.parse(TRAIN_ARGS), jax.devices())
     here = runtime_of(step).read_at(step.host_state(state).params, 0)
     saved = np.load(job.params_path)
@@ -330,10 +336,7 @@ def test_replica_groups_of_model_groups_on_two_processes_match_one_process_of_ei
     job = jobs["hsdp_tp"].wait()
     assert job.proc.returncode == 0, job.tail()
     assert "[p1] [process 1] finished 4 steps" in job.output
-    spec = importlib.util.spec_from_file_location("tpu_vm_train", TRAIN)
-    assert spec is not None and spec.loader is not None
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = _train_script()
     step, state = train.train(train.parse([*TRAIN_ARGS, *HSDP_TP]), jax.devices())
     assert state.params["dense1"]["kernel"].sharding.mesh.axis_names == ("data", "fsdp", "model")
     here = step.host_state(state).params
