@@ -145,12 +145,6 @@ class Grid:
         first = jnp.argmax(by_place, axis=0) * self.m + jnp.arange(self.m)  # (m,)
         return jnp.tile(first, self.k)
 
-    def twin_sum(self, x: Any) -> Any:
-        """``x`` summed over this device's twins (itself alone with one group)."""
-        if not self.grouped:
-            return x
-        return jax.lax.psum(x, self.axis, axis_index_groups=self.twins)
-
     # -- the state's layout --------------------------------------------------------
 
     def state_specs(self, plan: Plan, state: Any) -> Any:
